@@ -1,0 +1,110 @@
+"""Reference oracles for the sink-window semantics (DESIGN.md "Sink-window cache").
+
+These never use :class:`~kakeya_lab.cache.SinkWindowCache` nor the sink-window attention
+path: they run transformers' own SDPA attention, so a test that compares an incremental
+path against them compares two independent implementations.
+
+* :func:`dense_logits` — one dense forward over the whole sequence with the sink-window
+  mask (exact for ``global`` positions, and for ``rolling`` before the cache first fills).
+* :func:`rolling_logits` — token-by-token decoding in the StreamingLLM way: the visible
+  keys are re-rotated to their index inside the cache before every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from kakeya_lab.attention import rotate, visibility
+from kakeya_lab.cache import SinkWindowConfig, rope_inv_freq
+
+
+def _ids(token_ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    ids = torch.as_tensor(list(token_ids) if not isinstance(token_ids, torch.Tensor) else token_ids)
+    return ids.reshape(1, -1).to(device=device, dtype=torch.long)
+
+
+def sink_window_mask(n: int, config: SinkWindowConfig) -> torch.Tensor:
+    """The oracle's boolean mask ``[n, n]`` (True = attend) for positions ``0..n-1``."""
+    positions = torch.arange(n)
+    return visibility(positions, positions, config.sink, config.window)
+
+
+@torch.inference_mode()
+def dense_logits(
+    model: PreTrainedModel, token_ids: Sequence[int] | torch.Tensor, config: SinkWindowConfig
+) -> torch.Tensor:
+    """Next-token logits ``[n, vocab]`` for every position of ``token_ids``, dense + masked.
+
+    For ``rolling`` positions this is exact only while the sequence fits the budget
+    (``n <= sink + window``); longer sequences raise — use :func:`rolling_logits`.
+    """
+    device = next(model.parameters()).device
+    ids = _ids(token_ids, device)
+    n = ids.shape[1]
+    if config.positions == "rolling" and config.budget is not None and n > config.budget:
+        raise ValueError(
+            f"rolling positions differ from the dense mask past the budget ({config.budget}); "
+            "use reference.rolling_logits"
+        )
+    mask = sink_window_mask(n, config).to(device)[None, None]
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=torch.arange(n, device=device)[None],
+        use_cache=False,
+    )
+    return out.logits[0].float()
+
+
+@torch.inference_mode()
+def rolling_logits(
+    model: PreTrainedModel, token_ids: Sequence[int] | torch.Tensor, config: SinkWindowConfig
+) -> torch.Tensor:
+    """Next-token logits ``[n, vocab]`` by single-token decoding under the rolling rule.
+
+    Before step ``p`` the visible tokens are the sinks and the ``window - 1`` previous
+    tokens; they are placed at consecutive cache indices ``0..m-1`` (keys re-rotated from
+    their absolute position) and the query at index ``m``. Keys are kept rotated at their
+    absolute position between steps. Also valid for ``global`` configs if no re-rotation is
+    wanted: pass ``config`` with ``positions="global"`` to get the global single-token path.
+    """
+    device = next(model.parameters()).device
+    ids = _ids(token_ids, device)[0]
+    inv_freq = rope_inv_freq(model).to(device)
+    keys: list[list[torch.Tensor]] = []  # per layer: per token [1, kv, 1, d] at absolute rotation
+    values: list[list[torch.Tensor]] = []
+    rows = []
+    for p in range(ids.numel()):
+        context = [j for j in range(p) if j < config.sink or config.window is None or p - j < config.window]
+        rolling = config.positions == "rolling"
+        targets = list(range(len(context))) if rolling else context
+        query_index = len(context) if rolling else p
+        cache = DynamicCache()
+        if context:
+            shift = torch.tensor([t - j for t, j in zip(targets, context)], device=device)
+            for layer, (k_layer, v_layer) in enumerate(zip(keys, values)):
+                k = torch.cat([k_layer[j] for j in context], dim=2)
+                v = torch.cat([v_layer[j] for j in context], dim=2)
+                if bool((shift != 0).any()):
+                    k = rotate(k, shift, inv_freq)
+                cache.update(k, v, layer)
+        out = model(
+            input_ids=ids[p : p + 1][None],
+            position_ids=torch.tensor([[query_index]], device=device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        rows.append(out.logits[0, -1].float())
+        for layer in range(len(cache.layers)):
+            if layer >= len(keys):
+                keys.append([])
+                values.append([])
+            k_new = cache.layers[layer].keys[:, :, -1:]
+            if query_index != p:
+                k_new = rotate(k_new, torch.tensor([p - query_index], device=device), inv_freq)
+            keys[layer].append(k_new.clone())
+            values[layer].append(cache.layers[layer].values[:, :, -1:].clone())
+    return torch.stack(rows)
