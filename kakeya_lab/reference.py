@@ -59,52 +59,79 @@ def dense_logits(
     return out.logits[0].float()
 
 
-@torch.inference_mode()
+class RollingReference:
+    """Single-token decoding under the sink-window rule, StreamingLLM style.
+
+    Before step ``p`` the visible tokens are the sinks and the ``window - 1`` previous
+    tokens. In ``rolling`` mode they are placed at consecutive cache indices ``0..m-1``
+    (keys re-rotated from their absolute position) and the query at index ``m``; in
+    ``global`` mode everything keeps its absolute position. Keys are stored rotated at
+    their absolute position between steps. :meth:`extend` continues the sequence;
+    :meth:`copy` forks it (to score a provisional block without changing the original).
+    """
+
+    def __init__(self, model: PreTrainedModel, config: SinkWindowConfig):
+        self.model = model
+        self.config = config
+        self.device = next(model.parameters()).device
+        self.inv_freq = rope_inv_freq(model).to(self.device)
+        self.keys: list[list[torch.Tensor]] = []  # per layer, per token [1, kv, 1, d]
+        self.values: list[list[torch.Tensor]] = []
+        self.length = 0
+
+    def copy(self) -> RollingReference:
+        twin = RollingReference.__new__(RollingReference)
+        twin.__dict__.update(self.__dict__)
+        twin.keys = [list(k) for k in self.keys]
+        twin.values = [list(v) for v in self.values]
+        return twin
+
+    @torch.inference_mode()
+    def extend(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Feed ``token_ids`` one at a time; next-token logits ``[n, vocab]``."""
+        config, device, inv_freq = self.config, self.device, self.inv_freq
+        rows = []
+        for token in _ids(token_ids, device)[0]:
+            p = self.length
+            context = [j for j in range(p) if j < config.sink or config.window is None or p - j < config.window]
+            rolling = config.positions == "rolling"
+            targets = list(range(len(context))) if rolling else context
+            query_index = len(context) if rolling else p
+            cache = DynamicCache()
+            if context:
+                shift = torch.tensor([t - j for t, j in zip(targets, context)], device=device)
+                for layer, (k_layer, v_layer) in enumerate(zip(self.keys, self.values)):
+                    k = torch.cat([k_layer[j] for j in context], dim=2)
+                    v = torch.cat([v_layer[j] for j in context], dim=2)
+                    if bool((shift != 0).any()):
+                        k = rotate(k, shift, inv_freq)
+                    cache.update(k, v, layer)
+            out = self.model(
+                input_ids=token.reshape(1, 1),
+                position_ids=torch.tensor([[query_index]], device=device),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            rows.append(out.logits[0, -1].float())
+            for layer in range(len(cache.layers)):
+                if layer >= len(self.keys):
+                    self.keys.append([])
+                    self.values.append([])
+                k_new = cache.layers[layer].keys[:, :, -1:]
+                if query_index != p:
+                    k_new = rotate(k_new, torch.tensor([p - query_index], device=device), inv_freq)
+                self.keys[layer].append(k_new.clone())
+                self.values[layer].append(cache.layers[layer].values[:, :, -1:].clone())
+            self.length += 1
+        return torch.stack(rows)
+
+
 def rolling_logits(
     model: PreTrainedModel, token_ids: Sequence[int] | torch.Tensor, config: SinkWindowConfig
 ) -> torch.Tensor:
-    """Next-token logits ``[n, vocab]`` by single-token decoding under the rolling rule.
+    """Next-token logits ``[n, vocab]`` by single-token decoding (:class:`RollingReference`).
 
-    Before step ``p`` the visible tokens are the sinks and the ``window - 1`` previous
-    tokens; they are placed at consecutive cache indices ``0..m-1`` (keys re-rotated from
-    their absolute position) and the query at index ``m``. Keys are kept rotated at their
-    absolute position between steps. Also valid for ``global`` configs if no re-rotation is
-    wanted: pass ``config`` with ``positions="global"`` to get the global single-token path.
+    With ``positions="rolling"`` this is the rolling-mode oracle; with ``"global"`` it is
+    the global single-token path (equal to :func:`dense_logits` up to float error).
     """
-    device = next(model.parameters()).device
-    ids = _ids(token_ids, device)[0]
-    inv_freq = rope_inv_freq(model).to(device)
-    keys: list[list[torch.Tensor]] = []  # per layer: per token [1, kv, 1, d] at absolute rotation
-    values: list[list[torch.Tensor]] = []
-    rows = []
-    for p in range(ids.numel()):
-        context = [j for j in range(p) if j < config.sink or config.window is None or p - j < config.window]
-        rolling = config.positions == "rolling"
-        targets = list(range(len(context))) if rolling else context
-        query_index = len(context) if rolling else p
-        cache = DynamicCache()
-        if context:
-            shift = torch.tensor([t - j for t, j in zip(targets, context)], device=device)
-            for layer, (k_layer, v_layer) in enumerate(zip(keys, values)):
-                k = torch.cat([k_layer[j] for j in context], dim=2)
-                v = torch.cat([v_layer[j] for j in context], dim=2)
-                if bool((shift != 0).any()):
-                    k = rotate(k, shift, inv_freq)
-                cache.update(k, v, layer)
-        out = model(
-            input_ids=ids[p : p + 1][None],
-            position_ids=torch.tensor([[query_index]], device=device),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        rows.append(out.logits[0, -1].float())
-        for layer in range(len(cache.layers)):
-            if layer >= len(keys):
-                keys.append([])
-                values.append([])
-            k_new = cache.layers[layer].keys[:, :, -1:]
-            if query_index != p:
-                k_new = rotate(k_new, torch.tensor([p - query_index], device=device), inv_freq)
-            keys[layer].append(k_new.clone())
-            values[layer].append(cache.layers[layer].values[:, :, -1:].clone())
-    return torch.stack(rows)
+    return RollingReference(model, config).extend(token_ids)

@@ -1,0 +1,1 @@
+"""Benchmarks: multi-turn session runs (``long_run``) and speculative decoding."""

@@ -1,0 +1,58 @@
+"""Shared fixtures: the default real model (from the offline store) and a tiny random model.
+
+Observed oracle differences are collected by ``record_tolerance`` and printed at the end of
+the run, so every CI log states the tolerances actually reached.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kakeya_lab.models import DEFAULT_MODEL, load_model, tiny_random_model
+
+_TOLERANCES: list[tuple[str, float]] = []
+
+TEXT = (
+    "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps "
+    "out loud as his father had taught him. At the top he trimmed the wick, polished the "
+    "great lens and watched the ships slide past the rocks. Some nights the fog rolled in so "
+    "thick that he could not see his own hands, and then he rang the bell every minute until "
+    "dawn. The villagers said he never slept, but the truth was simpler: he slept in the "
+    "afternoons, when the sea was calm and the gulls were quiet, and he dreamed of mountains. "
+)
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The default real model in fp32 (pulled once into the store, then offline)."""
+    torch.manual_seed(0)
+    return load_model(DEFAULT_MODEL, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """A deterministic 2-layer random Qwen3 with the default model's real tokenizer."""
+    return tiny_random_model("qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def text_ids(default_model):
+    """A few hundred token ids of real English text."""
+    return default_model.tokenizer(TEXT * 3, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture
+def record_tolerance():
+    def record(name: str, value: float) -> None:
+        _TOLERANCES.append((name, float(value)))
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _TOLERANCES:
+        return
+    terminalreporter.section("observed oracle max-abs logit differences (fp32)")
+    for name, value in _TOLERANCES:
+        terminalreporter.write_line(f"{value:.3e}  {name}")

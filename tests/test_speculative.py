@@ -1,0 +1,273 @@
+"""Speculative decoding: losslessness, distribution preservation, rollback, bad input."""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from kakeya_lab import SinkWindowConfig, Verifier, reference
+from kakeya_lab.attention import enable_sink_window_attention
+from kakeya_lab.proposers import (
+    Draft,
+    DraftModelProposer,
+    EarlyExitProposer,
+    NgramProposer,
+    TokenizerMismatch,
+)
+from kakeya_lab.sampling import sampling_probs
+from kakeya_lab.session import SessionStore, Token
+from kakeya_lab.speculative import (
+    DecodeState,
+    SpeculativeStep,
+    accept_sampled,
+    plain_decode,
+    speculative_decode,
+)
+
+MAX_NEW = 40
+
+
+def _plain(model, config, prompt, max_new=MAX_NEW):
+    v = Verifier(model, config)
+    state = DecodeState(next_logits=v.append(prompt))
+    return list(plain_decode(v, state, max_new_tokens=max_new)), v
+
+
+def _spec(model, config, prompt, proposer, k, max_new=MAX_NEW, **kw):
+    v = Verifier(model, config)
+    state = DecodeState(next_logits=v.append(prompt))
+    out = list(speculative_decode(v, state, proposer, max_new_tokens=max_new, k=k, **kw))
+    tokens = [t for t in out if not isinstance(t, SpeculativeStep)]
+    steps = [s for s in out if isinstance(s, SpeculativeStep)]
+    return tokens, steps, v, state
+
+
+PROPOSERS = ["ngram", "self-draft", "tiny-draft", "early-exit"]
+
+
+def _proposer(kind, default_model, tiny_model, config):
+    model, tok = default_model.model, default_model.tokenizer
+    if kind == "ngram":
+        return NgramProposer()
+    if kind == "self-draft":  # the verifier drafting for itself: every draft accepted
+        return DraftModelProposer(model, config, tokenizer=tok, verifier_tokenizer=tok)
+    if kind == "tiny-draft":  # an unrelated random model: most drafts rejected
+        return DraftModelProposer(tiny_model.model, config, tokenizer=tiny_model.tokenizer,
+                                  verifier_tokenizer=tok)
+    return EarlyExitProposer(model, config, num_layers=6)
+
+
+@pytest.fixture(scope="module")
+def plain_runs(default_model, text_ids):
+    """Plain greedy decoding per position mode, computed once."""
+    runs = {}
+    for mode in ("global", "rolling"):
+        config = SinkWindowConfig(sink=4, window=36, positions=mode)
+        prompt = text_ids[:70]  # longer than the budget: eviction during prefill and decode
+        runs[mode] = (config, prompt, _plain(default_model.model, config, prompt)[0])
+    return runs
+
+
+@pytest.mark.parametrize("mode", ["global", "rolling"])
+@pytest.mark.parametrize("kind", PROPOSERS)
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_greedy_is_lossless(plain_runs, default_model, tiny_model, mode, kind, k):
+    config, prompt, want = plain_runs[mode]
+    proposer = _proposer(kind, default_model, tiny_model, config)
+    got, steps, v, state = _spec(default_model.model, config, prompt, proposer, k)
+    assert got == want
+    assert v.history_token_ids == prompt + want  # everything emitted is committed
+    assert v.cache_len == config.budget
+    assert len(steps) + 1 == state.verifier_forwards
+    if kind == "self-draft":
+        assert all(s.accepted == s.proposed for s in steps)  # drafts equal the verifier's
+        if k > 1:
+            assert len(want) / state.verifier_forwards > 1.5
+
+
+def test_speculative_session_matches_plain_across_turns(default_model):
+    """Through the session runtime, over several chat turns, past the window."""
+    from kakeya_lab.chat import ChatTemplate
+
+    model, tok = default_model.model, default_model.tokenizer
+    config = SinkWindowConfig(sink=4, window=48)
+    outputs = {}
+    for label, proposer in (("plain", None), ("ngram", NgramProposer()),
+                            ("early", EarlyExitProposer(model, config, num_layers=8))):
+        store = SessionStore(model, config)
+        sid = store.create()
+        chat = ChatTemplate(tok)
+        toks = []
+        for user in ["Hi there!", "Name three colours.", "And three more?"]:
+            store.append(sid, chat.user(user))
+            events = list(store.generate(sid, 16, proposer=proposer, k=4))
+            reply = [e.id for e in events if isinstance(e, Token)]
+            chat.generated(reply, eos_token_ids=store.eos_token_ids)
+            toks += reply
+            if proposer is not None:
+                assert any(isinstance(e, SpeculativeStep) for e in events)
+        outputs[label] = toks
+        info = store.info(sid)
+        assert info.history_len > config.budget
+        if proposer is not None:
+            assert info.speculative["steps"] > 0 and info.speculative["tau"] >= 1.0
+    assert outputs["ngram"] == outputs["plain"]
+    assert outputs["early"] == outputs["plain"]
+
+
+# ----------------------------------------------------------- rejection sampling
+VOCAB = 8
+
+
+def _small_model(seed):
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # logits with a real spread, so p and q differ clearly
+    return enable_sink_window_attention(model)
+
+
+def _broken_accept(rows, draft, *, temperature, top_k, top_p, generator):
+    """Wrong on purpose: on rejection it resamples from p instead of max(0, p - q)."""
+    for i, d in enumerate(draft.tokens):
+        p = sampling_probs(rows[i], temperature=temperature, top_k=top_k, top_p=top_p)
+        q = draft.probs[i]
+        if float(torch.rand((), generator=generator)) < min(1.0, float(p[d] / q[d])):
+            continue
+        return i, int(torch.multinomial(p, 1, generator=generator))
+    p = sampling_probs(rows[len(draft.tokens)], temperature=temperature, top_k=top_k, top_p=top_p)
+    return len(draft.tokens), int(torch.multinomial(p, 1, generator=generator))
+
+
+def _first_two_tokens_test(accept, samples=20000):
+    """Chi-square p-value of the first two tokens emitted after x under speculation,
+    against the verifier's exact joint distribution."""
+    target, draft_model = _small_model(1), _small_model(2)
+    config = SinkWindowConfig(sink=2, window=6)
+    prompt, x = [1, 5, 2, 7, 3, 0, 6, 4], 3
+    context = prompt + [x]
+    t_logits = reference.dense_logits(target, context, config)
+    # exact rows of the verifier and the draft model for every (d1, d2) block
+    rows, qrows = {}, {}
+    for d1 in range(VOCAB):
+        for d2 in range(VOCAB):
+            v = Verifier(target, config)
+            v.append(prompt)
+            rows[d1, d2] = v.forward_block([x, d1, d2])
+        dv = Verifier(draft_model, config)
+        qrows[d1] = dv.append(context + [d1])
+    q0 = sampling_probs(Verifier(draft_model, config).append(context), temperature=1.0)
+    assert (rows[0, 0][0] - t_logits[-1]).abs().max() < 1e-4
+    gen = torch.Generator().manual_seed(0)
+    counts = Counter()
+    for _ in range(samples):
+        d1 = int(torch.multinomial(q0, 1, generator=gen))
+        q1 = sampling_probs(qrows[d1], temperature=1.0)
+        d2 = int(torch.multinomial(q1, 1, generator=gen))
+        draft = Draft([d1, d2], torch.stack([q0, q1]), 0.0)
+        n, nxt = accept(rows[d1, d2], draft, temperature=1.0, top_k=None, top_p=None, generator=gen)
+        emitted = ([d1, d2][:n] + [nxt])[:2]
+        if len(emitted) < 2:  # rejected at once: the second token comes from the next step
+            first = emitted[0]
+            q1 = sampling_probs(qrows[first], temperature=1.0)
+            d = int(torch.multinomial(q1, 1, generator=gen))
+            block_rows = rows[first, d][1:]  # after x+first, then after x+first+d
+            n2, nxt2 = accept(block_rows, Draft([d], q1[None], 0.0), temperature=1.0,
+                              top_k=None, top_p=None, generator=gen)
+            emitted.append(d if n2 else nxt2)
+        counts[tuple(emitted)] += 1
+    p1 = sampling_probs(rows[0, 0][0], temperature=1.0)
+    expected = []
+    observed = []
+    for a in range(VOCAB):
+        p2 = sampling_probs(rows[a, 0][1], temperature=1.0)
+        for b in range(VOCAB):
+            expected.append(float(p1[a] * p2[b]) * samples)
+            observed.append(counts[a, b])
+    keep = [i for i, e in enumerate(expected) if e >= 5]
+    exp = torch.tensor([expected[i] for i in keep], dtype=torch.float64)
+    obs = torch.tensor([observed[i] for i in keep], dtype=torch.float64)
+    exp = exp * obs.sum() / exp.sum()
+    return chisquare(obs.numpy(), exp.numpy()).pvalue
+
+
+def test_rejection_sampling_preserves_the_distribution():
+    assert _first_two_tokens_test(accept_sampled) > 1e-3
+
+
+def test_the_distribution_check_catches_a_wrong_residual():
+    assert _first_two_tokens_test(_broken_accept) < 1e-6
+
+
+# ------------------------------------------------------------ rollback / caches
+def test_verifier_and_proposer_caches_stay_consistent(tiny_model):
+    """Thousands of random accept lengths: both caches equal a fresh replay and the oracle."""
+    model = tiny_model.model
+    config = SinkWindowConfig(sink=2, window=12)
+    proposer = DraftModelProposer(model, config)
+    v = Verifier(model, config)
+    rng = random.Random(7)
+    v.append([rng.randrange(v.vocab_size) for _ in range(5)])
+    x = rng.randrange(v.vocab_size)
+    accepts = 0
+    while accepts < 2000:
+        k = rng.randint(1, 5)
+        draft = proposer.propose(v.history_token_ids + [x], k)
+        v.forward_block([x] + draft.tokens)
+        n = rng.randint(0, k)
+        v.commit(1 + n)
+        proposer.accept(n)
+        accepts += 1
+        x = rng.randrange(v.vocab_size)  # the "verifier token" after the accepted drafts
+    assert v.history_len > 10 * config.budget
+    fresh = Verifier(model, config)
+    fresh.append(v.history_token_ids)
+    assert fresh.cached_token_ids == v.cached_token_ids
+    probe = [x, 3, 4]
+    want = reference.dense_logits(model, v.history_token_ids + probe, config)[-3:]
+    assert (v.forward_block(probe) - want).abs().max().item() <= 1e-4
+    v.rollback()
+    # the proposer's cache: committed drafts only, consistent with the context it saw
+    ph = proposer.verifier.history_token_ids
+    assert ph == v.history_token_ids[: len(ph)]
+    assert len(v.history_token_ids) - len(ph) <= 2
+    pf = Verifier(model, config)
+    pf.append(ph)
+    assert pf.cached_token_ids == proposer.verifier.cached_token_ids
+
+
+# ------------------------------------------------------------------- bad input
+def test_bad_arguments_are_clear_errors(default_model, tiny_model):
+    model, tok = default_model.model, default_model.tokenizer
+    config = SinkWindowConfig(sink=4, window=28)
+    store = SessionStore(model, config)
+    sid = store.create()
+    store.append(sid, [1, 2, 3])
+    with pytest.raises(ValueError, match="k must be"):
+        store.generate(sid, 4, proposer=NgramProposer(), k=0)
+    with pytest.raises(ValueError, match="temperature"):
+        store.generate(sid, 4, temperature=-0.5, proposer=NgramProposer())
+    other = copy.deepcopy(tok)
+    other.add_tokens(["<an-extra-token>"])
+    with pytest.raises(TokenizerMismatch, match="tokenizer"):
+        DraftModelProposer(tiny_model.model, config, tokenizer=other, verifier_tokenizer=tok)
+    with pytest.raises(ValueError):
+        EarlyExitProposer(model, config, num_layers=30)
+    with pytest.raises(ValueError):
+        NgramProposer(ngram_sizes=[0])
+    assert store.info(sid).history_len == 3
+
+
+def test_ngram_proposer_looks_up_the_latest_match():
+    p = NgramProposer(ngram_sizes=(2, 1))
+    assert p.propose([1, 2, 3, 9, 1, 2, 4, 5, 1, 2], 3).tokens == [4, 5, 1]
+    assert p.propose([7, 8], 3).tokens == []
+    assert p.propose([5, 6, 5], 2).tokens == [6, 5]
