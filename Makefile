@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 
 quickstart: install
 	$(BIN)/kakeya-lab models pull $(MODEL)
-	$(BIN)/kakeya-lab run notebooks/00_quickstart.ipynb $(ARGS)
+	$(BIN)/kakeya-lab run notebooks/00_quickstart.ipynb --experiment quickstart $(ARGS)
 
 test: install
 	$(BIN)/kakeya-lab models pull $(MODEL)

@@ -2,6 +2,8 @@
 
     kakeya-lab models list [--json]
     kakeya-lab models pull NAME [--force] [--quiet]
+    kakeya-lab chat [--model NAME] [--sink 4] [--window 1020] [--proposer ngram] ...
+    kakeya-lab run NOTEBOOK [-p NAME VALUE ...] [--results DIR] [--experiment NAME]
 
 Layout: :func:`build_parser` builds the whole argparse tree; every leaf sub-command sets
 ``func`` (``args -> int``) with ``set_defaults``. To add a command group (e.g. ``chat`` or
@@ -30,8 +32,9 @@ class UserError(Exception):
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
     from kakeya_lab.models import ModelStoreError
+    from kakeya_lab.session import SessionError
 
-    return (UserError, ModelStoreError)
+    return (UserError, ModelStoreError, SessionError)
 
 
 def _human_size(n: int | None) -> str:
@@ -122,6 +125,160 @@ def add_models_parser(subparsers: argparse._SubParsersAction) -> None:
     p_pull.set_defaults(func=cmd_models_pull)
 
 
+# --------------------------------------------------------------------------- chat
+
+
+def _make_proposer(spec: str, model, config, tokenizer):
+    """``none`` | ``ngram`` | ``early-exit:LAYERS`` | ``draft:MODEL``."""
+    from kakeya_lab.proposers import DraftModelProposer, EarlyExitProposer, NgramProposer
+
+    if spec in ("", "none"):
+        return None
+    if spec == "ngram":
+        return NgramProposer()
+    kind, _, arg = spec.partition(":")
+    if kind == "early-exit" and arg.isdigit():
+        return EarlyExitProposer(model, config, num_layers=int(arg))
+    if kind == "draft" and arg:
+        from kakeya_lab.models import load_model
+
+        draft = load_model(arg)
+        return DraftModelProposer(draft.model, config, tokenizer=draft.tokenizer,
+                                  verifier_tokenizer=tokenizer, label=arg)
+    raise UserError(f"unknown proposer {spec!r}: use none, ngram, early-exit:LAYERS or draft:MODEL")
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Interactive multi-turn chat on one session, with a live cache/latency line."""
+    from kakeya_lab.cache import SinkWindowConfig
+    from kakeya_lab.chat import ChatTemplate
+    from kakeya_lab.models import load_model
+    from kakeya_lab.session import Done, HistoryTruncated, SessionStore, Token
+
+    try:
+        config = SinkWindowConfig(sink=args.sink, window=args.window, positions=args.positions)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    loaded = load_model(args.model)
+    tok = loaded.tokenizer
+    store = SessionStore(loaded.model, config, capacity=1)
+    sid = store.create()
+    chat = ChatTemplate(tok, system=args.system)
+    proposer = _make_proposer(args.proposer, loaded.model, config, tok)
+    interactive = sys.stdin.isatty()
+    print(f"{loaded.description.name}: sink {config.sink}, window {config.window}, "
+          f"{config.positions} positions, proposer {args.proposer}. /info, /quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except EOFError:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/quit", "/exit"):
+            break
+        if text == "/info":
+            print(store.info(sid), file=sys.stderr)
+            continue
+        appended = store.append(sid, chat.user(text))
+        reply: list[int] = []
+        shown = ""
+        truncated = appended.dropped > 0
+        print("bot> " if interactive else "", end="", flush=True)
+        for event in store.generate(
+            sid, args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+            proposer=proposer, k=args.k,
+        ):
+            if isinstance(event, Token):
+                reply.append(event.id)
+                text_now = tok.decode(reply, skip_special_tokens=True)
+                print(text_now[len(shown):], end="", flush=True)
+                shown = text_now
+            elif isinstance(event, HistoryTruncated):
+                truncated = True
+            elif isinstance(event, Done):
+                done = event
+        print()
+        chat.generated(reply, eos_token_ids=store.eos_token_ids)
+        info = store.info(sid)
+        tps = done.timings["tokens_per_s"] or 0.0
+        extra = ""
+        if proposer is not None and done.counts["tau"]:
+            extra = f" | tau {done.counts['tau']:.2f}"
+        budget = config.budget if config.budget is not None else "inf"
+        print(
+            f"[history {info.history_len} | cached {info.cache_len}/{budget} | "
+            f"kv {info.kv_live_bytes / 2**20:.1f} MiB | prefill {appended.latency_s * 1e3:.0f} ms | "
+            f"{tps:.1f} tok/s{extra}{' | history truncated' if truncated else ''}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
+    from kakeya_lab.models import DEFAULT_MODEL
+
+    p = subparsers.add_parser("chat", help="interactive multi-turn chat on one session")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--sink", type=int, default=4)
+    p.add_argument("--window", type=int, default=1020)
+    p.add_argument("--positions", choices=["global", "rolling"], default="global")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--proposer", default="none",
+                   help="none | ngram | early-exit:LAYERS | draft:MODEL (speculative decoding)")
+    p.add_argument("--k", type=int, default=4, help="draft length for speculative decoding")
+    p.set_defaults(func=cmd_chat)
+
+
+# --------------------------------------------------------------------------- run
+
+
+def _parse_parameters(pairs: list[list[str]] | None) -> dict:
+    import yaml
+
+    params = {}
+    for name, raw in pairs or []:
+        try:
+            params[name] = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise UserError(f"parameter {name}: cannot parse {raw!r}: {exc}") from exc
+    return params
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Execute a notebook with papermill into a run folder."""
+    from kakeya_lab.experiments import RunFailed, run_notebook
+
+    params = _parse_parameters(args.parameter)
+    try:
+        run_dir = run_notebook(
+            args.notebook, params, results_root=args.results, experiment=args.experiment,
+            progress=not args.quiet,
+        )
+    except (FileNotFoundError, ValueError) as exc:
+        raise UserError(str(exc)) from exc
+    except RunFailed as exc:
+        print(f"{PROG}: run failed: {exc} (partial run folder: {exc.run_dir})", file=sys.stderr)
+        return 1
+    print(run_dir)
+    return 0
+
+
+def add_run_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("run", help="execute a parameterised notebook into a run folder")
+    p.add_argument("notebook")
+    p.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"),
+                   help="notebook parameter (value parsed as YAML); repeatable")
+    p.add_argument("--results", default="results", help="results root (default: results)")
+    p.add_argument("--experiment", default=None, help="run folder group (default: notebook name)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_run)
+
+
 # --------------------------------------------------------------------------- parser / main
 
 
@@ -139,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(func=lambda _args: _usage(parser))
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_models_parser(subparsers)
+    add_chat_parser(subparsers)
+    add_run_parser(subparsers)
     return parser
 
 
