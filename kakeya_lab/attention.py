@@ -21,6 +21,8 @@ whatever mask the model built, so the oracle does not run through this code.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +126,15 @@ def sink_window_attention(
     """Attention function registered as ``"kakeya_sink_window"`` (see module docstring)."""
     layout = take(module.layer_idx)
     if layout is None:
+        q_len, kv_len = query.shape[2], key.shape[2]
+        if attention_mask is None and q_len > 1 and kv_len > q_len:
+            # No mask was built for this implementation: causal, aligned to the last key
+            # (SDPA's own is_causal would align queries to the first key).
+            offset = kv_len - q_len
+            attention_mask = (
+                torch.arange(kv_len, device=query.device)[None, :]
+                <= torch.arange(q_len, device=query.device)[:, None] + offset
+            )[None, None]
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -164,6 +175,18 @@ def sink_window_attention(
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, sink_window_attention)
+
+
+@contextmanager
+def standard_attention(model: PreTrainedModel, implementation: str = "sdpa") -> Iterator[PreTrainedModel]:
+    """Temporarily run ``model`` with a stock transformers attention (for baselines such as
+    transformers' own assisted generation), restoring the previous one afterwards."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(implementation)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
 
 
 def enable_sink_window_attention(model: PreTrainedModel) -> PreTrainedModel:

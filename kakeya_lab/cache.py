@@ -88,6 +88,15 @@ def _model_dims(model: PreTrainedModel) -> tuple[int, int, int]:
     return n_layers, n_kv, head_dim
 
 
+def analytic_kv_budget_bytes(model: PreTrainedModel, config: SinkWindowConfig) -> int | None:
+    """``B × layers × kv_heads × head_dim × dtype_bytes × 2`` (None for a full cache)."""
+    if config.budget is None:
+        return None
+    n_layers, n_kv, head_dim = _model_dims(model)
+    dtype_bytes = next(model.parameters()).element_size()
+    return config.budget * n_layers * n_kv * head_dim * dtype_bytes * 2
+
+
 class SinkWindowLayer(CacheLayerMixin):
     """Slot storage of one layer: ``keys``/``values`` of shape ``[1, kv_heads, capacity, head_dim]``."""
 

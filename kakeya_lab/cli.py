@@ -4,6 +4,8 @@
     kakeya-lab models pull NAME [--force] [--quiet]
     kakeya-lab chat [--model NAME] [--sink 4] [--window 1020] [--proposer ngram] ...
     kakeya-lab run NOTEBOOK [-p NAME VALUE ...] [--results DIR] [--experiment NAME]
+    kakeya-lab sweep FILE.yaml [--profile smoke|full] [--executor local|ray]
+    kakeya-lab long-run OUT_DIR [--turns N | --duration-s S] [--arms ...] [--window W]
 
 Layout: :func:`build_parser` builds the whole argparse tree; every leaf sub-command sets
 ``func`` (``args -> int``) with ``set_defaults``. To add a command group (e.g. ``chat`` or
@@ -128,31 +130,12 @@ def add_models_parser(subparsers: argparse._SubParsersAction) -> None:
 # --------------------------------------------------------------------------- chat
 
 
-def _make_proposer(spec: str, model, config, tokenizer):
-    """``none`` | ``ngram`` | ``early-exit:LAYERS`` | ``draft:MODEL``."""
-    from kakeya_lab.proposers import DraftModelProposer, EarlyExitProposer, NgramProposer
-
-    if spec in ("", "none"):
-        return None
-    if spec == "ngram":
-        return NgramProposer()
-    kind, _, arg = spec.partition(":")
-    if kind == "early-exit" and arg.isdigit():
-        return EarlyExitProposer(model, config, num_layers=int(arg))
-    if kind == "draft" and arg:
-        from kakeya_lab.models import load_model
-
-        draft = load_model(arg)
-        return DraftModelProposer(draft.model, config, tokenizer=draft.tokenizer,
-                                  verifier_tokenizer=tokenizer, label=arg)
-    raise UserError(f"unknown proposer {spec!r}: use none, ngram, early-exit:LAYERS or draft:MODEL")
-
-
 def cmd_chat(args: argparse.Namespace) -> int:
     """Interactive multi-turn chat on one session, with a live cache/latency line."""
     from kakeya_lab.cache import SinkWindowConfig
     from kakeya_lab.chat import ChatTemplate
     from kakeya_lab.models import load_model
+    from kakeya_lab.proposers import make_proposer
     from kakeya_lab.session import Done, HistoryTruncated, SessionStore, Token
 
     try:
@@ -164,7 +147,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     store = SessionStore(loaded.model, config, capacity=1)
     sid = store.create()
     chat = ChatTemplate(tok, system=args.system)
-    proposer = _make_proposer(args.proposer, loaded.model, config, tok)
+    try:
+        proposer = make_proposer(args.proposer, loaded.model, config, tok)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
     interactive = sys.stdin.isatty()
     print(f"{loaded.description.name}: sink {config.sink}, window {config.window}, "
           f"{config.positions} positions, proposer {args.proposer}. /info, /quit.", file=sys.stderr)
@@ -279,6 +265,96 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_run)
 
 
+# --------------------------------------------------------------------------- sweep
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """Run every grid point of a sweep file not completed yet."""
+    from kakeya_lab.experiments import load_sweep, run_sweep
+
+    try:
+        sweep = load_sweep(args.file)
+        outcomes = run_sweep(sweep, profile=args.profile, results_root=args.results,
+                             executor=args.executor, ray_address=args.ray_address, progress=not args.quiet)
+    except (FileNotFoundError, ValueError) as exc:
+        raise UserError(str(exc)) from exc
+    counts = outcomes["status"].value_counts().to_dict() if len(outcomes) else {}
+    print(f"{sweep.name}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) +
+          f"; index: {args.results}/index.parquet")
+    for row in outcomes[outcomes["status"] == "failed"].itertuples() if len(outcomes) else []:
+        print(f"  failed {row.run_id}: {row.error}", file=sys.stderr)
+    return 1 if counts.get("failed") else 0
+
+
+def add_sweep_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("sweep", help="run a sweep file (notebook x parameter grid)")
+    p.add_argument("file")
+    p.add_argument("--profile", default=None, help="a profile of the file, e.g. smoke or full")
+    p.add_argument("--executor", choices=["local", "ray"], default=None, help="override the file's executor")
+    p.add_argument("--ray-address", default=None, help="Ray cluster address (default: start one locally)")
+    p.add_argument("--results", default="results")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_sweep)
+
+
+# --------------------------------------------------------------------------- long-run
+
+
+def cmd_long_run(args: argparse.Namespace) -> int:
+    """A long multi-turn run into OUT_DIR (checkpointed; re-running resumes)."""
+    from pathlib import Path
+
+    from kakeya_lab.bench.long_run import FactProbe, run_long, standard_arms
+    from kakeya_lab.data import chained_user_turns, chitchat_conversations
+    from kakeya_lab.models import load_model
+    from kakeya_lab.results import run_header, write_metrics
+
+    try:
+        arms = standard_arms(args.sink, args.window, args.positions, names=args.arms.split(","))
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    loaded = load_model(args.model, progress=not args.quiet)
+    turns = chained_user_turns(chitchat_conversations("dev"), args.turns)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    header = run_header(experiment="long_run", run_id=out.name, model=loaded.description,
+                        cache=arms[next(iter(arms))].config.to_dict(),
+                        extra={"arms": list(arms), "turns": args.turns, "max_new_tokens": args.max_new_tokens})
+    run = run_long(loaded, arms, turns, max_new_tokens=args.max_new_tokens, out_dir=out,
+                   checkpoint_every=args.checkpoint_every, duration_s=args.duration_s,
+                   probe=FactProbe(every=args.probe_every) if args.probe_every else None,
+                   reprefill_cap_s=args.reprefill_cap_s, turns_per_bucket=args.turns_per_bucket,
+                   progress=not args.quiet)
+    write_metrics(out, header, {"arms": run.summary})
+    for arm, s in run.summary.items():
+        drift = s.get("latency_drift_p50_by_turns", {}).get("append_latency_s", {})
+        print(f"{arm:12s} turns {s['turns']:5d}  kv_bounded {s.get('kv_bounded')}  "
+              f"prefill_bounded {s.get('prefill_bounded')}  append p50 drift {drift.get('drift_pct')}%  "
+              f"last/first bucket {s.get('append_latency_last_over_first_bucket')}")
+    return 0
+
+
+def add_long_run_parser(subparsers: argparse._SubParsersAction) -> None:
+    from kakeya_lab.models import DEFAULT_MODEL
+
+    p = subparsers.add_parser("long-run", help="long multi-turn session benchmark (resumable)")
+    p.add_argument("out_dir")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--turns", type=int, default=100)
+    p.add_argument("--duration-s", type=float, default=None, help="stop after this wall time instead")
+    p.add_argument("--arms", default="sink_window,full_cache,reprefill")
+    p.add_argument("--sink", type=int, default=4)
+    p.add_argument("--window", type=int, default=1020)
+    p.add_argument("--positions", choices=["global", "rolling"], default="global")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--probe-every", type=int, default=25, help="0: no recall probes")
+    p.add_argument("--reprefill-cap-s", type=float, default=30.0)
+    p.add_argument("--turns-per-bucket", type=int, default=50)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_long_run)
+
+
 # --------------------------------------------------------------------------- parser / main
 
 
@@ -298,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_models_parser(subparsers)
     add_chat_parser(subparsers)
     add_run_parser(subparsers)
+    add_sweep_parser(subparsers)
+    add_long_run_parser(subparsers)
     return parser
 
 

@@ -56,3 +56,51 @@ def kv_bytes_figure(
         yaxis_rangemode="tozero", height=380,
     )
     return fig
+
+
+def tau_by_k_figure(summary: pd.DataFrame, title: str = "Tokens per verifier forward (tau) by draft length") -> go.Figure:
+    fig = go.Figure()
+    for proposer, df in summary[summary["arm"] != "plain"].groupby("proposer", sort=False):
+        fig.add_trace(go.Scatter(x=df["k"], y=df["tau"], mode="lines+markers", name=proposer))
+    fig.add_hline(y=1.0, line_dash="dot", line_color="gray", annotation_text="plain decoding")
+    fig.update_layout(title=title, xaxis_title="draft length k", yaxis_title="tau", height=380)
+    return fig
+
+
+def acceptance_by_position_figure(summary: pd.DataFrame) -> go.Figure:
+    """P(draft token i accepted | proposed), one line per arm."""
+    fig = go.Figure()
+    for _, row in summary.iterrows():
+        acc = row.get("acceptance_by_position")
+        if acc is None or not isinstance(acc, list):
+            continue
+        fig.add_trace(go.Scatter(x=list(range(1, len(acc) + 1)), y=acc, mode="lines+markers", name=row["arm"]))
+    fig.update_layout(
+        title="Acceptance by draft position", xaxis_title="draft position",
+        yaxis_title="P(accepted | proposed)", yaxis_range=[0, 1.02], height=380,
+    )
+    return fig
+
+
+def speedup_figure(summary: pd.DataFrame) -> go.Figure:
+    """Measured speedup vs the Leviathan expectation from measured a and c, per arm."""
+    spec = summary[summary["arm"] != "plain"]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=spec["arm"], y=spec["speedup"], name="measured"))
+    fig.add_trace(go.Bar(x=spec["arm"], y=spec["expected_speedup"], name="expected (Leviathan, measured a, c)"))
+    fig.add_hline(y=1.0, line_dash="dot", line_color="gray")
+    fig.update_layout(title="Speedup over plain decoding (same verifier, cache and turns)",
+                      barmode="group", yaxis_title="× plain tokens/s", height=400)
+    return fig
+
+
+def speculative_turns_figure(turns: pd.DataFrame) -> go.Figure:
+    """Per-turn tau and speedup against history length: does speculation decay with history?"""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("tau per turn", "speedup per turn"))
+    for arm, df in turns[turns["arm"] != "plain"].groupby("arm", sort=False):
+        common = dict(mode="markers", name=arm, legendgroup=arm)
+        fig.add_trace(go.Scatter(x=df["history_len"], y=df["tau"], **common), 1, 1)
+        fig.add_trace(go.Scatter(x=df["history_len"], y=df["speedup"], showlegend=False, **common), 1, 2)
+    fig.update_xaxes(title_text="history length (tokens)")
+    fig.update_layout(height=380, title="Speculation across the session")
+    return fig

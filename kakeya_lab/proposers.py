@@ -227,3 +227,29 @@ class EarlyExitProposer(DraftModelProposer):
 
     def describe(self) -> dict:
         return {"name": self.name, "num_layers": self.num_layers, "cache": self.config.to_dict()}
+
+
+def make_proposer(spec: str | None, model: PreTrainedModel, config: SinkWindowConfig, tokenizer=None):
+    """Build a proposer from a short spec (CLI, notebooks, sweep files).
+
+    ``none`` → ``None`` (plain decoding); ``ngram`` or ``ngram:3,2,1``;
+    ``early-exit:LAYERS``; ``draft:MODEL`` (a registry name or local folder, loaded with
+    :func:`~kakeya_lab.models.load_model`; its tokenizer must equal ``tokenizer``).
+    """
+    if spec in (None, "", "none"):
+        return None
+    kind, _, arg = spec.partition(":")
+    if kind == "ngram":
+        return NgramProposer([int(n) for n in arg.split(",")] if arg else (3, 2, 1))
+    if kind == "early-exit" and arg.isdigit():
+        return EarlyExitProposer(model, config, num_layers=int(arg))
+    if kind == "draft" and arg:
+        from kakeya_lab.models import load_model
+
+        draft = load_model(arg, dtype=next(model.parameters()).dtype)
+        return DraftModelProposer(
+            draft.model, config, tokenizer=draft.tokenizer, verifier_tokenizer=tokenizer, label=arg
+        )
+    raise ValueError(
+        f"unknown proposer {spec!r}: use none, ngram[:SIZES], early-exit:LAYERS or draft:MODEL"
+    )

@@ -1,0 +1,222 @@
+"""Speculative-decoding benchmark: proposers × draft lengths against plain decoding of the
+same verifier and cache, side by side in one process, over multi-turn conversations.
+
+For every conversation turn each arm (``plain`` and every ``proposer@k``) appends the same
+chat-templated user message to its own session and generates a reply; arms alternate turn
+by turn so they share machine conditions. Greedy arms stay on identical histories (the
+decoder is lossless), so per-turn speedups compare like with like.
+
+Metrics follow DESIGN.md "Metrics": acceptance rate (accepted / proposed), ``tau`` (tokens
+emitted per verifier forward; 1.0 for plain decoding), acceptance by draft position,
+proposer and verifier seconds, tokens/s, ``speedup`` (speculative tokens/s ÷ plain tokens/s
+over the same turns) and the Leviathan et al. (2023) expectation
+``(1 - a^(k+1)) / ((1 - a)(k c + 1))`` with ``a`` and ``c`` measured here:
+
+* ``a`` — per-token acceptance probability, estimated as accepted / (accepted + rejections)
+  (each step is a run of Bernoulli trials stopped by the first rejection);
+* ``c`` — proposer seconds per drafted token ÷ plain-decoding seconds per token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import pandas as pd
+from tqdm.auto import tqdm
+
+from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.chat import ChatTemplate
+from kakeya_lab.data import Conversation
+from kakeya_lab.proposers import Proposer
+from kakeya_lab.session import Done, SessionStore, Token
+from kakeya_lab.speculative import SpeculativeStep
+
+ProposerFactory = Callable[[], Proposer]
+
+
+@dataclass
+class SpeculativeRun:
+    turns: pd.DataFrame  # one row per (arm, conversation, turn)
+    steps: pd.DataFrame  # one row per verifier step of a speculative arm
+    summary: pd.DataFrame  # one row per arm
+
+
+def leviathan_speedup(a: float, k: int, c: float) -> float:
+    """Expected walltime improvement of Leviathan et al. (2023), eq. for ``k`` drafts."""
+    if a >= 1.0:
+        return (k + 1) / (k * c + 1)
+    return (1 - a ** (k + 1)) / ((1 - a) * (k * c + 1))
+
+
+def run_speculative(
+    loaded,
+    proposers: Mapping[str, ProposerFactory],
+    ks: Sequence[int],
+    conversations: Sequence[Conversation],
+    *,
+    config: SinkWindowConfig,
+    turns_per_conversation: int = 4,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    seed: int = 0,
+    system: str | None = None,
+    progress: bool = True,
+) -> SpeculativeRun:
+    """Run ``plain`` and every ``proposer@k`` arm over the user turns of ``conversations``."""
+    if not conversations:
+        raise ValueError("no conversations to run")
+    if not ks or any(k < 1 for k in ks):
+        raise ValueError(f"draft lengths must be >= 1, got {list(ks)}")
+    arms: dict[str, tuple[ProposerFactory | None, int]] = {"plain": (None, 0)}
+    for name, factory in proposers.items():
+        for k in ks:
+            arms[f"{name}@{k}"] = (factory, k)
+    model, tok = loaded.model, loaded.tokenizer
+    turn_rows, step_rows = [], []
+    total = sum(min(turns_per_conversation, len(c.turns[0::2])) for c in conversations) * len(arms)
+    bar = tqdm(total=total, desc="speculative", unit="turn", disable=not progress)
+    for ci, conv in enumerate(conversations):
+        user_turns = list(conv.turns[0::2])[:turns_per_conversation]
+        sessions = {}
+        for arm, (factory, k) in arms.items():
+            store = SessionStore(model, config, capacity=1)
+            sessions[arm] = (store, store.create(), ChatTemplate(tok, system=system),
+                             factory() if factory else None, k)
+        for ti, text in enumerate(user_turns):
+            for arm, (store, sid, chat, proposer, k) in sessions.items():
+                store.append(sid, chat.user(text))
+                reply, done = [], None
+                t0 = time.perf_counter()
+                for event in store.generate(
+                    sid, max_new_tokens, temperature=temperature, seed=seed + 1000 * ci + ti,
+                    proposer=proposer, k=max(k, 1),
+                ):
+                    if isinstance(event, Token):
+                        reply.append(event.id)
+                    elif isinstance(event, SpeculativeStep):
+                        step_rows.append({
+                            "arm": arm, "conversation": conv.id, "turn": ti, "k": event.k,
+                            "proposed": event.proposed, "accepted": event.accepted,
+                            "emitted": event.emitted, "proposer_s": event.proposer_s,
+                            "verifier_s": event.verifier_s,
+                        })
+                    elif isinstance(event, Done):
+                        done = event
+                seconds = time.perf_counter() - t0
+                chat.generated(reply, eos_token_ids=store.eos_token_ids)
+                turn_rows.append({
+                    "arm": arm, "proposer": arm.split("@")[0], "k": k,
+                    "conversation": conv.id, "turn": ti,
+                    "history_len": done.counts["history_len"],
+                    "generated_tokens": done.counts["generated_tokens"],
+                    "verifier_forwards": done.counts["verifier_forwards"],
+                    "proposed": done.counts["proposed"], "accepted": done.counts["accepted"],
+                    "seconds": seconds, "proposer_s": done.timings["proposer_s"],
+                    "verifier_s": done.timings["verifier_s"], "reply_ids": reply,
+                })
+                bar.update(1)
+    bar.close()
+    turns = pd.DataFrame(turn_rows)
+    steps = pd.DataFrame(step_rows, columns=[
+        "arm", "conversation", "turn", "k", "proposed", "accepted", "emitted", "proposer_s", "verifier_s"])
+    turns = _add_turn_speedups(turns)
+    return SpeculativeRun(turns=turns, steps=steps, summary=summarize(turns, steps))
+
+
+def _add_turn_speedups(turns: pd.DataFrame) -> pd.DataFrame:
+    turns = turns.copy()
+    turns["tokens_per_s"] = turns["generated_tokens"] / turns["seconds"]
+    turns["tau"] = turns["generated_tokens"] / turns["verifier_forwards"]
+    plain = turns[turns["arm"] == "plain"].set_index(["conversation", "turn"])["tokens_per_s"]
+    key = list(zip(turns["conversation"], turns["turn"]))
+    turns["speedup"] = turns["tokens_per_s"].to_numpy() / plain.reindex(key).to_numpy()
+    return turns
+
+
+def acceptance_by_position(steps: pd.DataFrame, max_k: int) -> list[float | None]:
+    """P(draft position i accepted | it was proposed), for i = 0..max_k-1."""
+    out = []
+    for i in range(max_k):
+        proposed = steps[steps["proposed"] > i]
+        out.append(float((proposed["accepted"] > i).mean()) if len(proposed) else None)
+    return out
+
+
+def summarize(turns: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """One row per arm with the DESIGN.md metrics (see module docstring)."""
+    plain = turns[turns["arm"] == "plain"]
+    plain_tps = plain["generated_tokens"].sum() / plain["seconds"].sum()
+    plain_s_per_token = plain["verifier_s"].sum() / plain["verifier_forwards"].sum()
+    rows = []
+    for arm, df in turns.groupby("arm", sort=False):
+        tokens, seconds = df["generated_tokens"].sum(), df["seconds"].sum()
+        row = {
+            "arm": arm, "proposer": df["proposer"].iloc[0], "k": int(df["k"].iloc[0]),
+            "turns": len(df), "generated_tokens": int(tokens),
+            "tokens_per_s": tokens / seconds, "tau": tokens / df["verifier_forwards"].sum(),
+            "speedup": (tokens / seconds) / plain_tps,
+            "proposer_s": df["proposer_s"].sum(), "verifier_s": df["verifier_s"].sum(),
+            "acceptance_rate": None, "alpha": None, "c": None, "expected_speedup": None,
+            "acceptance_by_position": None,
+        }
+        s = steps[steps["arm"] == arm]
+        if arm != "plain" and len(s) and s["proposed"].sum() > 0:
+            accepted, proposed = s["accepted"].sum(), s["proposed"].sum()
+            rejections = (s["accepted"] < s["proposed"]).sum()
+            alpha = accepted / (accepted + rejections) if accepted + rejections else None
+            c = (s["proposer_s"].sum() / proposed) / plain_s_per_token
+            row.update(
+                acceptance_rate=accepted / proposed, alpha=alpha, c=c,
+                expected_speedup=leviathan_speedup(alpha, row["k"], c) if alpha is not None else None,
+                acceptance_by_position=acceptance_by_position(s, row["k"]),
+            )
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def greedy_streams_identical(turns: pd.DataFrame) -> bool:
+    """True if every arm emitted exactly the plain arm's tokens on every turn (greedy)."""
+    plain = turns[turns["arm"] == "plain"].set_index(["conversation", "turn"])["reply_ids"]
+    for _, row in turns.iterrows():
+        if list(row["reply_ids"]) != list(plain[(row["conversation"], row["turn"])]):
+            return False
+    return True
+
+
+def hf_assisted_generation(
+    target, draft, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64
+) -> dict:
+    """transformers' own assisted generation vs its own plain greedy ``generate`` (stock
+    SDPA attention, growing DynamicCache), on the same prompts, side by side.
+
+    A reference point printed beside our speedup; not our decoder. ``speedup`` is assisted
+    tokens/s ÷ plain tokens/s of transformers' loop.
+    """
+    import torch
+
+    from kakeya_lab.attention import standard_attention
+
+    plain_tokens = assisted_tokens = 0
+    plain_s = assisted_s = 0.0
+    identical = True
+    with standard_attention(target), standard_attention(draft), torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([list(ids)])
+            common = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            t0 = time.perf_counter()
+            plain = target.generate(x, **common)
+            plain_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            assisted = target.generate(x, assistant_model=draft, **common)
+            assisted_s += time.perf_counter() - t0
+            plain_tokens += plain.shape[1] - x.shape[1]
+            assisted_tokens += assisted.shape[1] - x.shape[1]
+            identical &= bool(torch.equal(plain, assisted))
+    return {
+        "plain_tokens_per_s": plain_tokens / plain_s,
+        "assisted_tokens_per_s": assisted_tokens / assisted_s,
+        "speedup": (assisted_tokens / assisted_s) / (plain_tokens / plain_s),
+        "identical_output": identical,
+    }

@@ -1,0 +1,105 @@
+"""Prompt sets and corpora, all from installed packages (no downloads at run time).
+
+Chit-chat: the MIT-licensed ``chitchat-dataset`` package (BYU PCC lab, ~7k real
+two-person chats, ~19 turns each). Consecutive messages of one sender are joined into one
+turn. **Split by conversation id**: a conversation is in ``dev`` iff the first 8 hex
+digits of ``sha256(conversation_id)`` taken as an integer are ``0 mod 10`` (about 10%),
+otherwise in ``train``. The rule is fixed here; ``data/chitchat_split.json`` lists the dev
+ids it yields, and a test checks the two agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+Split = Literal["train", "dev"]
+DEV_BUCKETS = 10
+REPO_DATA = Path(__file__).resolve().parent.parent / "data"
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: str
+    turns: tuple[str, ...]  # alternating speakers, first speaker first
+    domain: str = "chitchat"
+
+
+def split_of(conversation_id: str) -> Split:
+    """``dev`` for about one conversation in ten, by a hash of its id (stable forever)."""
+    bucket = int(hashlib.sha256(conversation_id.encode()).hexdigest()[:8], 16) % DEV_BUCKETS
+    return "dev" if bucket == 0 else "train"
+
+
+@lru_cache(maxsize=1)
+def _chitchat_raw() -> dict:
+    try:
+        import chitchat_dataset
+    except ImportError as exc:  # pragma: no cover - a dependency of the dev/data extras
+        raise ImportError(
+            "the chit-chat corpus needs the 'chitchat-dataset' package: pip install chitchat-dataset==0.9.0"
+        ) from exc
+    path = Path(chitchat_dataset.__file__).with_name("dataset.json")
+    return json.loads(path.read_text())
+
+
+def chitchat_conversations(
+    split: Split = "dev", *, limit: int | None = None, min_turns: int = 2
+) -> list[Conversation]:
+    """Conversations of ``split`` in a fixed order (sorted by id)."""
+    if split not in ("train", "dev"):
+        raise ValueError(f"split must be 'train' or 'dev', got {split!r}")
+    raw = _chitchat_raw()
+    out = []
+    for cid in sorted(raw):
+        if split_of(cid) != split:
+            continue
+        turns = tuple(
+            " ".join(u["text"].strip() for u in group if u["text"].strip())
+            for group in raw[cid]["messages"]
+        )
+        turns = tuple(t for t in turns if t)
+        if len(turns) >= min_turns:
+            out.append(Conversation(cid, turns))
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def chitchat_dataset(split: Split = "dev", *, limit: int | None = None):
+    """The same conversations as a ``datasets.Dataset`` (columns ``id``, ``turns``, ``domain``)."""
+    import datasets
+
+    convs = chitchat_conversations(split, limit=limit)
+    return datasets.Dataset.from_dict(
+        {
+            "id": [c.id for c in convs],
+            "turns": [list(c.turns) for c in convs],
+            "domain": [c.domain for c in convs],
+        }
+    )
+
+
+def chained_user_turns(conversations: list[Conversation], n_turns: int) -> list[str]:
+    """The first speaker's turns of ``conversations`` one after another, ``n_turns`` of them
+    (a long session made of real chats; cycles if the conversations run out)."""
+    turns = [t for c in conversations for t in c.turns[0::2]]
+    if not turns:
+        raise ValueError("no user turns in these conversations")
+    return [turns[i % len(turns)] for i in range(n_turns)]
+
+
+def dev_ids_manifest() -> dict:
+    """What ``data/chitchat_split.json`` holds: the rule and the dev ids it gives."""
+    raw = _chitchat_raw()
+    dev = sorted(cid for cid in raw if split_of(cid) == "dev")
+    return {
+        "rule": f"dev iff int(sha256(id)[:8], 16) % {DEV_BUCKETS} == 0",
+        "source": "chitchat-dataset==0.9.0 (MIT)",
+        "conversations": len(raw),
+        "dev": dev,
+    }

@@ -1,0 +1,115 @@
+"""Experiment runner: a real 2x2 sweep through papermill, skips, recorded failures, index."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nbformat
+import pandas as pd
+import pytest
+
+from kakeya_lab.cli import main as cli_main
+from kakeya_lab.experiments import build_index, load_sweep, run_notebook, run_sweep
+
+
+def _notebook(path):
+    nb = nbformat.v4.new_notebook()
+    params = nbformat.v4.new_code_cell("a = 1\nb = 2\nrun_dir = None\nrun_id = None\nexperiment = 'tiny'")
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [
+        nbformat.v4.new_markdown_cell("# tiny"),
+        params,
+        nbformat.v4.new_code_cell(
+            "from kakeya_lab.results import run_header, write_metrics\n"
+            "if a < 0:\n    raise ValueError('a must be >= 0')\n"
+            "total = a * 10 + b\n"
+            "if run_dir:\n"
+            "    write_metrics(run_dir, run_header(experiment=experiment, run_id=run_id), {'total': total, 'nested': {'a': a}})\n"
+            "print(total)"
+        ),
+    ]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture
+def sweep_file(tmp_path):
+    _notebook(tmp_path / "tiny.ipynb")
+    path = tmp_path / "tiny.yaml"
+    path.write_text(
+        "name: tiny\nnotebook: tiny.ipynb\nrepeats: 1\nexecutor: local\n"
+        "grid:\n  a: [0, 1]\n  b: [5, 6]\n"
+        "profiles:\n  smoke: {}\n"
+    )
+    return path
+
+
+def test_sweep_runs_skips_and_indexes(sweep_file, tmp_path):
+    results = tmp_path / "results"
+    first = run_sweep(sweep_file, profile="smoke", results_root=results, progress=False)
+    assert sorted(first["status"]) == ["completed"] * 4
+    index = pd.read_parquet(results / "index.parquet")
+    assert len(index) == 4 and set(index["status"]) == {"completed"}
+    totals = sorted(zip(index["param.a"], index["param.b"], index["metric.total"]))
+    assert totals == [(0, 5, 5), (0, 6, 6), (1, 5, 15), (1, 6, 16)]
+    assert set(index["metric.nested.a"]) == {0, 1}
+    for run_dir in index["run_dir"]:
+        names = {p.name for p in Path(run_dir).iterdir()}
+        assert {"notebook.ipynb", "metrics.json", "run.json"} <= names
+    again = run_sweep(sweep_file, profile="smoke", results_root=results, progress=False)
+    assert sorted(again["status"]) == ["skipped"] * 4
+
+
+def test_failing_runs_are_recorded_and_the_sweep_goes_on(sweep_file, tmp_path):
+    results = tmp_path / "results"
+    path = tmp_path / "mixed.yaml"
+    path.write_text("name: mixed\nnotebook: tiny.ipynb\ngrid:\n  a: [-1, 0]\n  b: [5, 6]\n")
+    out = run_sweep(path, results_root=results, progress=False)
+    assert sorted(out["status"]) == ["completed", "completed", "failed", "failed"]
+    index = build_index(results)
+    failed = index[index["status"] == "failed"]
+    assert sorted(failed["param.a"]) == [-1, -1]
+    assert failed["error"].str.contains("a must be >= 0").all()
+    assert sorted(index[index["status"] == "completed"]["metric.total"]) == [5, 6]
+    run = json.loads((results / "mixed" / failed["run_id"].iloc[0] / "run.json").read_text())
+    assert run["status"] == "failed" and run["error"]["type"] == "PapermillExecutionError"
+    # a re-run retries the failed runs only
+    again = run_sweep(path, results_root=results, progress=False)
+    assert sorted(again["status"]) == ["failed", "failed", "skipped", "skipped"]
+
+
+def test_unknown_parameter_fails_that_run_only(sweep_file, tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("name: typo\nnotebook: tiny.ipynb\ngrid:\n  a: [1]\n  c: [3]\n")
+    out = run_sweep(path, results_root=tmp_path / "results", progress=False)
+    assert list(out["status"]) == ["failed"] and "unknown parameter" in out["error"].iloc[0]
+    with pytest.raises(ValueError, match="unknown parameter"):
+        run_notebook(tmp_path / "tiny.ipynb", {"c": 3}, results_root=tmp_path / "results")
+
+
+def test_bad_sweep_files_are_clear_errors(tmp_path, capsys):
+    (tmp_path / "x.yaml").write_text("grid: {a: [1]}\n")
+    with pytest.raises(ValueError, match="notebook"):
+        load_sweep(tmp_path / "x.yaml")
+    (tmp_path / "y.yaml").write_text("notebook: missing.ipynb\n")
+    with pytest.raises(ValueError, match="not found"):
+        load_sweep(tmp_path / "y.yaml")
+    assert cli_main(["sweep", str(tmp_path / "y.yaml")]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_sweep_on_a_real_local_ray_cluster(sweep_file, tmp_path):
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+    path = tmp_path / "onray.yaml"
+    path.write_text("name: onray\nnotebook: tiny.ipynb\nexecutor: ray\nray: {num_cpus: 1}\n"
+                    "grid:\n  a: [2, 3]\n")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        out = run_sweep(path, results_root=tmp_path / "results", progress=False)
+    finally:
+        ray.shutdown()
+    assert sorted(out["status"]) == ["completed", "completed"]
+    index = pd.read_parquet(tmp_path / "results" / "index.parquet")
+    assert sorted(index["metric.total"]) == [22, 32]

@@ -1,0 +1,90 @@
+"""A short real long run (tiny window, so eviction starts in seconds), and resume after a kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+
+from kakeya_lab.bench.long_run import DegenerateRun, _refuse_degenerate, run_long, standard_arms
+from kakeya_lab.data import chained_user_turns, chitchat_conversations
+
+TURNS = 10
+ARGS = dict(sink=4, window=40)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(default_model):
+    arms = standard_arms(ARGS["sink"], ARGS["window"], names=("sink_window", "full_cache"))
+    turns = chained_user_turns(chitchat_conversations("dev"), TURNS)
+    return run_long(default_model, arms, turns, max_new_tokens=6, turns_per_bucket=3, progress=False)
+
+
+def test_sink_window_is_bounded_and_full_cache_is_not(uninterrupted):
+    s = uninterrupted.summary
+    assert s["sink_window"]["kv_bounded"] is True, s["sink_window"]["kv_bounded_by_turns"]
+    assert s["full_cache"]["kv_bounded"] is False
+    sw = uninterrupted.turns[uninterrupted.turns["arm"] == "sink_window"]
+    fc = uninterrupted.turns[uninterrupted.turns["arm"] == "full_cache"]
+    assert sw["cache_len"].iloc[-1] == ARGS["sink"] + ARGS["window"] < sw["history_len"].iloc[-1]
+    assert fc["kv_live_bytes"].is_monotonic_increasing and fc["kv_live_bytes"].iloc[-1] > sw["kv_live_bytes"].iloc[-1]
+    assert (sw["kv_live_bytes"] > 0).all()
+    # both arms saw the same user turns; the histories differ only by the replies
+    assert list(sw["user_tokens"]) == list(fc["user_tokens"])
+
+
+def test_degenerate_runs_are_refused():
+    with pytest.raises(DegenerateRun):
+        _refuse_degenerate([{"arm": "sink_window", "turn": 0, "kv_live_bytes": 0}])
+
+
+def _cli(out_dir):
+    return [sys.executable, "-m", "kakeya_lab.cli", "long-run", str(out_dir), "--turns", str(TURNS),
+            "--arms", "sink_window,full_cache", "--sink", str(ARGS["sink"]), "--window", str(ARGS["window"]),
+            "--max-new-tokens", "6", "--checkpoint-every", "2", "--probe-every", "0",
+            "--turns-per-bucket", "3", "--quiet"]
+
+
+def test_resume_after_kill_loses_no_completed_turn(tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cli(out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    checkpoint = out / "checkpoint.json"
+    deadline = time.monotonic() + 300
+    saved = None
+    while time.monotonic() < deadline:
+        if checkpoint.exists():
+            saved = json.loads(checkpoint.read_text())
+            if 4 <= saved["next_turn"] < TURNS:
+                break
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before it could be interrupted: {proc.stderr.read().decode()[-2000:]}")
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    saved = json.loads(checkpoint.read_text())  # the last checkpoint written before the kill
+    done_before = pd.DataFrame(saved["rows"])
+    assert 4 <= saved["next_turn"] < TURNS and len(done_before) == 2 * saved["next_turn"]
+
+    subprocess.run(_cli(out), check=True, capture_output=True)
+    final = pd.read_csv(out / "turns.csv")
+    assert sorted(final.groupby("arm")["turn"].apply(list).to_dict().items()) == [
+        ("full_cache", list(range(TURNS))), ("sink_window", list(range(TURNS)))]
+    # completed turns are kept as they were
+    kept = final.merge(done_before, on=["arm", "turn"], suffixes=("", "_before"))
+    assert len(kept) == len(done_before)
+    assert (kept["reply"].fillna("") == kept["reply_before"].fillna("")).all()
+    assert (kept["history_len"] == kept["history_len_before"]).all()
+    # and the resumed turns continue exactly where the uninterrupted run went (greedy)
+    ref = uninterrupted.turns.set_index(["arm", "turn"])
+    for row in final.itertuples():
+        assert row.history_len == ref.loc[(row.arm, row.turn), "history_len"]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["metrics"]["arms"]["sink_window"]["kv_bounded"] is True
+    assert metrics["schema_version"] == 1 and metrics["model"]["name"] == "smollm2-135m-instruct"
