@@ -304,7 +304,7 @@ def cmd_long_run(args: argparse.Namespace) -> int:
     """A long multi-turn run into OUT_DIR (checkpointed; re-running resumes)."""
     from pathlib import Path
 
-    from kakeya_lab.bench.long_run import FactProbe, run_long, standard_arms
+    from kakeya_lab.bench.long_run import FactProbe, long_run_headline, run_long, standard_arms
     from kakeya_lab.data import chained_user_turns, chitchat_conversations
     from kakeya_lab.models import load_model
     from kakeya_lab.results import run_header, write_metrics
@@ -325,7 +325,7 @@ def cmd_long_run(args: argparse.Namespace) -> int:
                    probe=FactProbe(every=args.probe_every) if args.probe_every else None,
                    reprefill_cap_s=args.reprefill_cap_s, turns_per_bucket=args.turns_per_bucket,
                    progress=not args.quiet)
-    write_metrics(out, header, {"arms": run.summary})
+    write_metrics(out, header, {"arms": run.summary}, headline=long_run_headline(run.summary))
     for arm, s in run.summary.items():
         drift = s.get("latency_drift_p50_by_turns", {}).get("append_latency_s", {})
         print(f"{arm:12s} turns {s['turns']:5d}  kv_bounded {s.get('kv_bounded')}  "

@@ -321,7 +321,7 @@ def build_index(results_root: str | Path = "results") -> pd.DataFrame:
         if metrics_file.is_file():
             try:
                 doc = json.loads(metrics_file.read_text())
-                headline = doc.get("headline") or doc.get("metrics") or {}
+                headline = doc.get("headline") or {}
                 row.update({f"metric.{k}": v for k, v in _flatten_headline(headline).items()})
                 row["model"] = (doc.get("model") or {}).get("name")
             except (OSError, json.JSONDecodeError):

@@ -104,3 +104,27 @@ def speculative_turns_figure(turns: pd.DataFrame) -> go.Figure:
     fig.update_xaxes(title_text="history length (tokens)")
     fig.update_layout(height=380, title="Speculation across the session")
     return fig
+
+
+def rss_figure(turns: pd.DataFrame) -> go.Figure:
+    """Process RSS after each turn (one process holds every arm, so the lines overlap)."""
+    fig = go.Figure()
+    for arm, df in turns.groupby("arm", sort=False):
+        fig.add_trace(go.Scatter(x=df["turn"], y=df["rss_bytes"] / 2**30, mode="lines", name=arm,
+                                 line=dict(color=_color(arm))))
+    fig.update_layout(title="Process RSS", xaxis_title="turn", yaxis_title="GiB", height=340)
+    return fig
+
+
+def recall_figure(turns: pd.DataFrame, window: int | None = None) -> go.Figure:
+    """Planted-fact recall (1/0) against the distance to the fact, per arm."""
+    fig = go.Figure()
+    probes = turns[turns["probe_recalled"].notna()] if "probe_recalled" in turns else turns.iloc[0:0]
+    for arm, df in probes.groupby("arm", sort=False):
+        fig.add_trace(go.Scatter(x=df["probe_distance_tokens"], y=df["probe_recalled"].astype(float),
+                                 mode="markers", name=arm, marker=dict(color=_color(arm), size=9)))
+    if window:
+        fig.add_vline(x=window, line_dash="dash", line_color="gray", annotation_text="window")
+    fig.update_layout(title="Recall of a fact planted in turn 0", xaxis_title="distance to the fact (tokens)",
+                      yaxis=dict(title="recalled", tickvals=[0, 1], range=[-0.1, 1.1]), height=340)
+    return fig

@@ -138,10 +138,17 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"cannot serialise {type(value).__name__}")
 
 
-def write_metrics(run_dir: str | Path, header: dict, metrics: dict, name: str = "metrics.json") -> Path:
-    """Write ``{**header, "ended": now, "metrics": metrics}`` atomically into ``run_dir``."""
+def write_metrics(
+    run_dir: str | Path, header: dict, metrics: dict, *, headline: dict | None = None,
+    name: str = "metrics.json",
+) -> Path:
+    """Write ``{**header, "ended": now, "headline": ..., "metrics": metrics}`` atomically.
+
+    ``headline``: the few numbers the run index (``results/index.parquet``) shows.
+    """
     doc = dict(header)
     doc["ended"] = now_iso()
+    doc["headline"] = headline or {}
     doc["metrics"] = metrics
     return write_json_atomic(Path(run_dir) / name, doc)
 

@@ -25,7 +25,7 @@ def _notebook(path):
             "if a < 0:\n    raise ValueError('a must be >= 0')\n"
             "total = a * 10 + b\n"
             "if run_dir:\n"
-            "    write_metrics(run_dir, run_header(experiment=experiment, run_id=run_id), {'total': total, 'nested': {'a': a}})\n"
+            "    write_metrics(run_dir, run_header(experiment=experiment, run_id=run_id), {'total': total}, headline={'total': total, 'nested': {'a': a}})\n"
             "print(total)"
         ),
     ]

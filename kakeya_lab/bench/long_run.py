@@ -351,3 +351,20 @@ def summarize_long_run(
             summary["recall_rate"] = float(probes["probe_recalled"].astype(bool).mean())
         out[name] = summary
     return out
+
+
+def long_run_headline(summary: dict[str, dict]) -> dict[str, dict]:
+    """The few numbers per arm that the run index shows."""
+    out = {}
+    for arm, s in summary.items():
+        drift = s.get("latency_drift_p50_by_turns", {}).get("append_latency_s", {})
+        out[arm] = {
+            "turns": s.get("turns"),
+            "kv_bounded": s.get("kv_bounded"),
+            "prefill_bounded": s.get("prefill_bounded"),
+            "append_p50_drift_pct": drift.get("drift_pct"),
+            "append_last_over_first_bucket": s.get("append_latency_last_over_first_bucket"),
+            "rss_drift_pct": (s.get("rss_drift") or {}).get("drift_pct"),
+            "recall_rate": s.get("recall_rate"),
+        }
+    return out
