@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import subprocess
@@ -112,8 +113,23 @@ def run_header(
     return header
 
 
+def _finite(obj: Any) -> Any:
+    """NaN and infinities become None (JSON has no such numbers; pandas makes them for gaps)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    if hasattr(obj, "item") and getattr(obj, "ndim", 1) == 0:
+        return _finite(obj.item())
+    return obj
+
+
 def write_json_atomic(path: str | Path, obj: Any) -> Path:
-    """Write JSON via a temp file in the same folder and rename it into place."""
+    """Write JSON via a temp file in the same folder and rename it into place
+    (non-finite floats are written as null)."""
+    obj = _finite(obj)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
