@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import json
 
-from kakeya_lab.data import REPO_DATA, chained_user_turns, chitchat_conversations, dev_ids_manifest, split_of
+from kakeya_lab.data import (
+    REPO_DATA,
+    chained_user_turns,
+    chitchat_conversations,
+    dev_ids_manifest,
+    split_of,
+)
 
 
 def test_committed_split_matches_the_rule():

@@ -271,3 +271,10 @@ def test_ngram_proposer_looks_up_the_latest_match():
     assert p.propose([1, 2, 3, 9, 1, 2, 4, 5, 1, 2], 3).tokens == [4, 5, 1]
     assert p.propose([7, 8], 3).tokens == []
     assert p.propose([5, 6, 5], 2).tokens == [6, 5]
+
+
+def test_adaptive_draft_length_stays_lossless(plain_runs, default_model):
+    config, prompt, want = plain_runs["global"]
+    got, steps, _, _ = _spec(default_model.model, config, prompt, NgramProposer(), k=3, adaptive=True)
+    assert got == want
+    assert len({s.k for s in steps if s.k}) > 1  # k actually moved
