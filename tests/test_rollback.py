@@ -44,7 +44,8 @@ def test_random_interleavings_match_oracle_and_replay(tiny_model, mode, record_t
         elif op < 0.85 and pending:
             n = rng.randint(0, len(pending))
             v.commit(n)
-            committed_ref.extend(pending[:n]) if n else None
+            if n:
+                committed_ref.extend(pending[:n])
             pending, open_ref = [], None
             continue
         else:
