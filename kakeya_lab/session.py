@@ -110,6 +110,12 @@ class _Session:
     stats: dict = field(default_factory=dict)
 
 
+def model_eos_ids(model: PreTrainedModel) -> frozenset[int]:
+    """The end-of-sequence ids the model's generation config (or config) declares."""
+    eos = getattr(model.generation_config, "eos_token_id", None) or model.config.eos_token_id
+    return frozenset([eos] if isinstance(eos, int) else list(eos or []))
+
+
 class SessionStore:
     """Owns sessions over one model; each session has its own verifier and cache.
 
@@ -145,10 +151,7 @@ class SessionStore:
         self.idle_ttl_s = idle_ttl_s
         self.prefill_chunk = prefill_chunk
         self.check_invariants = check_invariants
-        if eos_token_ids is None:
-            eos = getattr(model.generation_config, "eos_token_id", None) or model.config.eos_token_id
-            eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else model_eos_ids(model))
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._lock = threading.RLock()
         self.evicted: list[tuple[str, str]] = []  # (id, reason), most recent last

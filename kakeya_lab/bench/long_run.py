@@ -38,7 +38,7 @@ from kakeya_lab.bench.aggregate import aggregate_arm, repetition_rate
 from kakeya_lab.cache import SinkWindowConfig, analytic_kv_budget_bytes
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.results import write_json_atomic
-from kakeya_lab.session import Done, HistoryTruncated, SessionStore, Token
+from kakeya_lab.session import Done, HistoryTruncated, SessionStore, Token, model_eos_ids
 from kakeya_lab.verifier import Verifier
 
 CHECKPOINT = "checkpoint.json"
@@ -197,7 +197,7 @@ def run_long(
     if duration_s is not None and duration_s <= 0:
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
     tok = loaded.tokenizer
-    model_eos = SessionStore(loaded.model, SinkWindowConfig(0, None)).eos_token_ids
+    model_eos = model_eos_ids(loaded.model)
     out = Path(out_dir) if out_dir is not None else None
     rows: list[dict] = []
     states: dict[str, _ArmState] = {}
