@@ -6,6 +6,17 @@ turn. **Split by conversation id**: a conversation is in ``dev`` iff the first 8
 digits of ``sha256(conversation_id)`` taken as an integer are ``0 mod 10`` (about 10%),
 otherwise in ``train``. The rule is fixed here; ``data/chitchat_split.json`` lists the dev
 ids it yields, and a test checks the two agree.
+
+Code and prose (for per-domain evaluation of proposers, :func:`domain_conversations`):
+
+* ``code``: passages of the running interpreter's own standard library (``*.py`` at the
+  top of ``sysconfig``'s ``stdlib``), each starting at a top-level ``def``/``class``;
+  ``dev`` iff the same hash rule holds for the file name (held out by file).
+* ``prose``: passages of *The Tempest* (``data/tempest.txt``, public domain) of about
+  600 characters at blank lines; ``dev`` iff the rule holds for ``"tempest:<index>"``.
+
+Each passage becomes a two-turn conversation: "continue this" with the passage, then
+"Go on." — so every domain runs through the same chat-templated session path.
 """
 
 from __future__ import annotations
@@ -27,6 +38,9 @@ class Conversation:
     id: str
     turns: tuple[str, ...]  # alternating speakers, first speaker first
     domain: str = "chitchat"
+
+
+DOMAINS = ("chitchat", "code", "prose")
 
 
 def split_of(conversation_id: str) -> Split:
@@ -103,3 +117,62 @@ def dev_ids_manifest() -> dict:
         "conversations": len(raw),
         "dev": dev,
     }
+
+
+def _code_passages(max_lines: int = 14) -> list[tuple[str, str]]:
+    """``(file name, passage)`` from the standard library, in a fixed order."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in sorted(root.glob("*.py")):
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (UnicodeDecodeError, OSError):
+            continue
+        starts = [i for i, line in enumerate(lines) if line.startswith(("def ", "class "))]
+        for i in starts[:8]:  # a few passages per file keeps files balanced
+            passage = "\n".join(lines[i : i + max_lines]).strip()
+            if len(passage) > 80:
+                out.append((path.name, passage))
+    return out
+
+
+def _prose_passages(target_chars: int = 600) -> list[str]:
+    text = (REPO_DATA / "tempest.txt").read_text(encoding="utf-8")
+    passages, current = [], ""
+    for para in text.split("\n\n"):
+        para = para.strip()
+        if not para:
+            continue
+        current = f"{current}\n\n{para}" if current else para
+        if len(current) >= target_chars:
+            passages.append(current)
+            current = ""
+    return passages
+
+
+def domain_conversations(
+    domain: str, split: Split = "dev", *, limit: int | None = None
+) -> list[Conversation]:
+    """Prompt conversations of one domain (``chitchat``, ``code`` or ``prose``) and split."""
+    if split not in ("train", "dev"):
+        raise ValueError(f"split must be 'train' or 'dev', got {split!r}")
+    if domain == "chitchat":
+        return chitchat_conversations(split, limit=limit)
+    if domain == "code":
+        items = [(f"code:{name}:{i}", name, p) for i, (name, p) in enumerate(_code_passages())]
+        prompt = "Continue this Python code.\n\n```python\n{}\n```"
+    elif domain == "prose":
+        items = [(f"prose:tempest:{i}", f"tempest:{i}", p) for i, p in enumerate(_prose_passages())]
+        prompt = "Continue this passage of a play.\n\n{}"
+    else:
+        raise ValueError(f"unknown domain {domain!r}: use one of {', '.join(DOMAINS)}")
+    out = []
+    for cid, split_key, passage in items:
+        if split_of(split_key) != split:
+            continue
+        out.append(Conversation(cid, (prompt.format(passage), "", "Go on."), domain=domain))
+        if limit is not None and len(out) >= limit:
+            break
+    return out

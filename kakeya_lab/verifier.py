@@ -40,6 +40,65 @@ def check_token_ids(token_ids: Sequence[int] | torch.Tensor, vocab_size: int) ->
     return ids
 
 
+def final_norm(model: PreTrainedModel) -> torch.nn.Module:
+    """The module whose output feeds the lm_head (the final norm of the decoder stack)."""
+    norm = getattr(model.base_model, "norm", None)
+    if norm is None:
+        raise ValueError(f"{type(model).__name__} has no final norm at model.base_model.norm")
+    return norm
+
+
+class HiddenTrace:
+    """The verifier's final hidden states (the lm_head's input, ``[hidden]`` per token) for
+    the positions it scored most recently, keyed by global position.
+
+    A forward starting at position ``s`` invalidates every stored position ``>= s`` (they
+    belonged to a dropped provisional block) before storing its own rows, so a stored row
+    is always the one for the token now at that position. ``capacity`` bounds how many of
+    the latest positions are kept (``None``: all, for rollout capture).
+    """
+
+    def __init__(self, capacity: int | None = 64):
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"capacity must be >= 1 or None, got {capacity}")
+        self.capacity = capacity
+        self._rows: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def record(self, start: int, token_ids: Sequence[int], hidden: torch.Tensor) -> None:
+        for pos in [p for p in self._rows if p >= start]:
+            del self._rows[pos]
+        for i, (token, row) in enumerate(zip(token_ids, hidden)):
+            self._rows[start + i] = (int(token), row)
+        if self.capacity is not None:
+            horizon = start + len(token_ids) - self.capacity
+            for pos in [p for p in self._rows if p < horizon]:
+                del self._rows[pos]
+
+    def features(self, positions: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor | None:
+        """Rows ``[len(positions), hidden]`` if every position is held with that token, else None."""
+        rows = []
+        for pos, token in zip(positions, token_ids):
+            held = self._rows.get(pos)
+            if held is None or held[0] != token:
+                return None
+            rows.append(held[1])
+        return torch.stack(rows) if rows else None
+
+    def held_suffix(self, context: Sequence[int], max_len: int) -> int:
+        """How many of the last ``max_len`` positions of ``context`` are held, contiguously
+        back from the end."""
+        n = 0
+        for pos in range(len(context) - 1, max(len(context) - 1 - max_len, -1), -1):
+            held = self._rows.get(pos)
+            if held is None or held[0] != context[pos]:
+                break
+            n += 1
+        return n
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
 class Verifier:
     """Scores tokens for one sequence through a :class:`SinkWindowCache`.
 
@@ -65,12 +124,26 @@ class Verifier:
         self.cache = SinkWindowCache(model, config, auto_commit=False)
         self._history: list[int] = []
         self._pending: list[int] = []
+        self.trace: HiddenTrace | None = None  # set to record final hidden states
+
+    def trace_hidden(self, capacity: int | None = 64) -> HiddenTrace:
+        """Start recording final hidden states (kept if already on with enough capacity)."""
+        t = self.trace
+        if t is None or (t.capacity is not None and (capacity is None or t.capacity < capacity)):
+            self.trace = t = HiddenTrace(capacity)
+        return t
 
     # ---------------------------------------------------------------- forwards
     def _forward(self, ids: list[int], logits_to_keep: int) -> torch.Tensor:
         start = self.cache.next_position
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device)[None]
+        captured: list[torch.Tensor] = []
+        hook = None
+        if self.trace is not None:
+            hook = final_norm(self.model).register_forward_hook(
+                lambda _m, _i, out: captured.append(out[0].detach().float())
+            )
         try:
             with torch.inference_mode():
                 out = self.model(
@@ -84,6 +157,11 @@ class Verifier:
             # Drop this forward's partial block; earlier provisional tokens survive.
             self.cache.crop(start)
             raise
+        finally:
+            if hook is not None:
+                hook.remove()
+        if captured:
+            self.trace.record(start, ids, captured[-1])
         return out.logits[0].float()
 
     def append(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
