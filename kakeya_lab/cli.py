@@ -355,6 +355,53 @@ def add_long_run_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_long_run)
 
 
+# --------------------------------------------------------------------------- align
+
+
+def cmd_align_capture(args: argparse.Namespace) -> int:
+    """Capture verifier rollouts of one domain and split into OUT_DIR (resumable)."""
+    from kakeya_lab.align.rollouts import CaptureOptions, capture_rollouts
+    from kakeya_lab.cache import SinkWindowConfig
+    from kakeya_lab.data import domain_conversations
+    from kakeya_lab.models import load_model
+
+    convs = domain_conversations(args.domain, args.split, limit=args.conversations)
+    options = CaptureOptions(top_k=args.top_k, turns_per_conversation=args.turns,
+                             max_new_tokens=args.max_new_tokens, shard_size=args.shard_size,
+                             min_confidence=args.min_confidence)
+    loaded = load_model(args.model, progress=not args.quiet)
+    manifest = capture_rollouts(loaded, convs, args.out_dir, split=args.split, options=options,
+                                config=SinkWindowConfig(args.sink, args.window),
+                                progress=not args.quiet)
+    rows = sum(s["rows"] for s in manifest["shards"])
+    tokens = sum(s["tokens"] for s in manifest["shards"])
+    print(f"{args.out_dir}: {rows} conversations, {tokens} tokens in {len(manifest['shards'])} shards")
+    return 0
+
+
+def add_align_parser(subparsers: argparse._SubParsersAction) -> None:
+    from kakeya_lab.models import DEFAULT_MODEL
+
+    align = subparsers.add_parser("align", help="proposer alignment: rollouts, training, evaluation")
+    sub = align.add_subparsers(dest="align_command", metavar="ALIGN_COMMAND")
+    align.set_defaults(func=lambda _args: _usage(align))
+    p = sub.add_parser("capture", help="capture verifier rollouts into a datasets folder")
+    p.add_argument("out_dir")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--domain", default="chitchat", choices=["chitchat", "code", "prose"])
+    p.add_argument("--split", default="train", choices=["train", "dev"])
+    p.add_argument("--conversations", type=int, default=64)
+    p.add_argument("--turns", type=int, default=3, help="user turns per conversation")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--shard-size", type=int, default=8)
+    p.add_argument("--min-confidence", type=float, default=None)
+    p.add_argument("--sink", type=int, default=4)
+    p.add_argument("--window", type=int, default=252)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_align_capture)
+
+
 # --------------------------------------------------------------------------- parser / main
 
 
@@ -376,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(subparsers)
     add_sweep_parser(subparsers)
     add_long_run_parser(subparsers)
+    add_align_parser(subparsers)
     return parser
 
 

@@ -5,6 +5,9 @@ history so far (every token the verifier has accepted or emitted); ``accept(n)``
 the proposer how many of its last draft's tokens were accepted, so it can roll back its
 own state. A proposer keeps whatever state it wants but must resynchronise from
 ``context`` alone: if its own history is not a prefix of ``context`` it starts over.
+A proposer that conditions on the verifier's hidden states may also define
+``bind(verifier)``; the decoder calls it before the first draft (see
+:class:`kakeya_lab.align.drafters.DrafterProposer`).
 
 * :class:`NgramProposer` — prompt lookup over the history, no model.
 * :class:`DraftModelProposer` — a smaller model sharing the tokenizer, with its own

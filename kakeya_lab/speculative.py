@@ -177,6 +177,9 @@ def speculative_decode(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     stops = frozenset(stop_token_ids)
     schedule = AdaptiveK(k) if adaptive else None
+    bind = getattr(proposer, "bind", None)
+    if callable(bind):  # proposers that read the verifier's hidden states
+        bind(verifier)
 
     x = sample_token(
         state.next_logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator

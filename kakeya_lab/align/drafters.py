@@ -1,0 +1,326 @@
+"""Trainable drafters that condition on the verifier's hidden states.
+
+Both read the verifier's *final hidden state* ``f_j`` (the lm_head input) at the latest
+context positions, paired with the token that followed, ``(f_j, t_{j+1})``, and predict
+the features ``f_p, f_{p+1}, ...`` of the positions to come, where ``t_p`` is the last
+token emitted and ``p`` its position. The verifier's frozen lm_head turns a predicted
+feature into logits, restricted to ``draft_vocab`` (the tokens the rollouts actually use:
+most of a head's cost is its vocabulary). The verifier's frozen embedding embeds tokens.
+Neither frozen matrix is part of a drafter's checkpoint.
+
+* :class:`FeatureDrafter` (EAGLE-style): a small causal decoder over the pairs; drafts
+  autoregressively, feeding back its own predicted feature with the token it chose.
+* :class:`BlockDrafter` (block-diffusion style, after DFlash): bidirectional layers over
+  the context pairs and ``k`` learned mask slots; one forward fills the whole block.
+  Learnable bridges map the verifier's width to the drafter's narrower one and back.
+
+:class:`DrafterProposer` makes either one a proposer of the speculative-decoding protocol:
+it binds to the session's verifier to read its hidden-state trace.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kakeya_lab.proposers import Draft
+from kakeya_lab.sampling import sampling_probs
+from kakeya_lab.verifier import HiddenTrace, Verifier
+
+KINDS = ("feature", "block")
+
+
+@dataclass
+class DrafterConfig:
+    """Shape of a drafter and the verifier it belongs to (saved beside its weights)."""
+
+    kind: str  # "feature" or "block"
+    hidden_size: int  # the verifier's width H (features, embedding, lm_head)
+    vocab_size: int  # the verifier's vocabulary
+    verifier_sha256: str | None  # weights of the verifier it was made for
+    draft_vocab: list[int] = field(default_factory=list)  # token ids it may propose
+    width: int = 0  # the drafter's own width (0: the verifier's)
+    num_layers: int = 1
+    num_heads: int = 8
+    mlp_ratio: float = 2.0
+    context_len: int = 16  # (feature, next token) pairs it reads
+    block_size: int = 4  # block drafter: mask slots, the longest draft of one forward
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown drafter kind {self.kind!r}: use one of {', '.join(KINDS)}")
+        self.width = self.width or self.hidden_size
+        if self.width % self.num_heads:
+            raise ValueError(f"width {self.width} is not divisible by num_heads {self.num_heads}")
+        if self.context_len < 1 or self.block_size < 1 or self.num_layers < 1:
+            raise ValueError("context_len, block_size and num_layers must be >= 1")
+        if not self.draft_vocab:
+            self.draft_vocab = list(range(self.vocab_size))
+        bad = [t for t in self.draft_vocab if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"draft_vocab holds ids outside 0..{self.vocab_size - 1}: {bad[:5]}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding over the sequence axis of ``x`` ``[B, heads, L, d]``."""
+    L, d = x.shape[-2], x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
+    ang = torch.arange(L, dtype=torch.float32, device=x.device)[:, None] * inv[None]
+    cos, sin = ang.cos().repeat(1, 2).to(x.dtype), ang.sin().repeat(1, 2).to(x.dtype)
+    half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
+    return x * cos + half * sin
+
+
+class Layer(nn.Module):
+    """Pre-norm transformer layer: multi-head attention with RoPE, SwiGLU MLP."""
+
+    def __init__(self, width: int, num_heads: int, mlp_ratio: float, rope_theta: float):
+        super().__init__()
+        self.num_heads, self.rope_theta = num_heads, rope_theta
+        self.attn_norm, self.mlp_norm = RMSNorm(width), RMSNorm(width)
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.proj = nn.Linear(width, width, bias=False)
+        hidden = int(width * mlp_ratio)
+        self.gate_up = nn.Linear(width, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: torch.Tensor, causal: bool) -> torch.Tensor:
+        B, L, W = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(B, L, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k = rope(q, self.rope_theta), rope(k, self.rope_theta)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, L, W))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Drafter(nn.Module):
+    """What both drafters share: frozen embedding and head, the pair fusion, the layers."""
+
+    causal: bool
+
+    def __init__(self, config: DrafterConfig, embedding: torch.Tensor, lm_head: torch.Tensor):
+        super().__init__()
+        c = self.config = config
+        if embedding.shape != (c.vocab_size, c.hidden_size):
+            raise ValueError(
+                f"verifier embedding is {tuple(embedding.shape)}, the drafter expects "
+                f"{(c.vocab_size, c.hidden_size)}"
+            )
+        ids = torch.tensor(c.draft_vocab, dtype=torch.long)
+        # Frozen, shared with the verifier, never saved with the drafter.
+        self.register_buffer("embedding", embedding.detach(), persistent=False)
+        self.register_buffer("head", lm_head.detach()[ids].float().clone(), persistent=False)
+        self.register_buffer("draft_ids", ids, persistent=False)
+        index = torch.full((c.vocab_size,), -1, dtype=torch.long)
+        index[ids] = torch.arange(len(ids))
+        self.register_buffer("draft_index", index, persistent=False)  # token id -> head row
+        self.fuse = nn.Linear(2 * c.hidden_size, c.width, bias=False)  # (feature, token) -> width
+        self.layers = nn.ModuleList(
+            Layer(c.width, c.num_heads, c.mlp_ratio, c.rope_theta) for _ in range(c.num_layers)
+        )
+        self.norm = RMSNorm(c.width)
+        self.out = nn.Linear(c.width, c.hidden_size, bias=False)  # back to the verifier's width
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+                if name.endswith(("proj.weight", "down.weight")):
+                    p.data.mul_(1 / math.sqrt(2 * self.config.num_layers))
+
+    def embed_pairs(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """``[B, n, H]`` features ``f_j`` and ``[B, n]`` tokens ``t_{j+1}`` -> ``[B, n, width]``."""
+        emb = self.embedding[next_tokens].to(features.dtype)
+        return self.fuse(torch.cat([features, emb], dim=-1))
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, self.causal)
+        return self.out(self.norm(x))
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits over ``draft_vocab`` from (predicted) features."""
+        return features @ self.head.T
+
+    def predict(self, window_features: torch.Tensor, window_tokens: torch.Tensor, k: int):
+        """Training view of a window of ``n + k + 1`` positions ``s..s+n+k`` (``n`` =
+        ``context_len``, ``p = s + n``): the context pairs are ``(f_j, t_{j+1})`` for
+        ``j < p``. Returns predicted features ``[B, m, H]`` and the window offsets ``[m]``
+        they predict (the feature at offset ``o`` yields the token at ``o + 1``)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def draft(
+        self,
+        features: torch.Tensor,
+        next_tokens: Sequence[int],
+        k: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Draft ``k`` tokens after the context; returns ids and, when sampling, ``q`` per draft."""
+        raise NotImplementedError
+
+    def _choose(self, logits: torch.Tensor, temperature, top_k, top_p, generator):
+        """One token from draft-vocab ``logits``; returns (token id, full-vocab q or None)."""
+        if temperature == 0.0:
+            return int(self.draft_ids[int(torch.argmax(logits))]), None
+        full = torch.full((self.config.vocab_size,), float("-inf"))
+        full[self.draft_ids] = logits.float()
+        q = sampling_probs(full, temperature=temperature, top_k=top_k, top_p=top_p)
+        return int(torch.multinomial(q, 1, generator=generator)), q
+
+
+class FeatureDrafter(Drafter):
+    """EAGLE-style: a causal decoder layer over ``(f_j, t_{j+1})`` pairs; output ``j``
+    predicts ``f_{j+1}``. Drafts one token per forward, feeding back its own feature."""
+
+    causal = True
+
+    def forward(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced: predicted ``f_{j+1}`` for every pair ``j`` (``[B, n, H]``)."""
+        return self.run(self.embed_pairs(features, next_tokens))
+
+    def predict(self, window_features, window_tokens, k):
+        """Every context pair teacher-forced (offsets ``1..n``), then ``k - 1`` steps
+        unrolled on its own features with the verifier's tokens (offsets ``n+1..n+k-1``),
+        as when drafting (the training-time test of EAGLE-3)."""
+        n = self.config.context_len
+        feats, toks = window_features[:, :n], window_tokens[:, 1 : n + 1]
+        out = self.forward(feats, toks)
+        preds = [out]
+        for i in range(1, k):
+            feats = torch.cat([feats, preds[-1][:, -1:]], dim=1)
+            toks = torch.cat([toks, window_tokens[:, n + i : n + i + 1]], dim=1)
+            preds.append(self.forward(feats, toks)[:, -1:])
+        return torch.cat(preds, dim=1), torch.arange(1, n + k)
+
+    @torch.no_grad()
+    def draft(self, features, next_tokens, k, *, temperature=0.0, top_k=None, top_p=None, generator=None):
+        feats = features[None].float()
+        toks = torch.tensor([list(next_tokens)], dtype=torch.long)
+        out, qs = [], []
+        for i in range(k):
+            f = self.forward(feats, toks)[:, -1:]
+            token, q = self._choose(self.logits(f[0, 0]), temperature, top_k, top_p, generator)
+            out.append(token)
+            if q is not None:
+                qs.append(q)
+            if i + 1 < k:
+                feats = torch.cat([feats, f], dim=1)[:, -self.config.context_len - k :]
+                toks = torch.cat([toks, torch.tensor([[token]])], dim=1)[:, -self.config.context_len - k :]
+        return out, (torch.stack(qs) if qs else None)
+
+
+class BlockDrafter(Drafter):
+    """Block-diffusion style: bidirectional layers over the context pairs followed by
+    ``k`` learned mask slots; slot ``i`` predicts ``f_{p+i}``, all in one forward."""
+
+    causal = False
+
+    def __init__(self, config: DrafterConfig, embedding: torch.Tensor, lm_head: torch.Tensor):
+        super().__init__(config, embedding, lm_head)
+        self.mask_slots = nn.Parameter(torch.randn(config.block_size, config.width) * 0.02)
+
+    def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, k: int) -> torch.Tensor:
+        if not 1 <= k <= self.config.block_size:
+            raise ValueError(f"a block drafter fills 1..{self.config.block_size} slots, asked for {k}")
+        ctx = self.embed_pairs(features, next_tokens)
+        slots = self.mask_slots[:k].to(ctx.dtype).expand(ctx.shape[0], -1, -1)
+        return self.run(torch.cat([ctx, slots], dim=1))[:, -k:]
+
+    def predict(self, window_features, window_tokens, k):
+        n = self.config.context_len
+        pred = self.forward(window_features[:, :n], window_tokens[:, 1 : n + 1], k)
+        return pred, torch.arange(n, n + k)
+
+    @torch.no_grad()
+    def draft(self, features, next_tokens, k, *, temperature=0.0, top_k=None, top_p=None, generator=None):
+        k = min(k, self.config.block_size)
+        toks = torch.tensor([list(next_tokens)], dtype=torch.long)
+        logits = self.logits(self.forward(features[None].float(), toks, k)[0])
+        out, qs = [], []
+        for row in logits:  # slots are filled independently; one forward for the block
+            token, q = self._choose(row, temperature, top_k, top_p, generator)
+            out.append(token)
+            if q is not None:
+                qs.append(q)
+        return out, (torch.stack(qs) if qs else None)
+
+
+def build_drafter(config: DrafterConfig, verifier_model) -> Drafter:
+    """A fresh drafter for ``verifier_model`` (frozen embedding and lm_head taken from it)."""
+    emb = verifier_model.get_input_embeddings().weight.detach().float()
+    head = verifier_model.get_output_embeddings().weight.detach().float()
+    cls = FeatureDrafter if config.kind == "feature" else BlockDrafter
+    drafter = cls(config, emb, head)
+    drafter.eval()
+    return drafter
+
+
+class DrafterProposer:
+    """A trained (or untrained) drafter as a speculative-decoding proposer.
+
+    ``bind(verifier)`` (called by the decoder) turns on the verifier's hidden-state trace;
+    until the trace holds the feature of the latest committed token the proposer drafts
+    nothing, so the step is a plain one.
+    """
+
+    def __init__(self, drafter: Drafter, label: str | None = None):
+        self.drafter = drafter
+        self.name = f"{drafter.config.kind}_drafter"
+        self.label = label or self.name
+        self.trace: HiddenTrace | None = None
+
+    def bind(self, verifier: Verifier) -> None:
+        c = self.drafter.config
+        self.trace = verifier.trace_hidden(c.context_len + 2 * c.block_size + 64)
+
+    def propose(self, context, k, *, temperature=0.0, top_k=None, top_p=None, generator=None) -> Draft:
+        t0 = time.perf_counter()
+        context = list(context)
+        history = context[:-1]  # committed; the last token is emitted but not yet scored
+        n = self.trace.held_suffix(history, self.drafter.config.context_len) if self.trace else 0
+        if n == 0 or k < 1:
+            return Draft([], None, time.perf_counter() - t0)
+        positions = range(len(history) - n, len(history))
+        feats = self.trace.features(positions, [history[p] for p in positions])
+        tokens, probs = self.drafter.draft(
+            feats, context[len(context) - n :], k,
+            temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
+        )
+        return Draft(tokens, probs, time.perf_counter() - t0)
+
+    def accept(self, n: int) -> None:
+        return None
+
+    def describe(self) -> dict:
+        c = self.drafter.config
+        return {"name": self.name, "label": self.label, "kind": c.kind, "width": c.width,
+                "num_layers": c.num_layers, "context_len": c.context_len,
+                "block_size": c.block_size, "draft_vocab": len(c.draft_vocab)}
