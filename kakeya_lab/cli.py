@@ -33,10 +33,12 @@ class UserError(Exception):
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
+    from kakeya_lab.align.checkpoint import CheckpointError
+    from kakeya_lab.align.rollouts import RolloutError
     from kakeya_lab.models import ModelStoreError
     from kakeya_lab.session import SessionError
 
-    return (UserError, ModelStoreError, SessionError)
+    return (UserError, ModelStoreError, SessionError, RolloutError, CheckpointError)
 
 
 def _human_size(n: int | None) -> str:

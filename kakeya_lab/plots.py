@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pandas as pd
+import plotly.express as px
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -127,4 +128,69 @@ def recall_figure(turns: pd.DataFrame, window: int | None = None) -> go.Figure:
         fig.add_vline(x=window, line_dash="dash", line_color="gray", annotation_text="window")
     fig.update_layout(title="Recall of a fact planted in turn 0", xaxis_title="distance to the fact (tokens)",
                       yaxis=dict(title="recalled", tickvals=[0, 1], range=[-0.1, 1.1]), height=340)
+    return fig
+
+
+# ------------------------------------------------------------------ proposer alignment
+
+
+def training_curves_figure(histories: dict[str, pd.DataFrame]) -> go.Figure:
+    """Training loss and held-out offline tau against step, one line per drafter."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("training loss (weighted total)",
+                                                        "held-out offline tau (greedy)"))
+    for i, (name, h) in enumerate(histories.items()):
+        color = px.colors.qualitative.Plotly[i % 10]
+        t = h.dropna(subset=["train_total"])
+        fig.add_trace(go.Scatter(x=t["step"], y=t["train_total"], name=name, line_color=color,
+                                 legendgroup=name), row=1, col=1)
+        e = h.dropna(subset=["offline_tau"])
+        fig.add_trace(go.Scatter(x=e["step"], y=e["offline_tau"], name=name, line_color=color,
+                                 legendgroup=name, showlegend=False, mode="lines+markers"), row=1, col=2)
+    fig.update_xaxes(title_text="step")
+    fig.update_layout(height=380)
+    return fig
+
+
+def offline_acceptance_figure(histories: dict[str, pd.DataFrame]) -> go.Figure:
+    """P(first i+1 drafts all right) on held-out windows, before (step 0) and after training."""
+    rows = []
+    for name, h in histories.items():
+        e = h.dropna(subset=["offline_tau"])
+        cols = sorted((c for c in e.columns if c.startswith("accept_at_")), key=lambda c: int(c.rsplit("_", 1)[1]))
+        for label, row in (("before", e.iloc[0]), ("after", e.iloc[-1])):
+            for c in cols:
+                rows.append({"drafter": name, "when": label, "position": int(c.rsplit("_", 1)[1]) + 1,
+                             "accepted": row[c]})
+    df = pd.DataFrame(rows)
+    fig = px.line(df, x="position", y="accepted", color="drafter", line_dash="when", markers=True,
+                  title="Held-out acceptance by draft position, before and after training (offline, greedy)")
+    fig.update_layout(yaxis_title="P(drafts 1..i all accepted)", xaxis_dtick=1, height=380)
+    return fig
+
+
+def domain_figure(summary: pd.DataFrame, metric: str = "tau") -> go.Figure:
+    """``metric`` per domain and arm, held-out (dev) beside in-domain (train) prompts."""
+    df = summary if metric == "tau" else summary[summary["arm"] != "plain"]
+    fig = px.bar(df, x="domain", y=metric, color="arm", barmode="group", facet_col="split",
+                 category_orders={"split": ["dev", "train"]},
+                 title=f"{metric} by domain: held-out (dev) vs in-domain (train) prompts")
+    if metric == "speedup":
+        fig.add_hline(y=1.0, line_dash="dot", line_color="gray")
+    fig.update_layout(height=400)
+    return fig
+
+
+def speedup_vs_k_figure(summary: pd.DataFrame) -> go.Figure:
+    """Measured speedup and the Leviathan expectation (measured a, c) against draft length."""
+    spec = summary[summary["arm"] != "plain"].sort_values("k")
+    fig = go.Figure()
+    for i, (proposer, df) in enumerate(spec.groupby("proposer", sort=False)):
+        color = px.colors.qualitative.Plotly[i % 10]
+        fig.add_trace(go.Scatter(x=df["k"], y=df["speedup"], name=f"{proposer} measured",
+                                 mode="lines+markers", line_color=color))
+        fig.add_trace(go.Scatter(x=df["k"], y=df["expected_speedup"], name=f"{proposer} expected",
+                                 mode="lines+markers", line=dict(color=color, dash="dash")))
+    fig.add_hline(y=1.0, line_dash="dot", line_color="gray")
+    fig.update_layout(title="Speedup vs draft length k (held-out chit-chat)", xaxis_title="k",
+                      yaxis_title="× plain tokens/s", xaxis_dtick=1, height=400)
     return fig

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from kakeya_lab.align.drafters import Drafter, DrafterConfig, build_drafter
+from kakeya_lab.align.drafters import Drafter, DrafterConfig, build_drafter, trainable_state
 
 WEIGHTS, CONFIG = "drafter.safetensors", "drafter.json"
 
@@ -54,7 +54,7 @@ def write_folder_atomic(folder: str | Path, files: dict[str, Any]) -> Path:
 def save_drafter(drafter: Drafter, folder: str | Path, extra: dict | None = None) -> Path:
     """Save ``drafter`` (its config and trainable weights) into ``folder``."""
     config = {**drafter.config.to_dict(), **({"extra": extra} if extra else {})}
-    return write_folder_atomic(folder, {WEIGHTS: drafter.state_dict(), CONFIG: config})
+    return write_folder_atomic(folder, {WEIGHTS: trainable_state(drafter), CONFIG: config})
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -107,14 +107,20 @@ def load_drafter(folder: str | Path, loaded) -> Drafter:
     config = drafter_config(folder)
     check_verifier(config, loaded, str(folder))
     drafter = build_drafter(config, loaded.model)
-    state = read_tensors(folder / WEIGHTS)
-    try:
-        missing, unexpected = drafter.load_state_dict(state, strict=False)
-    except RuntimeError as exc:  # shape mismatches
-        raise CheckpointError(f"{folder}/{WEIGHTS} does not fit its config: {exc}") from exc
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{folder}/{WEIGHTS} does not fit its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
-        )
+    load_trainable(drafter, read_tensors(folder / WEIGHTS), str(folder / WEIGHTS))
     drafter.eval()
     return drafter
+
+
+def load_trainable(drafter: Drafter, state: dict[str, torch.Tensor], where: str) -> None:
+    """Load exactly the trainable weights of ``drafter`` from ``state``."""
+    expected = set(trainable_state(drafter))
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{where} does not fit its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    try:
+        drafter.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shape mismatches
+        raise CheckpointError(f"{where} does not fit its config: {exc}") from exc

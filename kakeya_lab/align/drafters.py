@@ -33,7 +33,7 @@ from kakeya_lab.proposers import Draft
 from kakeya_lab.sampling import sampling_probs
 from kakeya_lab.verifier import HiddenTrace, Verifier
 
-KINDS = ("feature", "block")
+KINDS = ("feature", "block", "lora")
 
 
 @dataclass
@@ -52,6 +52,9 @@ class DrafterConfig:
     context_len: int = 16  # (feature, next token) pairs it reads
     block_size: int = 4  # block drafter: mask slots, the longest draft of one forward
     rope_theta: float = 10000.0
+    base: str = ""  # lora: the draft model adapted, "early-exit:LAYERS" (of the verifier)
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -273,10 +276,35 @@ class BlockDrafter(Drafter):
         return out, (torch.stack(qs) if qs else None)
 
 
+def drafter_config_for(kind: str, loaded, draft_vocab: Sequence[int] = (), **shape) -> DrafterConfig:
+    """A :class:`DrafterConfig` of ``kind`` sized for the verifier ``loaded``; ``shape``
+    overrides the defaults (e.g. ``width``, ``num_layers``, ``context_len``, ``base``)."""
+    model = loaded.model
+    return DrafterConfig(
+        kind=kind,
+        hidden_size=model.config.hidden_size,
+        vocab_size=model.get_input_embeddings().num_embeddings,
+        verifier_sha256=loaded.description.weight_sha256,
+        draft_vocab=list(draft_vocab),
+        **shape,
+    )
+
+
+def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters a drafter trains (what its checkpoints hold)."""
+    return {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
+
+
 def build_drafter(config: DrafterConfig, verifier_model) -> Drafter:
     """A fresh drafter for ``verifier_model`` (frozen embedding and lm_head taken from it)."""
     emb = verifier_model.get_input_embeddings().weight.detach().float()
     head = verifier_model.get_output_embeddings().weight.detach().float()
+    if config.kind == "lora":
+        from kakeya_lab.align.lora import LoraDrafter
+
+        drafter = LoraDrafter(config, verifier_model)
+        drafter.eval()
+        return drafter
     cls = FeatureDrafter if config.kind == "feature" else BlockDrafter
     drafter = cls(config, emb, head)
     drafter.eval()

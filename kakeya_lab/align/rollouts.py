@@ -234,3 +234,18 @@ def rollout_manifest(folder: str | Path) -> dict:
     if manifest is None:
         raise RolloutError(f"{folder} has no {MANIFEST}: not a rollout folder")
     return manifest
+
+
+def draft_vocabulary(dataset, size: int, always: Sequence[int] = ()) -> list[int]:
+    """The ``size`` token ids the rollouts use most (tokens and the verifier's top-1
+    predictions), plus ``always`` (e.g. end-of-turn ids); sorted."""
+    import numpy as np
+
+    counts: dict[int, int] = {}
+    for row in dataset:
+        ids = np.concatenate([np.asarray(row["token_ids"]), np.asarray(row["topk_ids"])[:, 0]])
+        uniq, n = np.unique(ids, return_counts=True)
+        for t, c in zip(uniq.tolist(), n.tolist()):
+            counts[t] = counts.get(t, 0) + c
+    top = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+    return sorted(set(top) | {int(t) for t in always})

@@ -26,12 +26,13 @@ from kakeya_lab.align.checkpoint import (
     WEIGHTS,
     CheckpointError,
     drafter_config,
+    load_trainable,
     read_json,
     read_tensors,
     save_drafter,
     write_folder_atomic,
 )
-from kakeya_lab.align.drafters import Drafter
+from kakeya_lab.align.drafters import Drafter, trainable_state
 from kakeya_lab.align.losses import LossWeights, distill_losses
 
 TRAINER = "trainer.json"
@@ -193,7 +194,7 @@ def _save_checkpoint(folder: Path, drafter: Drafter, optimizer, step: int, cfg: 
         for name, value in state.items():
             tensors[f"{pid}.{name}"] = value if torch.is_tensor(value) else torch.tensor(value)
     write_folder_atomic(folder, {
-        WEIGHTS: drafter.state_dict(),
+        WEIGHTS: trainable_state(drafter),
         CONFIG: drafter.config.to_dict(),
         OPTIMIZER: tensors,
         TRAINER: {"step": step, "train": cfg.to_dict(), "param_groups": opt["param_groups"],
@@ -210,7 +211,7 @@ def _load_checkpoint(folder: Path, drafter: Drafter, optimizer, cfg: TrainConfig
         raise CheckpointError(
             f"{folder} was trained with other settings ({saved}); resume needs the same TrainConfig"
         )
-    drafter.load_state_dict(read_tensors(folder / WEIGHTS), strict=True)
+    load_trainable(drafter, read_tensors(folder / WEIGHTS), str(folder / WEIGHTS))
     state: dict = {}
     for key, value in read_tensors(folder / OPTIMIZER).items():
         pid, name = key.split(".", 1)

@@ -1,0 +1,239 @@
+"""Proposer alignment on the default real model: rollouts, training, checkpoints, lossless use.
+
+One small capture (train and dev chit-chat conversations) and one short training run per
+drafter kind are shared by the tests of this module.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from kakeya_lab.align.checkpoint import CheckpointError, load_drafter, save_drafter
+from kakeya_lab.align.drafters import DrafterProposer, build_drafter, drafter_config_for
+from kakeya_lab.align.evaluate import drafter_factory
+from kakeya_lab.align.rollouts import (
+    CaptureOptions,
+    RolloutError,
+    capture_rollouts,
+    draft_vocabulary,
+    load_rollouts,
+)
+from kakeya_lab.align.train import RolloutData, TrainConfig, evaluate_offline, train_drafter
+from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
+from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.data import domain_conversations
+from kakeya_lab.session import model_eos_ids
+from kakeya_lab.verifier import HiddenTrace, Verifier
+
+CAPTURE_CACHE = SinkWindowConfig(sink=4, window=124)
+OPTIONS = CaptureOptions(turns_per_conversation=2, max_new_tokens=32, shard_size=4)
+SHAPES = {
+    "feature": dict(context_len=8, block_size=4),
+    "block": dict(context_len=8, block_size=4, width=256, num_heads=4, num_layers=2),
+    "lora": dict(context_len=24, block_size=4, base="early-exit:8", lora_rank=8),
+}
+STEPS = {"feature": 200, "block": 200, "lora": 12}
+
+
+@pytest.fixture(scope="module")
+def rollouts(default_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("rollouts")
+    capture_rollouts(default_model, domain_conversations("chitchat", "train", limit=16),
+                     root / "train", config=CAPTURE_CACHE, split="train", options=OPTIONS,
+                     progress=False)
+    capture_rollouts(default_model, domain_conversations("chitchat", "dev", limit=4),
+                     root / "dev", config=CAPTURE_CACHE, split="dev", options=OPTIONS,
+                     progress=False)
+    train, dev = load_rollouts(root / "train"), load_rollouts(root / "dev")
+    vocab = draft_vocabulary(train, 2048, always=model_eos_ids(default_model.model))
+    return {"root": root, "train": train, "dev": dev, "vocab": vocab}
+
+
+def _fresh(kind, default_model, rollouts):
+    torch.manual_seed(0)
+    return build_drafter(drafter_config_for(kind, default_model, rollouts["vocab"], **SHAPES[kind]),
+                         default_model.model)
+
+
+def _data(kind, rollouts, split):
+    s = SHAPES[kind]
+    return RolloutData(rollouts[split], context_len=s["context_len"], block_size=s["block_size"])
+
+
+@pytest.fixture(scope="module")
+def trained(default_model, rollouts, tmp_path_factory):
+    """kind -> (untrained offline eval, trained drafter, its history, its run folder)."""
+    out = {}
+    for kind in ("feature", "block", "lora"):
+        drafter = _fresh(kind, default_model, rollouts)
+        dev = _data(kind, rollouts, "dev")
+        cfg = TrainConfig(steps=STEPS[kind], batch_size=16 if kind != "lora" else 4,
+                          eval_every=100, checkpoint_every=100, lr=2e-3 if kind != "lora" else 5e-4)
+        before = evaluate_offline(drafter, dev.fixed(256), drafter.config.block_size, cfg.loss)
+        folder = tmp_path_factory.mktemp(f"train-{kind}")
+        history = train_drafter(drafter, _data(kind, rollouts, "train"), cfg, folder,
+                                eval_data=dev, progress=False)
+        out[kind] = (before, drafter, history, folder)
+    return out
+
+
+# ---------------------------------------------------------------- rollouts
+
+
+def test_rollouts_hold_the_verifiers_own_greedy_tokens(rollouts):
+    row = rollouts["train"][0]
+    gen = row["generated"]
+    assert gen.any() and not gen.all()
+    # the verifier's top-1 at i is the token it generated at i + 1
+    assert (row["topk_ids"][:-1, 0][gen[1:]] == row["token_ids"][1:][gen[1:]]).all()
+    assert row["hidden"].shape == (len(row["token_ids"]), 576)
+    assert (row["positions"] == range(len(row["token_ids"]))).all()
+    lengths = [len(r["token_ids"]) for r in rollouts["train"]]
+    assert max(lengths) > CAPTURE_CACHE.sink + CAPTURE_CACHE.window  # captured across eviction
+
+
+def test_rollout_capture_resumes_without_duplicating_or_losing_rows(tiny_model, tmp_path):
+    convs = domain_conversations("chitchat", "train", limit=5)
+    opts = CaptureOptions(turns_per_conversation=1, max_new_tokens=4, shard_size=2)
+    kw = dict(config=SinkWindowConfig(2, 6), split="train", options=opts, progress=False)
+    whole = load_rollouts(capture_rollouts(tiny_model, convs, tmp_path / "a", **kw) and tmp_path / "a")
+
+    class Interrupted(Exception):
+        pass
+
+    def stop_after_first(index):
+        (tmp_path / "b" / "shard-00001").mkdir()  # a half-written shard left behind
+        raise Interrupted
+
+    with pytest.raises(Interrupted):
+        capture_rollouts(tiny_model, convs, tmp_path / "b", on_shard=stop_after_first, **kw)
+    partial = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert [s["rows"] for s in partial["shards"]] == [2]
+    capture_rollouts(tiny_model, convs, tmp_path / "b", **kw)
+    resumed = load_rollouts(tmp_path / "b")
+    assert list(resumed["conversation_id"]) == [c.id for c in convs]
+    assert list(resumed["conversation_id"]) == list(whole["conversation_id"])
+    for a, b in zip(whole, resumed):
+        assert (a["token_ids"] == b["token_ids"]).all() and (a["hidden"] == b["hidden"]).all()
+    with pytest.raises(RolloutError, match="other options"):
+        capture_rollouts(tiny_model, convs, tmp_path / "b", config=SinkWindowConfig(2, 6),
+                         split="train", options=CaptureOptions(top_k=5), progress=False)
+
+
+def test_hidden_trace_drops_rows_of_a_rolled_back_block(tiny_model):
+    v = Verifier(tiny_model.model, SinkWindowConfig(2, 6))
+    trace = v.trace_hidden(16)
+    v.append([5, 6, 7])
+    v.forward_block([8, 9])
+    v.rollback()
+    v.forward_block([10])
+    v.commit(1)
+    assert trace.features([3], [10]) is not None
+    assert trace.features([3], [8]) is None and trace.features([4], [9]) is None
+    assert trace.held_suffix([5, 6, 7, 10], 8) == 4
+    assert HiddenTrace(2).held_suffix([1], 4) == 0
+
+
+# ---------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("kind,margin", [("feature", 0.25), ("block", 0.1)])
+def test_training_increases_held_out_acceptance(trained, kind, margin):
+    """Greedy offline acceptance of the first draft token on held-out (dev) conversations:
+    the trained drafter beats its untrained initialisation by ``margin`` (seeded run)."""
+    before, _, history, _ = trained[kind]
+    after = history.dropna(subset=["accept_at_0"]).iloc[-1]
+    assert after["accept_at_0"] >= before["accept_at_0"] + margin, (before, dict(after))
+    assert after["offline_tau"] > before["offline_tau"]
+    assert history["train_total"].dropna().iloc[-20:].mean() < history["train_total"].dropna().iloc[:20].mean()
+
+
+def test_greedy_speculative_decoding_with_every_trained_drafter_is_lossless(default_model, trained):
+    cache = SinkWindowConfig(sink=4, window=28)  # small: drafting crosses eviction
+    proposers = {kind: drafter_factory(trained[kind][1], cache, label=kind) for kind in trained}
+    run = run_speculative(default_model, proposers, [3], domain_conversations("chitchat", "dev", limit=1),
+                          config=cache, turns_per_conversation=2, max_new_tokens=24, progress=False)
+    assert greedy_streams_identical(run.turns)
+    assert run.turns["history_len"].max() > 32
+    s = run.summary.set_index("arm")
+    for kind in trained:
+        assert s.loc[f"{kind}@3", "generated_tokens"] == s.loc["plain", "generated_tokens"]
+    assert run.steps.groupby("arm")["proposed"].sum().min() > 0
+    assert s.loc["feature@3", "acceptance_rate"] > 0  # not lossless by proposing nothing
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.parametrize("kind", ["feature", "block", "lora"])
+def test_checkpoint_round_trip_gives_the_same_drafts(default_model, rollouts, trained, kind, tmp_path):
+    _, drafter, _, folder = trained[kind]
+    loaded = load_drafter(folder / "drafter", default_model)
+    batch = _data(kind, rollouts, "dev").fixed(8)
+    with torch.no_grad():
+        a = drafter.logits(drafter.predict(batch["features"], batch["tokens"], 4)[0])
+        b = loaded.logits(loaded.predict(batch["features"], batch["tokens"], 4)[0])
+    assert torch.equal(a.argmax(-1), b.argmax(-1)) and torch.allclose(a, b)
+    if kind != "lora":
+        p, q = DrafterProposer(drafter), DrafterProposer(loaded)
+        v = Verifier(default_model.model, CAPTURE_CACHE)
+        p.bind(v), q.bind(v)
+        ctx = list(rollouts["dev"][0]["token_ids"][:40].tolist())
+        v.append(ctx[:-1])
+        assert p.propose(ctx, 4).tokens == q.propose(ctx, 4).tokens
+        assert len(p.propose(ctx, 4).tokens) == 4
+
+
+def test_resume_mid_training_matches_an_uninterrupted_run(default_model, rollouts, tmp_path):
+    cfg = TrainConfig(steps=12, batch_size=8, warmup_steps=3, checkpoint_every=4, eval_every=6)
+    data, dev = _data("feature", rollouts, "train"), _data("feature", rollouts, "dev")
+    straight = _fresh("feature", default_model, rollouts)
+    h1 = train_drafter(straight, data, cfg, tmp_path / "a", eval_data=dev, progress=False)
+    resumed = _fresh("feature", default_model, rollouts)
+    train_drafter(resumed, data, cfg, tmp_path / "b", eval_data=dev, stop_after=5, progress=False)
+    again = _fresh("feature", default_model, rollouts)  # a new process would start from init
+    h2 = train_drafter(again, data, cfg, tmp_path / "b", eval_data=dev, progress=False)
+    for (n, p), (_, q) in zip(straight.named_parameters(), again.named_parameters()):
+        assert torch.equal(p, q), n
+    assert h1["train_total"].tolist() == h2["train_total"].tolist()
+    with pytest.raises(CheckpointError, match="other settings"):
+        train_drafter(_fresh("feature", default_model, rollouts), data,
+                      TrainConfig(steps=12, batch_size=4), tmp_path / "b", progress=False)
+
+
+def test_mismatched_or_corrupted_checkpoints_are_clear_errors(default_model, tiny_model, trained, tmp_path):
+    src = trained["feature"][3] / "drafter"
+    with pytest.raises(CheckpointError, match="vocabulary .* width"):
+        load_drafter(src, tiny_model)
+    other = tmp_path / "other-verifier"
+    shutil.copytree(src, other)
+    cfg = json.loads((other / "drafter.json").read_text())
+    (other / "drafter.json").write_text(json.dumps({**cfg, "verifier_sha256": "0" * 64}))
+    with pytest.raises(CheckpointError, match="trained against verifier weights"):
+        load_drafter(other, default_model)
+    other_vocab = tmp_path / "other-vocab"
+    shutil.copytree(src, other_vocab)
+    (other_vocab / "drafter.json").write_text(json.dumps({**cfg, "vocab_size": 32000}))
+    with pytest.raises(CheckpointError, match="vocabulary 32000"):
+        load_drafter(other_vocab, default_model)
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    data = (broken / "drafter.safetensors").read_bytes()
+    (broken / "drafter.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupted"):
+        load_drafter(broken, default_model)
+    (broken / "drafter.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="corrupted"):
+        load_drafter(broken, default_model)
+    with pytest.raises(CheckpointError, match="missing"):
+        load_drafter(tmp_path / "nowhere", default_model)
+    block = trained["block"][1]
+    wrong_shape = tmp_path / "wrong-shape"
+    save_drafter(block, wrong_shape)
+    (wrong_shape / "drafter.json").write_text(json.dumps({**block.config.to_dict(), "width": 128}))
+    with pytest.raises(CheckpointError, match="does not fit"):
+        load_drafter(wrong_shape, default_model)
