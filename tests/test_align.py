@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pandas as pd
 import pytest
 import torch
 
@@ -30,22 +31,22 @@ from kakeya_lab.session import model_eos_ids
 from kakeya_lab.verifier import HiddenTrace, Verifier
 
 CAPTURE_CACHE = SinkWindowConfig(sink=4, window=124)
-OPTIONS = CaptureOptions(turns_per_conversation=2, max_new_tokens=32, shard_size=4)
+OPTIONS = CaptureOptions(turns_per_conversation=2, max_new_tokens=24, shard_size=4)
 SHAPES = {
     "feature": dict(context_len=8, block_size=4),
     "block": dict(context_len=8, block_size=4, width=256, num_heads=4, num_layers=2),
     "lora": dict(context_len=24, block_size=4, base="early-exit:8", lora_rank=8),
 }
-STEPS = {"feature": 200, "block": 200, "lora": 12}
+STEPS = {"feature": 150, "block": 150, "lora": 8}
 
 
 @pytest.fixture(scope="module")
 def rollouts(default_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("rollouts")
-    capture_rollouts(default_model, domain_conversations("chitchat", "train", limit=16),
+    capture_rollouts(default_model, domain_conversations("chitchat", "train", limit=10),
                      root / "train", config=CAPTURE_CACHE, split="train", options=OPTIONS,
                      progress=False)
-    capture_rollouts(default_model, domain_conversations("chitchat", "dev", limit=4),
+    capture_rollouts(default_model, domain_conversations("chitchat", "dev", limit=3),
                      root / "dev", config=CAPTURE_CACHE, split="dev", options=OPTIONS,
                      progress=False)
     train, dev = load_rollouts(root / "train"), load_rollouts(root / "dev")
@@ -72,8 +73,9 @@ def trained(default_model, rollouts, tmp_path_factory):
         drafter = _fresh(kind, default_model, rollouts)
         dev = _data(kind, rollouts, "dev")
         cfg = TrainConfig(steps=STEPS[kind], batch_size=16 if kind != "lora" else 4,
-                          eval_every=100, checkpoint_every=100, lr=2e-3 if kind != "lora" else 5e-4)
-        before = evaluate_offline(drafter, dev.fixed(256), drafter.config.block_size, cfg.loss)
+                          eval_every=STEPS[kind], checkpoint_every=STEPS[kind], eval_windows=128,
+                          lr=2e-3 if kind != "lora" else 5e-4)
+        before = evaluate_offline(drafter, dev.fixed(cfg.eval_windows), drafter.config.block_size, cfg.loss)
         folder = tmp_path_factory.mktemp(f"train-{kind}")
         history = train_drafter(drafter, _data(kind, rollouts, "train"), cfg, folder,
                                 eval_data=dev, progress=False)
@@ -141,12 +143,14 @@ def test_hidden_trace_drops_rows_of_a_rolled_back_block(tiny_model):
 # ---------------------------------------------------------------- training
 
 
-@pytest.mark.parametrize("kind,margin", [("feature", 0.25), ("block", 0.1)])
+@pytest.mark.parametrize("kind,margin", [("feature", 0.15), ("block", 0.08)])
 def test_training_increases_held_out_acceptance(trained, kind, margin):
     """Greedy offline acceptance of the first draft token on held-out (dev) conversations:
     the trained drafter beats its untrained initialisation by ``margin`` (seeded run)."""
     before, _, history, _ = trained[kind]
     after = history.dropna(subset=["accept_at_0"]).iloc[-1]
+    print(f"{kind}: held-out greedy acceptance of draft 1 {before['accept_at_0']:.3f} -> "
+          f"{after['accept_at_0']:.3f}, offline tau {before['offline_tau']:.2f} -> {after['offline_tau']:.2f}")
     assert after["accept_at_0"] >= before["accept_at_0"] + margin, (before, dict(after))
     assert after["offline_tau"] > before["offline_tau"]
     assert history["train_total"].dropna().iloc[-20:].mean() < history["train_total"].dropna().iloc[:20].mean()
@@ -156,7 +160,7 @@ def test_greedy_speculative_decoding_with_every_trained_drafter_is_lossless(defa
     cache = SinkWindowConfig(sink=4, window=28)  # small: drafting crosses eviction
     proposers = {kind: drafter_factory(trained[kind][1], cache, label=kind) for kind in trained}
     run = run_speculative(default_model, proposers, [3], domain_conversations("chitchat", "dev", limit=1),
-                          config=cache, turns_per_conversation=2, max_new_tokens=24, progress=False)
+                          config=cache, turns_per_conversation=2, max_new_tokens=16, progress=False)
     assert greedy_streams_identical(run.turns)
     assert run.turns["history_len"].max() > 32
     s = run.summary.set_index("arm")
@@ -189,7 +193,8 @@ def test_checkpoint_round_trip_gives_the_same_drafts(default_model, rollouts, tr
 
 
 def test_resume_mid_training_matches_an_uninterrupted_run(default_model, rollouts, tmp_path):
-    cfg = TrainConfig(steps=12, batch_size=8, warmup_steps=3, checkpoint_every=4, eval_every=6)
+    cfg = TrainConfig(steps=12, batch_size=8, warmup_steps=3, checkpoint_every=4, eval_every=6,
+                      eval_windows=16)
     data, dev = _data("feature", rollouts, "train"), _data("feature", rollouts, "dev")
     straight = _fresh("feature", default_model, rollouts)
     h1 = train_drafter(straight, data, cfg, tmp_path / "a", eval_data=dev, progress=False)
@@ -199,7 +204,7 @@ def test_resume_mid_training_matches_an_uninterrupted_run(default_model, rollout
     h2 = train_drafter(again, data, cfg, tmp_path / "b", eval_data=dev, progress=False)
     for (n, p), (_, q) in zip(straight.named_parameters(), again.named_parameters()):
         assert torch.equal(p, q), n
-    assert h1["train_total"].tolist() == h2["train_total"].tolist()
+    pd.testing.assert_frame_equal(h1, h2)
     with pytest.raises(CheckpointError, match="other settings"):
         train_drafter(_fresh("feature", default_model, rollouts), data,
                       TrainConfig(steps=12, batch_size=4), tmp_path / "b", progress=False)
@@ -217,8 +222,8 @@ def test_mismatched_or_corrupted_checkpoints_are_clear_errors(default_model, tin
         load_drafter(other, default_model)
     other_vocab = tmp_path / "other-vocab"
     shutil.copytree(src, other_vocab)
-    (other_vocab / "drafter.json").write_text(json.dumps({**cfg, "vocab_size": 32000}))
-    with pytest.raises(CheckpointError, match="vocabulary 32000"):
+    (other_vocab / "drafter.json").write_text(json.dumps({**cfg, "vocab_size": 60000}))
+    with pytest.raises(CheckpointError, match="vocabulary 60000"):
         load_drafter(other_vocab, default_model)
     broken = tmp_path / "broken"
     shutil.copytree(src, broken)

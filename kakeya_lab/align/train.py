@@ -91,7 +91,9 @@ class RolloutData:
             raise ValueError("no rollout rows")
         self.window = context_len + block_size + 1
         self.context_len, self.block_size = context_len, block_size
-        cat = lambda key: np.concatenate([np.asarray(r[key]) for r in rows])  # noqa: E731
+        def cat(key: str) -> np.ndarray:
+            return np.concatenate([np.asarray(r[key]) for r in rows])
+
         self.tokens = torch.from_numpy(cat("token_ids").astype(np.int64))
         self.hidden = torch.from_numpy(cat("hidden"))  # float16
         self.topk_ids = torch.from_numpy(cat("topk_ids").astype(np.int64))
@@ -110,8 +112,6 @@ class RolloutData:
             if len(s):
                 s = s[self.mask[s + context_len].numpy()]
             starts.append(s)
-            if T < self.window:
-                pass
             offset += T
         self.starts = torch.from_numpy(np.concatenate(starts).astype(np.int64))
         self.domains = sorted({str(r["domain"]) for r in rows})
