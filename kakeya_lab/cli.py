@@ -370,7 +370,7 @@ def cmd_align_capture(args: argparse.Namespace) -> int:
     convs = domain_conversations(args.domain, args.split, limit=args.conversations)
     options = CaptureOptions(top_k=args.top_k, turns_per_conversation=args.turns,
                              max_new_tokens=args.max_new_tokens, shard_size=args.shard_size,
-                             min_confidence=args.min_confidence)
+                             min_confidence=args.min_confidence, replies=args.replies)
     loaded = load_model(args.model, progress=not args.quiet)
     manifest = capture_rollouts(loaded, convs, args.out_dir, split=args.split, options=options,
                                 config=SinkWindowConfig(args.sink, args.window),
@@ -398,6 +398,8 @@ def add_align_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=20)
     p.add_argument("--shard-size", type=int, default=8)
     p.add_argument("--min-confidence", type=float, default=None)
+    p.add_argument("--replies", default="generate", choices=["generate", "dataset"],
+                   help="verifier-generated replies, or the conversation's own (teacher forcing)")
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=252)
     p.add_argument("--quiet", action="store_true")

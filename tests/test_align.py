@@ -126,6 +126,19 @@ def test_rollout_capture_resumes_without_duplicating_or_losing_rows(tiny_model, 
                          split="train", options=CaptureOptions(top_k=5), progress=False)
 
 
+def test_teacher_forced_capture_appends_the_conversations_own_replies(tiny_model, tmp_path):
+    conv = domain_conversations("chitchat", "train", limit=1)
+    opts = CaptureOptions(turns_per_conversation=2, shard_size=1, replies="dataset", max_repetition=None)
+    capture_rollouts(tiny_model, conv, tmp_path, config=SinkWindowConfig(2, 6), split="train",
+                     options=opts, progress=False)
+    row = load_rollouts(tmp_path)[0]
+    reply_text = tiny_model.tokenizer.decode(row["token_ids"][row["generated"]])
+    assert conv[0].turns[1] in reply_text and conv[0].turns[3] in reply_text
+    assert conv[0].turns[0] not in reply_text
+    with pytest.raises(ValueError, match="replies"):
+        CaptureOptions(replies="invented")
+
+
 def test_hidden_trace_drops_rows_of_a_rolled_back_block(tiny_model):
     v = Verifier(tiny_model.model, SinkWindowConfig(2, 6))
     trace = v.trace_hidden(16)

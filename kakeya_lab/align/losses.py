@@ -6,7 +6,7 @@ positions, masked to the positions worth training on:
 * ``kl``: KL(verifier ‖ drafter) over the verifier's top-k tokens (those in the draft
   vocabulary), both softened by ``temperature``, scaled by ``temperature²``;
 * ``feature``: smooth-L1 between the predicted and the verifier's hidden state;
-* ``ce``: cross-entropy on the verifier's own next token.
+* ``ce``: cross-entropy on the verifier's own (greedy) next token.
 """
 
 from __future__ import annotations

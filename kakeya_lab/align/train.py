@@ -156,7 +156,7 @@ def step_losses(drafter: Drafter, batch: dict, k: int, weights: LossWeights) -> 
         batch["features"][:, offsets],
         index[batch["topk_ids"][:, offsets]],
         batch["topk_logits"][:, offsets],
-        index[batch["tokens"][:, offsets + 1]],
+        index[batch["topk_ids"][:, offsets, 0]],  # the verifier's own next token
         batch["mask"][:, offsets],
         weights,
     )
@@ -178,7 +178,7 @@ def evaluate_offline(drafter: Drafter, batch: dict, k: int, weights: LossWeights
     n = drafter.config.context_len
     block = (offsets >= n).nonzero().flatten()  # offsets p .. p+k-1
     chosen = drafter.draft_ids[logits[:, block].argmax(-1)]
-    truth = batch["tokens"][:, offsets[block] + 1]
+    truth = batch["topk_ids"][:, offsets[block], 0]  # what the greedy verifier emits
     prefix_ok = (chosen == truth).long().cumprod(dim=1).float()
     out = {f"eval_{name}": float(v) for name, v in losses.items()}
     for i in range(prefix_ok.shape[1]):
