@@ -102,7 +102,8 @@ def test_rollout_capture_resumes_without_duplicating_or_losing_rows(tiny_model, 
     convs = domain_conversations("chitchat", "train", limit=5)
     opts = CaptureOptions(turns_per_conversation=1, max_new_tokens=4, shard_size=2)
     kw = dict(config=SinkWindowConfig(2, 6), split="train", options=opts, progress=False)
-    whole = load_rollouts(capture_rollouts(tiny_model, convs, tmp_path / "a", **kw) and tmp_path / "a")
+    capture_rollouts(tiny_model, convs, tmp_path / "a", **kw)
+    whole = load_rollouts(tmp_path / "a")
 
     class Interrupted(Exception):
         pass
