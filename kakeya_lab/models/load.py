@@ -1,0 +1,268 @@
+"""Loading a model offline: registry name, local safetensors folder or cached Hub id.
+
+:func:`load_model` loads a registry name (pulling it if missing), a local folder holding
+``*.safetensors``, or a Hub id already in the local Hugging Face cache. It never reaches the
+Hub, never sets ``trust_remote_code`` and loads weights from safetensors only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, NamedTuple, NoReturn
+
+import torch
+
+from kakeya_lab.models.dims import model_dims
+from kakeya_lab.models.errors import ModelNotAvailableError, ModelStoreError
+from kakeya_lab.models.pull import pull, transformers_progress
+from kakeya_lab.models.registry import DEFAULT_MODEL, REGISTRY
+from kakeya_lab.models.store import model_dir, read_manifest, safetensors_files, weight_sha256
+
+__all__ = ["LoadedModel", "ModelDescription", "load_model"]
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """What a loaded model is, for result files and figures.
+
+    ``weight_sha256`` is :func:`weight_sha256` of the folder for models loaded from disk and a
+    hash of the state-dict bytes for random models. ``random`` is True for randomly
+    initialised models (never to be read as quality). ``path`` is the folder loaded from (""
+    for random models). ``source`` says where it came from (``registry:NAME (...)``,
+    ``local:PATH``, ``hf-cache:ID`` or ``random-init ...``). ``dtype`` is the in-memory
+    dtype, e.g. ``"float32"``.
+    """
+
+    name: str
+    path: str
+    weight_sha256: str
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_attention_heads: int
+    hidden_size: int
+    vocab_size: int
+    dtype: str
+    random: bool
+    source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-serialisable)."""
+        return asdict(self)
+
+
+class LoadedModel(NamedTuple):
+    """``model`` (eval mode, sink-window attention enabled), its ``tokenizer`` and
+    ``description``."""
+
+    model: Any
+    tokenizer: Any
+    description: ModelDescription
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}  # fmt: skip
+
+
+def as_torch_dtype(dtype: torch.dtype | str, folder: Path | None = None) -> torch.dtype:
+    """torch dtype from a dtype or name; ``"auto"`` means the dtype stored in ``folder``."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key == "auto" and folder is not None:
+        try:
+            config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+            stored = config.get("dtype") or config.get("torch_dtype") or "float32"
+        except (OSError, ValueError):
+            stored = "float32"
+        return _DTYPES.get(str(stored), torch.float32)
+    try:
+        return _DTYPES[key]
+    except KeyError:
+        raise ModelStoreError(
+            f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)} or 'auto'"
+        ) from None
+
+
+def _no_network_hint(what: str) -> str:
+    return (
+        f"{what}. There is no network at run time (only the package index, used by "
+        f"`kakeya-lab models pull`): pull a registry model with `kakeya-lab models pull NAME` "
+        f"(known: {', '.join(REGISTRY)}) or pass a local folder holding *.safetensors."
+    )
+
+
+def _check_safetensors_folder(folder: Path) -> None:
+    if not folder.is_dir():
+        raise ModelNotAvailableError(
+            f"{folder} is not a folder (expected a safetensors model folder)"
+        )
+    if not safetensors_files(folder):
+        raise ModelNotAvailableError(
+            f"{folder} holds no *.safetensors weights; only safetensors folders are loaded "
+            "(no .bin/.pt pickles, no GGUF: use `kakeya-lab models pull NAME` for registry models)"
+        )
+    if not (folder / "config.json").is_file():
+        raise ModelNotAvailableError(f"{folder} has no config.json")
+
+
+def _looks_like_hub_id(s: str) -> bool:
+    """``name`` or ``org/name`` made of letters, digits, ``_``, ``-`` and ``.``."""
+    return not s.startswith((".", "~")) and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", s) is not None
+
+
+def resolve(name_or_path: str, pull_if_missing: bool, progress: bool) -> tuple[Path, str, str]:
+    """``(folder, name, source)`` for a registry name, local folder or cached Hub id."""
+    if name_or_path in REGISTRY:
+        spec = REGISTRY[name_or_path]
+        folder = model_dir(spec.name)
+        if read_manifest(folder) is None:
+            if not pull_if_missing:
+                raise ModelNotAvailableError(
+                    f"model {spec.name!r} is not pulled; run `kakeya-lab models pull {spec.name}`"
+                )
+            folder = pull(spec.name, progress=progress)
+        return (
+            folder,
+            spec.name,
+            f"registry:{spec.name} ({spec.source}, gguf sha256 {spec.gguf_sha256})",
+        )
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        _check_safetensors_folder(path)
+        path = path.resolve()
+        manifest = read_manifest(path)
+        name = manifest["name"] if manifest else path.name
+        return path, name, f"local:{path}"
+    if not _looks_like_hub_id(name_or_path):
+        raise ModelNotAvailableError(
+            _no_network_hint(f"{name_or_path!r} is neither a registry name nor an existing folder")
+        )
+    # A Hub id: only what is already in the local Hugging Face cache; never the network.
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        snapshot = Path(snapshot_download(name_or_path, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError, OSError, ValueError):
+        raise ModelNotAvailableError(
+            _no_network_hint(
+                f"{name_or_path!r} is not a registry name, not a local folder and not in the "
+                "local Hugging Face cache"
+            )
+        ) from None
+    _check_safetensors_folder(snapshot)
+    return snapshot, name_or_path, f"hf-cache:{name_or_path}"
+
+
+def enable_sink_window(model: Any) -> None:
+    from kakeya_lab.attention import enable_sink_window_attention
+
+    enable_sink_window_attention(model)
+
+
+def describe(
+    model: Any, *, name: str, path: str, sha: str, random: bool, source: str
+) -> ModelDescription:
+    """The :class:`ModelDescription` of a loaded transformers ``model``."""
+    dims = model_dims(model)
+    return ModelDescription(
+        name=name,
+        path=path,
+        weight_sha256=sha,
+        architecture=type(model).__name__,
+        num_layers=dims.num_layers,
+        num_kv_heads=dims.num_kv_heads,
+        head_dim=dims.head_dim,
+        num_attention_heads=dims.num_attention_heads,
+        hidden_size=dims.hidden_size,
+        vocab_size=dims.vocab_size,
+        dtype=str(model.dtype).removeprefix("torch."),
+        random=random,
+        source=source,
+    )
+
+
+def _mlx_not_implemented() -> NoReturn:
+    if importlib.util.find_spec("mlx_lm") is None:
+        raise NotImplementedError(
+            "backend='mlx' needs mlx-lm, which is not installed (pip install 'kakeya_lab[mlx]'); "
+            "and kakeya_lab's MLX backend is not implemented yet: use backend='torch'"
+        )
+    raise NotImplementedError(
+        "backend='mlx' is not implemented yet (mlx-lm is installed, but kakeya_lab's MLX "
+        "sink-window path does not exist yet): use backend='torch'"
+    )
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    backend: str = "torch",
+    dtype: torch.dtype | str = torch.float32,
+    *,
+    pull_if_missing: bool = True,
+    verify: bool = False,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load a model offline and return ``LoadedModel(model, tokenizer, description)``.
+
+    ``name_or_path`` is resolved in this order:
+
+    * a registry name: the store folder, pulled first if missing and ``pull_if_missing``
+      (network: the package index only), else :class:`ModelNotAvailableError`;
+    * an existing local folder: must hold ``*.safetensors`` and ``config.json``
+      (:class:`ModelNotAvailableError` otherwise);
+    * anything else is taken as a Hub id and looked up in the local Hugging Face cache only
+      (``local_files_only=True``); if it is not there, :class:`ModelNotAvailableError` at once,
+      with how to pull a registry model or point at a folder. No network attempt.
+
+    Weights load with ``use_safetensors=True``; ``trust_remote_code`` is never set. ``dtype``
+    is a torch dtype or a name (``"float32"``, ``"bf16"``, ..., ``"auto"`` for the stored
+    dtype). The model is put in eval mode and switched to the sink-window attention
+    (:func:`kakeya_lab.attention.enable_sink_window_attention`).
+
+    ``description.weight_sha256``: for a store folder with a valid manifest, the manifest's
+    value (file sizes checked; ``verify=True`` re-hashes the files and raises
+    :class:`ModelStoreError` on mismatch); for other folders it is computed from the files.
+
+    ``progress`` shows progress bars (a pull, transformers' weight loading).
+    ``backend="mlx"`` raises :class:`NotImplementedError` at once (not implemented yet).
+    """
+    if backend not in ("torch", "mlx"):
+        raise ModelStoreError(f"unknown backend {backend!r}; use 'torch' or 'mlx'")
+    if backend == "mlx":
+        _mlx_not_implemented()
+    folder, name, source = resolve(str(name_or_path), pull_if_missing, progress)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    manifest = read_manifest(folder)
+    if manifest is not None:
+        sha = manifest["weight_sha256"]
+        if verify and weight_sha256(folder) != sha:
+            raise ModelStoreError(
+                f"{folder}: safetensors bytes do not match manifest weight_sha256 {sha}; "
+                f"re-pull with `kakeya-lab models pull {manifest.get('name', 'NAME')} --force`"
+            )
+    else:
+        sha = weight_sha256(folder)
+    torch_dtype = as_torch_dtype(dtype, folder)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    with transformers_progress(progress):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=torch_dtype, use_safetensors=True, local_files_only=True
+        )
+    model.eval()
+    enable_sink_window(model)
+    description = describe(
+        model, name=name, path=str(folder), sha=sha, random=False, source=source
+    )
+    return LoadedModel(model, tokenizer, description)
