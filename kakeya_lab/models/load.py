@@ -20,7 +20,14 @@ from kakeya_lab.models.dims import model_dims
 from kakeya_lab.models.errors import ModelNotAvailableError, ModelStoreError
 from kakeya_lab.models.pull import pull, transformers_progress
 from kakeya_lab.models.registry import DEFAULT_MODEL, REGISTRY
-from kakeya_lab.models.store import model_dir, read_manifest, safetensors_files, weight_sha256
+from kakeya_lab.models.store import (
+    MANIFEST_NAME,
+    folder_present,
+    model_dir,
+    safetensors_files,
+    weight_sha256,
+)
+from kakeya_lab.models.verify import verify_folder
 
 __all__ = ["LoadedModel", "ModelDescription", "load_model"]
 
@@ -34,7 +41,8 @@ class ModelDescription:
     initialised models (never to be read as quality). ``path`` is the folder loaded from (""
     for random models). ``source`` says where it came from (``registry:NAME (...)``,
     ``local:PATH``, ``hf-cache:ID`` or ``random-init ...``). ``dtype`` is the in-memory
-    dtype, e.g. ``"float32"``.
+    dtype, e.g. ``"float32"``. ``backend`` is the runtime holding the weights: ``"torch"``
+    or ``"mlx"`` (same files, same ``weight_sha256``).
     """
 
     name: str
@@ -50,6 +58,7 @@ class ModelDescription:
     dtype: str
     random: bool
     source: str
+    backend: str = "torch"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-serialisable)."""
@@ -119,29 +128,54 @@ def _looks_like_hub_id(s: str) -> bool:
     return not s.startswith((".", "~")) and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", s) is not None
 
 
-def resolve(name_or_path: str, pull_if_missing: bool, progress: bool) -> tuple[Path, str, str]:
-    """``(folder, name, source)`` for a registry name, local folder or cached Hub id."""
+@dataclass(frozen=True)
+class ResolvedFolder:
+    """A model folder found offline: ``folder``, display ``name``, ``source`` (see
+    :class:`ModelDescription`) and the ``weight_sha256`` of its safetensors files (the
+    manifest's, verified, for folders with a manifest; computed otherwise)."""
+
+    folder: Path
+    name: str
+    source: str
+    weight_sha256: str
+
+
+def resolve(
+    name_or_path: str, *, pull_if_missing: bool, progress: bool, verify: bool = False
+) -> ResolvedFolder:
+    """Find and verify the folder of a registry name, local folder or cached Hub id.
+
+    A folder with a ``manifest.json`` (every registry store folder) is checked with
+    :func:`~kakeya_lab.models.verify.verify_folder` (``full=verify``) before anything is
+    read from it: :class:`CorruptModelError` naming the file and the repair otherwise.
+    """
     if name_or_path in REGISTRY:
         spec = REGISTRY[name_or_path]
         folder = model_dir(spec.name)
-        if read_manifest(folder) is None:
+        if not folder_present(folder):
             if not pull_if_missing:
                 raise ModelNotAvailableError(
                     f"model {spec.name!r} is not pulled; run `kakeya-lab models pull {spec.name}`"
                 )
             folder = pull(spec.name, progress=progress)
-        return (
+        checked = verify_folder(folder, full=verify, name=spec.name)
+        _check_safetensors_folder(folder)
+        return ResolvedFolder(
             folder,
             spec.name,
             f"registry:{spec.name} ({spec.source}, gguf sha256 {spec.gguf_sha256})",
+            checked.manifest["weight_sha256"],
         )
     path = Path(name_or_path).expanduser()
     if path.exists():
-        _check_safetensors_folder(path)
         path = path.resolve()
-        manifest = read_manifest(path)
-        name = manifest["name"] if manifest else path.name
-        return path, name, f"local:{path}"
+        if (path / MANIFEST_NAME).exists():
+            manifest = verify_folder(path, full=verify).manifest
+            _check_safetensors_folder(path)
+            name = str(manifest.get("name") or path.name)
+            return ResolvedFolder(path, name, f"local:{path}", manifest["weight_sha256"])
+        _check_safetensors_folder(path)
+        return ResolvedFolder(path, path.name, f"local:{path}", weight_sha256(path))
     if not _looks_like_hub_id(name_or_path):
         raise ModelNotAvailableError(
             _no_network_hint(f"{name_or_path!r} is neither a registry name nor an existing folder")
@@ -160,7 +194,9 @@ def resolve(name_or_path: str, pull_if_missing: bool, progress: bool) -> tuple[P
             )
         ) from None
     _check_safetensors_folder(snapshot)
-    return snapshot, name_or_path, f"hf-cache:{name_or_path}"
+    return ResolvedFolder(
+        snapshot, name_or_path, f"hf-cache:{name_or_path}", weight_sha256(snapshot)
+    )
 
 
 def enable_sink_window(model: Any) -> None:
@@ -229,9 +265,16 @@ def load_model(
     dtype). The model is put in eval mode and switched to the sink-window attention
     (:func:`kakeya_lab.attention.enable_sink_window_attention`).
 
-    ``description.weight_sha256``: for a store folder with a valid manifest, the manifest's
-    value (file sizes checked; ``verify=True`` re-hashes the files and raises
-    :class:`ModelStoreError` on mismatch); for other folders it is computed from the files.
+    Verification (before anything is read): a folder with a ``manifest.json`` (every registry
+    store folder) must hold every file the manifest lists with the recorded size and sha256,
+    else :class:`CorruptModelError` names the file and the repair (``kakeya-lab models pull
+    NAME --force``, ``kakeya-lab models verify NAME``). By default a file whose size, mtime,
+    ctime and inode are unchanged since it was last hashed is trusted (cheap: a ``stat`` per
+    file); a changed file is re-hashed. ``verify=True`` re-hashes every file. See
+    :mod:`kakeya_lab.models.verify` for the residual risk of the cheap check.
+
+    ``description.weight_sha256``: for a folder with a manifest, the manifest's value
+    (verified as above); for other folders it is computed from the files.
 
     ``progress`` shows progress bars (a pull, transformers' weight loading).
     ``backend="mlx"`` raises :class:`NotImplementedError` at once (not implemented yet).
@@ -240,20 +283,13 @@ def load_model(
         raise ModelStoreError(f"unknown backend {backend!r}; use 'torch' or 'mlx'")
     if backend == "mlx":
         _mlx_not_implemented()
-    folder, name, source = resolve(str(name_or_path), pull_if_missing, progress)
+    found = resolve(
+        str(name_or_path), pull_if_missing=pull_if_missing, progress=progress, verify=verify
+    )
+    folder = found.folder
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    manifest = read_manifest(folder)
-    if manifest is not None:
-        sha = manifest["weight_sha256"]
-        if verify and weight_sha256(folder) != sha:
-            raise ModelStoreError(
-                f"{folder}: safetensors bytes do not match manifest weight_sha256 {sha}; "
-                f"re-pull with `kakeya-lab models pull {manifest.get('name', 'NAME')} --force`"
-            )
-    else:
-        sha = weight_sha256(folder)
     torch_dtype = as_torch_dtype(dtype, folder)
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     with transformers_progress(progress):
@@ -263,6 +299,11 @@ def load_model(
     model.eval()
     enable_sink_window(model)
     description = describe(
-        model, name=name, path=str(folder), sha=sha, random=False, source=source
+        model,
+        name=found.name,
+        path=str(folder),
+        sha=found.weight_sha256,
+        random=False,
+        source=found.source,
     )
     return LoadedModel(model, tokenizer, description)

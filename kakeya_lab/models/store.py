@@ -3,7 +3,8 @@
 The store lives under ``$KAKEYA_LAB_HOME`` (default ``~/.cache/kakeya_lab``)::
 
     <store>/models/<name>/        model.safetensors, config.json, tokenizer.json, ...
-    <store>/models/<name>/manifest.json
+    <store>/models/<name>/manifest.json   every file above with its size and sha256
+    <store>/models/<name>/stamps.json     size/mtime/ctime/inode of each file when last hashed
     <store>/tmp/                  work folders of pulls in progress (removed afterwards)
     <store>/locks/<name>.lock     one pull per model at a time (POSIX advisory lock)
 """
@@ -14,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,10 @@ from kakeya_lab.models.registry import REGISTRY, get_spec
 __all__ = [
     "MANIFEST_NAME",
     "MANIFEST_SCHEMA",
+    "STAMPS_NAME",
+    "content_files",
     "dir_size",
+    "folder_present",
     "list_models",
     "model_dir",
     "pull_lock",
@@ -34,10 +39,14 @@ __all__ = [
     "sha256_files",
     "store_home",
     "weight_sha256",
+    "write_json_atomic",
 ]
 
 MANIFEST_NAME = "manifest.json"
+# Schema 1 throughout: manifests written since the store lists every file carry
+# "files_complete": true (older ones list only the weights; see kakeya_lab.models.verify).
 MANIFEST_SCHEMA = 1
+STAMPS_NAME = "stamps.json"
 CHUNK_BYTES = 8 << 20  # 8 MiB: streaming copy/hash block
 
 
@@ -53,12 +62,19 @@ def model_dir(name: str) -> Path:
     return store_home() / "models" / get_spec(name).name
 
 
+def folder_present(folder: Path) -> bool:
+    """A store folder counts as present (pulled, or a corrupt remnant) once it exists with
+    anything in it; absent or empty means not pulled."""
+    return folder.is_dir() and any(folder.iterdir())
+
+
 def read_manifest(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The parsed ``manifest.json`` of a store folder if it is present *and valid*, else None.
 
-    Valid means: it parses, has the current schema, and every weight file it lists exists with
-    the recorded size (a cheap check; :func:`weight_sha256` re-hashes the bytes). For a
-    registry model the recorded GGUF sha256 must also match the registry.
+    Valid means: it parses, has the current schema, and every file it lists exists with the
+    recorded size (a cheap check, no hashing: :func:`kakeya_lab.models.verify.verify_folder`
+    checks the bytes). For a registry model the recorded GGUF sha256 must also match the
+    registry.
     """
     folder = Path(folder)
     try:
@@ -82,6 +98,34 @@ def read_manifest(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     if not (folder / "config.json").is_file():
         return None
     return manifest
+
+
+def content_files(folder: Path) -> list[Path]:
+    """The files a model folder consists of: every regular file directly in ``folder`` except
+    ``manifest.json``, ``stamps.json`` and leftover ``*.tmp`` files, sorted by name."""
+    return sorted(
+        (
+            p
+            for p in folder.iterdir()
+            if p.is_file() and p.name not in (MANIFEST_NAME, STAMPS_NAME) and p.suffix != ".tmp"
+        ),
+        key=lambda p: p.name,
+    )
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write ``obj`` as indented JSON to ``path`` via a temporary file and a rename, so a
+    reader sees the old or the new file, never half of one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(obj, indent=2) + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def safetensors_files(folder: Path) -> list[Path]:
