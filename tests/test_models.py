@@ -10,6 +10,7 @@ temporary store (``KAKEYA_LAB_HOME`` pointed there), never on the real store.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -297,9 +298,19 @@ def test_unknown_registry_name_lists_known_names() -> None:
         assert name in str(info.value)
 
 
-def test_mlx_backend_is_not_implemented(no_network: None) -> None:
-    with pytest.raises(NotImplementedError, match="mlx"):
-        M.load_model(DEFAULT, backend="mlx")
+MLX_BACKEND_PRESENT = importlib.util.find_spec("kakeya_lab.mlx_backend") is not None
+
+
+@pytest.mark.skipif(not MLX_BACKEND_PRESENT, reason="kakeya_lab.mlx_backend not present yet")
+def test_mlx_backend_loads_the_same_verified_folder(
+    pulled: Path, loaded: M.LoadedModel, no_network: None
+) -> None:
+    lm = M.load_model(DEFAULT, backend="mlx", dtype="float32", progress=False)
+    assert lm.description.backend == "mlx"
+    # same folder, same verified weights, same shape: only the backend differs
+    assert dataclasses.replace(lm.description, backend="torch") == loaded.description
+    text = "The capital of France is"
+    assert lm.tokenizer(text).input_ids == loaded.tokenizer(text).input_ids
 
 
 @pytest.mark.slow
@@ -372,6 +383,8 @@ def test_deleted_file_is_refused(store: Path, fname: str, no_network: None) -> N
         M.load_model(DEFAULT, progress=False)
     assert exc.value.problems == {fname: "missing"}
     assert_refused(exc, fname)
+    with pytest.raises(M.CorruptModelError, match=fname):  # the mlx path verifies the same
+        M.load_model(DEFAULT, backend="mlx", progress=False)
 
 
 def test_extra_files_are_ignored(store: Path, loaded: M.LoadedModel) -> None:

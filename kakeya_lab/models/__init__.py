@@ -20,6 +20,7 @@ from kakeya_lab.models.errors import (
     ModelNotAvailableError,
     ModelStoreError,
     UnknownModelError,
+    UnsupportedModelError,
 )
 from kakeya_lab.models.load import LoadedModel, ModelDescription, load_model
 from kakeya_lab.models.pull import pull, store_problem
@@ -52,6 +53,7 @@ __all__ = [
     "ModelSpec",
     "ModelStoreError",
     "UnknownModelError",
+    "UnsupportedModelError",
     "Verification",
     "config_dims",
     "get_spec",

@@ -12,6 +12,7 @@ __all__ = [
     "ModelNotAvailableError",
     "ModelStoreError",
     "UnknownModelError",
+    "UnsupportedModelError",
 ]
 
 
@@ -25,6 +26,11 @@ class UnknownModelError(ModelStoreError, ValueError):
 
 class ModelNotAvailableError(ModelStoreError, FileNotFoundError):
     """The model is not available offline: not pulled, not a safetensors folder, not cached."""
+
+
+class UnsupportedModelError(ModelStoreError, ValueError):
+    """The requested backend cannot run this model (e.g. an architecture the MLX backend
+    does not implement)."""
 
 
 class ChecksumMismatchError(ModelStoreError):

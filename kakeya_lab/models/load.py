@@ -7,17 +7,22 @@ Hub, never sets ``trust_remote_code`` and loads weights from safetensors only.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple
 
 import torch
 
-from kakeya_lab.models.dims import model_dims
-from kakeya_lab.models.errors import ModelNotAvailableError, ModelStoreError
+from kakeya_lab.models.dims import config_dims, model_dims
+from kakeya_lab.models.errors import (
+    ModelNotAvailableError,
+    ModelStoreError,
+    UnsupportedModelError,
+)
 from kakeya_lab.models.pull import pull, transformers_progress
 from kakeya_lab.models.registry import DEFAULT_MODEL, REGISTRY
 from kakeya_lab.models.store import (
@@ -227,16 +232,54 @@ def describe(
     )
 
 
-def _mlx_not_implemented() -> NoReturn:
-    if importlib.util.find_spec("mlx_lm") is None:
-        raise NotImplementedError(
-            "backend='mlx' needs mlx-lm, which is not installed (pip install 'kakeya_lab[mlx]'); "
-            "and kakeya_lab's MLX backend is not implemented yet: use backend='torch'"
+def _require_mlx() -> None:
+    missing = [m for m in ("mlx", "mlx_lm") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModelStoreError(
+            f"backend='mlx' needs {' and '.join(missing)}, which is not installed: "
+            "pip install 'kakeya_lab[mlx]' (or use backend='torch')"
         )
-    raise NotImplementedError(
-        "backend='mlx' is not implemented yet (mlx-lm is installed, but kakeya_lab's MLX "
-        "sink-window path does not exist yet): use backend='torch'"
+
+
+def _load_mlx(found: ResolvedFolder, tokenizer: Any, dtype: torch.dtype | str) -> LoadedModel:
+    """Load the verified folder ``found`` with :mod:`kakeya_lab.mlx_backend`."""
+    from transformers import AutoConfig
+
+    dtype_name = str(as_torch_dtype(dtype, found.folder)).removeprefix("torch.")
+    try:
+        mlx_backend = importlib.import_module("kakeya_lab.mlx_backend")
+    except ModuleNotFoundError as exc:
+        if exc.name != "kakeya_lab.mlx_backend":
+            raise
+        raise ModelStoreError(
+            "backend='mlx' needs kakeya_lab.mlx_backend, which this kakeya_lab does not have; "
+            "use backend='torch'"
+        ) from None
+    try:
+        model = mlx_backend.load_mlx_model(found.folder, dtype_name)
+    except ValueError as exc:
+        raise UnsupportedModelError(
+            f"{found.name}: the MLX backend cannot load it ({exc}); use backend='torch'"
+        ) from exc
+    config = AutoConfig.from_pretrained(str(found.folder), local_files_only=True)
+    dims = config_dims(config)
+    description = ModelDescription(
+        name=found.name,
+        path=str(found.folder),
+        weight_sha256=found.weight_sha256,
+        architecture=(getattr(config, "architectures", None) or ["?"])[0],
+        num_layers=dims.num_layers,
+        num_kv_heads=dims.num_kv_heads,
+        head_dim=dims.head_dim,
+        num_attention_heads=dims.num_attention_heads,
+        hidden_size=dims.hidden_size,
+        vocab_size=dims.vocab_size,
+        dtype=dtype_name,
+        random=False,
+        source=found.source,
+        backend="mlx",
     )
+    return LoadedModel(model, tokenizer, description)
 
 
 def load_model(
@@ -277,12 +320,19 @@ def load_model(
     (verified as above); for other folders it is computed from the files.
 
     ``progress`` shows progress bars (a pull, transformers' weight loading).
-    ``backend="mlx"`` raises :class:`NotImplementedError` at once (not implemented yet).
+
+    ``backend="mlx"`` resolves and verifies the same folder in the same way (no second
+    download or conversion), loads the tokenizer with transformers and the weights with
+    :func:`kakeya_lab.mlx_backend.load_mlx_model` in ``dtype`` (same names; ``"auto"`` is
+    the stored dtype). The description has ``backend="mlx"`` and the same ``weight_sha256``.
+    Without ``mlx``/``mlx-lm`` installed: :class:`ModelStoreError` naming the extra
+    (``pip install 'kakeya_lab[mlx]'``); an architecture the MLX backend does not implement:
+    :class:`UnsupportedModelError`.
     """
     if backend not in ("torch", "mlx"):
         raise ModelStoreError(f"unknown backend {backend!r}; use 'torch' or 'mlx'")
     if backend == "mlx":
-        _mlx_not_implemented()
+        _require_mlx()
     found = resolve(
         str(name_or_path), pull_if_missing=pull_if_missing, progress=progress, verify=verify
     )
@@ -292,6 +342,8 @@ def load_model(
 
     torch_dtype = as_torch_dtype(dtype, folder)
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    if backend == "mlx":
+        return _load_mlx(found, tokenizer, dtype)
     with transformers_progress(progress):
         model = AutoModelForCausalLM.from_pretrained(
             str(folder), dtype=torch_dtype, use_safetensors=True, local_files_only=True
