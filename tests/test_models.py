@@ -189,7 +189,6 @@ def test_weight_sha256_is_stable(pulled: Path, loaded: M.LoadedModel) -> None:
     assert manifest is not None
     recomputed = M.weight_sha256(pulled)
     assert recomputed == manifest["weight_sha256"] == loaded.description.weight_sha256
-    assert recomputed == M.weight_sha256(pulled)
     # one weights file: its sha256 is the weight sha256
     [weights] = [f for f in manifest["files"] if f.endswith(".safetensors")]
     assert manifest["files"][weights]["sha256"] == recomputed
@@ -344,13 +343,9 @@ def test_flipped_float_is_refused(store: Path) -> None:
     with pytest.raises(M.CorruptModelError) as exc:
         M.load_model(DEFAULT, progress=False)
     assert "bytes changed" in assert_refused(exc, "model.safetensors")
-    # ... and by verify=True, which ignores the stamps.
-    with pytest.raises(M.CorruptModelError) as exc:
-        M.load_model(DEFAULT, verify=True, progress=False)
-    assert_refused(exc, "model.safetensors")
     # The residual risk of stamps, made explicit: an edit that also kept the ctime (here:
     # the stamp rewritten to the edited file's stat) passes the cheap check; only a full
-    # re-hash (verify=True, `models verify`) catches it.
+    # re-hash (verify=True, `models verify`), which ignores the stamps, catches it.
     sha = json.loads((store / M.MANIFEST_NAME).read_text())["files"]["model.safetensors"]["sha256"]
     stamps = json.loads((store / "stamps.json").read_text())
     st = weights.stat()
