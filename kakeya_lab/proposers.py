@@ -1,7 +1,9 @@
 """Draft proposers for speculative decoding (DESIGN.md "Proposers").
 
-Protocol: ``propose(context, k, ...) -> Draft`` where ``context`` is the session's token
-history so far (every token the verifier has accepted or emitted); ``accept(n)`` tells
+Protocol: ``propose(context, draft_length, sampling, generator=None) -> Draft`` where
+``context`` is the session's token history so far (every token the verifier has accepted
+or emitted), ``sampling`` a :class:`~kakeya_lab.sampling.SamplingConfig` (greedy drafts
+when it is greedy) and ``generator`` the random source to draw from; ``accept(n)`` tells
 the proposer how many of its last draft's tokens were accepted, so it can roll back its
 own state. A proposer keeps whatever state it wants but must resynchronise from
 ``context`` alone: if its own history is not a prefix of ``context`` it starts over.
@@ -29,7 +31,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from kakeya_lab.cache import SinkWindowConfig
-from kakeya_lab.sampling import sampling_probs
+from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.verifier import Verifier
 
 
@@ -50,17 +52,29 @@ class Proposer(Protocol):
     def propose(
         self,
         context: Sequence[int],
-        k: int,
-        *,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
+        draft_length: int,
+        sampling: SamplingConfig,
         generator: torch.Generator | None = None,
     ) -> Draft: ...
 
     def accept(self, n: int) -> None: ...
 
     def describe(self) -> dict: ...
+
+
+def check_proposer(proposer: object) -> None:
+    """Raise ``TypeError`` unless ``proposer`` follows the :class:`Proposer` protocol."""
+    if isinstance(proposer, str):
+        raise TypeError(
+            f"proposer must be a Proposer object, got the string {proposer!r}: "
+            "build one with kakeya_lab.proposers.make_proposer(spec, model, config)"
+        )
+    missing = [m for m in ("propose", "accept") if not callable(getattr(proposer, m, None))]
+    if missing:
+        raise TypeError(
+            f"proposer must follow the Proposer protocol (propose, accept, describe); "
+            f"{type(proposer).__name__} lacks {', '.join(missing)}"
+        )
 
 
 class TokenizerMismatch(ValueError):
@@ -93,13 +107,13 @@ class NgramProposer:
         self.ngram_sizes = sizes
         self.max_lookback = max_lookback
 
-    def propose(self, context, k, *, temperature=0.0, top_k=None, top_p=None, generator=None) -> Draft:
+    def propose(self, context, draft_length, sampling=None, generator=None) -> Draft:
         t0 = time.perf_counter()
         ctx = list(context)
         if self.max_lookback is not None:
             ctx = ctx[-self.max_lookback :]
         tokens: list[int] = []
-        if k >= 1:
+        if draft_length >= 1:
             t = torch.tensor(ctx, dtype=torch.long)
             for n in self.ngram_sizes:
                 if len(ctx) <= n:
@@ -108,7 +122,7 @@ class NgramProposer:
                 hits = torch.nonzero((windows == t[-n:]).all(dim=1)).flatten()
                 if hits.numel():
                     start = int(hits[-1]) + n
-                    tokens = ctx[start : start + k]
+                    tokens = ctx[start : start + draft_length]
                     if tokens:
                         break
         return Draft(tokens=tokens, probs=None, seconds=time.perf_counter() - t0)
@@ -123,8 +137,8 @@ class NgramProposer:
 class DraftModelProposer:
     """A draft model with its own sink-window cache.
 
-    Drafts ``k`` tokens autoregressively (greedy at ``temperature == 0``, else sampled from
-    the same filtered distribution the verifier samples from). After ``accept(n)`` its
+    Drafts ``draft_length`` tokens autoregressively (greedy when ``sampling`` is greedy,
+    else sampled from the same filtered distribution the verifier samples from). After ``accept(n)`` its
     cache keeps the accepted drafts and drops the rest.
     """
 
@@ -161,22 +175,23 @@ class DraftModelProposer:
         if self._next_logits is None:
             raise ValueError("a draft needs a non-empty context")
 
-    def propose(self, context, k, *, temperature=0.0, top_k=None, top_p=None, generator=None) -> Draft:
+    def propose(self, context, draft_length, sampling=None, generator=None) -> Draft:
         t0 = time.perf_counter()
+        sampling = sampling if sampling is not None else SamplingConfig()
         self._sync(list(context))
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         logits = self._next_logits
         self._rows = [logits]  # logits after context, then after each forwarded draft
-        for i in range(k):
-            if temperature == 0.0:
+        for i in range(draft_length):
+            if sampling.greedy:
                 token = int(torch.argmax(logits))
             else:
-                q = sampling_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+                q = sampling.probs(logits)
                 token = int(torch.multinomial(q, 1, generator=generator))
                 probs.append(q)
             tokens.append(token)
-            if i + 1 < k:
+            if i + 1 < draft_length:
                 logits = self.verifier.forward_block([token])[-1]
                 self._rows.append(logits)
         return Draft(

@@ -20,10 +20,9 @@ from kakeya_lab.proposers import (
     NgramProposer,
     TokenizerMismatch,
 )
-from kakeya_lab.sampling import sampling_probs
+from kakeya_lab.sampling import SamplingConfig, sampling_probs
 from kakeya_lab.session import SessionStore, Token
 from kakeya_lab.speculative import (
-    DecodeState,
     SpeculativeStep,
     accept_sampled,
     plain_decode,
@@ -35,17 +34,17 @@ MAX_NEW = 40
 
 def _plain(model, config, prompt, max_new=MAX_NEW):
     v = Verifier(model, config)
-    state = DecodeState(next_logits=v.append(prompt))
-    return list(plain_decode(v, state, max_new_tokens=max_new)), v
+    return list(plain_decode(v, v.append(prompt), max_new_tokens=max_new)), v
 
 
-def _spec(model, config, prompt, proposer, k, max_new=MAX_NEW, **kw):
+def _spec(model, config, prompt, proposer, draft_length, max_new=MAX_NEW, **kw):
     v = Verifier(model, config)
-    state = DecodeState(next_logits=v.append(prompt))
-    out = list(speculative_decode(v, state, proposer, max_new_tokens=max_new, k=k, **kw))
+    decoder = speculative_decode(v, v.append(prompt), proposer, max_new_tokens=max_new,
+                                 draft_length=draft_length, **kw)
+    out = list(decoder)
     tokens = [t for t in out if not isinstance(t, SpeculativeStep)]
     steps = [s for s in out if isinstance(s, SpeculativeStep)]
-    return tokens, steps, v, state
+    return tokens, steps, v, decoder
 
 
 PROPOSERS = ["ngram", "self-draft", "tiny-draft", "early-exit"]
@@ -76,18 +75,18 @@ def plain_runs(default_model, text_ids):
 
 @pytest.mark.parametrize("mode", ["global", "rolling"])
 @pytest.mark.parametrize("kind", PROPOSERS)
-@pytest.mark.parametrize("k", [1, 4, 8])
-def test_greedy_is_lossless(plain_runs, default_model, tiny_model, mode, kind, k):
+@pytest.mark.parametrize("draft_length", [1, 4, 8])
+def test_greedy_is_lossless(plain_runs, default_model, tiny_model, mode, kind, draft_length):
     config, prompt, want = plain_runs[mode]
     proposer = _proposer(kind, default_model, tiny_model, config)
-    got, steps, v, state = _spec(default_model.model, config, prompt, proposer, k)
+    got, steps, v, state = _spec(default_model.model, config, prompt, proposer, draft_length)
     assert got == want
     assert v.history_token_ids == prompt + want  # everything emitted is committed
     assert v.cache_len == config.budget
     assert len(steps) + 1 == state.verifier_forwards
     if kind == "self-draft":
         assert all(s.accepted == s.proposed for s in steps)  # drafts equal the verifier's
-        if k > 1:
+        if draft_length > 1:
             assert len(want) / state.verifier_forwards > 1.5
 
 
@@ -123,6 +122,7 @@ def test_speculative_session_matches_plain_across_turns(default_model):
 
 # ----------------------------------------------------------- rejection sampling
 VOCAB = 8
+SAMPLED = SamplingConfig(temperature=1.0)
 
 
 def _small_model(seed):
@@ -135,15 +135,15 @@ def _small_model(seed):
     return enable_sink_window_attention(model)
 
 
-def _broken_accept(rows, draft, *, temperature, top_k, top_p, generator):
+def _broken_accept(rows, draft, sampling, generator):
     """Wrong on purpose: on rejection it resamples from p instead of max(0, p - q)."""
     for i, d in enumerate(draft.tokens):
-        p = sampling_probs(rows[i], temperature=temperature, top_k=top_k, top_p=top_p)
+        p = sampling.probs(rows[i])
         q = draft.probs[i]
         if float(torch.rand((), generator=generator)) < min(1.0, float(p[d] / q[d])):
             continue
         return i, int(torch.multinomial(p, 1, generator=generator))
-    p = sampling_probs(rows[len(draft.tokens)], temperature=temperature, top_k=top_k, top_p=top_p)
+    p = sampling.probs(rows[len(draft.tokens)])
     return len(draft.tokens), int(torch.multinomial(p, 1, generator=generator))
 
 
@@ -173,15 +173,14 @@ def _first_two_tokens_test(accept, samples=20000):
         q1 = sampling_probs(qrows[d1], temperature=1.0)
         d2 = int(torch.multinomial(q1, 1, generator=gen))
         draft = Draft([d1, d2], torch.stack([q0, q1]), 0.0)
-        n, nxt = accept(rows[d1, d2], draft, temperature=1.0, top_k=None, top_p=None, generator=gen)
+        n, nxt = accept(rows[d1, d2], draft, SAMPLED, gen)
         emitted = ([d1, d2][:n] + [nxt])[:2]
         if len(emitted) < 2:  # rejected at once: the second token comes from the next step
             first = emitted[0]
             q1 = sampling_probs(qrows[first], temperature=1.0)
             d = int(torch.multinomial(q1, 1, generator=gen))
             block_rows = rows[first, d][1:]  # after x+first, then after x+first+d
-            n2, nxt2 = accept(block_rows, Draft([d], q1[None], 0.0), temperature=1.0,
-                              top_k=None, top_p=None, generator=gen)
+            n2, nxt2 = accept(block_rows, Draft([d], q1[None], 0.0), SAMPLED, gen)
             emitted.append(d if n2 else nxt2)
         counts[tuple(emitted)] += 1
     p1 = sampling_probs(rows[0, 0][0], temperature=1.0)
@@ -219,10 +218,10 @@ def test_verifier_and_proposer_caches_stay_consistent(tiny_model):
     x = rng.randrange(v.vocab_size)
     accepts = 0
     while accepts < 2000:
-        k = rng.randint(1, 5)
-        draft = proposer.propose(v.history_token_ids + [x], k)
+        length = rng.randint(1, 5)
+        draft = proposer.propose(v.history_token_ids + [x], length, SamplingConfig())
         v.forward_block([x] + draft.tokens)
-        n = rng.randint(0, k)
+        n = rng.randint(0, length)
         v.commit(1 + n)
         proposer.accept(n)
         accepts += 1
@@ -251,7 +250,7 @@ def test_bad_arguments_are_clear_errors(default_model, tiny_model):
     store = SessionStore(model, config)
     sid = store.create()
     store.append(sid, [1, 2, 3])
-    with pytest.raises(ValueError, match="k must be"):
+    with pytest.raises(ValueError, match="draft_length must be"):
         store.generate(sid, 4, proposer=NgramProposer(), k=0)
     with pytest.raises(ValueError, match="temperature"):
         store.generate(sid, 4, temperature=-0.5, proposer=NgramProposer())
@@ -275,6 +274,7 @@ def test_ngram_proposer_looks_up_the_latest_match():
 
 def test_adaptive_draft_length_stays_lossless(plain_runs, default_model):
     config, prompt, want = plain_runs["global"]
-    got, steps, _, _ = _spec(default_model.model, config, prompt, NgramProposer(), k=3, adaptive=True)
+    got, steps, _, _ = _spec(default_model.model, config, prompt, NgramProposer(), draft_length=3,
+                             adaptive_draft_length=True)
     assert got == want
-    assert len({s.k for s in steps if s.k}) > 1  # k actually moved
+    assert len({s.draft_length for s in steps if s.draft_length}) > 1  # the length actually moved

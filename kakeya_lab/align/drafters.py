@@ -329,7 +329,10 @@ class DrafterProposer:
         c = self.drafter.config
         self.trace = verifier.trace_hidden(c.context_len + 2 * c.block_size + 64)
 
-    def propose(self, context, k, *, temperature=0.0, top_k=None, top_p=None, generator=None) -> Draft:
+    def propose(self, context, draft_length, sampling=None, generator=None) -> Draft:
+        k = draft_length
+        temperature = sampling.temperature if sampling is not None else 0.0
+        top_k, top_p = (sampling.top_k, sampling.top_p) if sampling is not None else (None, None)
         t0 = time.perf_counter()
         context = list(context)
         history = context[:-1]  # committed; the last token is emitted but not yet scored
