@@ -30,7 +30,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from kakeya_lab import inputs
 from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.inputs import InputTypeError
 from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.verifier import Verifier
 
@@ -65,13 +67,13 @@ class Proposer(Protocol):
 def check_proposer(proposer: object) -> None:
     """Raise ``TypeError`` unless ``proposer`` follows the :class:`Proposer` protocol."""
     if isinstance(proposer, str):
-        raise TypeError(
+        raise InputTypeError(
             f"proposer must be a Proposer object, got the string {proposer!r}: "
             "build one with kakeya_lab.proposers.make_proposer(spec, model, config)"
         )
     missing = [m for m in ("propose", "accept") if not callable(getattr(proposer, m, None))]
     if missing:
-        raise TypeError(
+        raise InputTypeError(
             f"proposer must follow the Proposer protocol (propose, accept, describe); "
             f"{type(proposer).__name__} lacks {', '.join(missing)}"
         )
@@ -101,10 +103,14 @@ class NgramProposer:
     name = "ngram"
 
     def __init__(self, ngram_sizes: Sequence[int] = (3, 2, 1), max_lookback: int | None = None):
-        sizes = sorted({int(n) for n in ngram_sizes}, reverse=True)
-        if not sizes or sizes[-1] < 1:
-            raise ValueError(f"ngram_sizes must be positive integers, got {ngram_sizes!r}")
+        if isinstance(ngram_sizes, (str, bytes)) or not hasattr(ngram_sizes, "__iter__"):
+            raise InputTypeError(f"ngram_sizes must be a sequence of integers >= 1, got {ngram_sizes!r}")
+        sizes = sorted({inputs.count(n, "an n-gram size", minimum=1) for n in ngram_sizes}, reverse=True)
+        if not sizes:
+            raise ValueError("ngram_sizes is empty: give at least one n-gram size, e.g. (3, 2, 1)")
         self.ngram_sizes = sizes
+        if max_lookback is not None:
+            max_lookback = inputs.count(max_lookback, "max_lookback", minimum=1)
         self.max_lookback = max_lookback
 
     def propose(self, context, draft_length, sampling=None, generator=None) -> Draft:
@@ -214,8 +220,8 @@ def early_exit_model(model: PreTrainedModel, num_layers: int) -> PreTrainedModel
     """A causal LM made of ``model``'s embedding, first ``num_layers`` layers, final norm
     and lm_head — sharing the parameters (no copy)."""
     total = model.config.num_hidden_layers
-    if not 1 <= num_layers < total:
-        raise ValueError(f"early exit needs 1 <= num_layers < {total}, got {num_layers}")
+    num_layers = inputs.count(num_layers, "num_layers", minimum=1, maximum=total - 1,
+                              hint=f"early exit keeps fewer than the model's {total} layers")
     cfg = copy.deepcopy(model.config)
     cfg.num_hidden_layers = num_layers
     if getattr(cfg, "layer_types", None) is not None:
@@ -247,27 +253,44 @@ class EarlyExitProposer(DraftModelProposer):
         return {"name": self.name, "num_layers": self.num_layers, "cache": self.config.to_dict()}
 
 
-def make_proposer(spec: str | None, model: PreTrainedModel, config: SinkWindowConfig, tokenizer=None):
+def make_proposer(
+    spec: str | None,
+    model: PreTrainedModel,
+    config: SinkWindowConfig,
+    tokenizer=None,
+    *,
+    draft_model=None,
+) -> Proposer | None:
     """Build a proposer from a short spec (CLI, notebooks, sweep files).
 
     ``none`` → ``None`` (plain decoding); ``ngram`` or ``ngram:3,2,1``;
     ``early-exit:LAYERS``; ``draft:MODEL`` (a registry name or local folder, loaded with
-    :func:`~kakeya_lab.models.load_model`; its tokenizer must equal ``tokenizer``).
+    :func:`~kakeya_lab.models.load_model` unless ``draft_model`` — an already loaded model,
+    i.e. what ``load_model`` returns or a bare ``PreTrainedModel`` — is given; its tokenizer
+    must equal ``tokenizer``).
     """
+    usage = "use none, ngram[:SIZES], early-exit:LAYERS or draft:MODEL"
+    if spec is not None and not isinstance(spec, str):
+        raise InputTypeError(f"proposer spec must be a string or None, got {type(spec).__name__} ({usage})")
     if spec in (None, "", "none"):
         return None
     kind, _, arg = spec.partition(":")
     if kind == "ngram":
-        return NgramProposer([int(n) for n in arg.split(",")] if arg else (3, 2, 1))
+        try:
+            sizes = [int(n) for n in arg.split(",")] if arg else (3, 2, 1)
+        except ValueError:
+            raise ValueError(f"bad n-gram sizes in {spec!r}: write them like ngram:3,2,1") from None
+        return NgramProposer(sizes)
     if kind == "early-exit" and arg.isdigit():
         return EarlyExitProposer(model, config, num_layers=int(arg))
     if kind == "draft" and arg:
-        from kakeya_lab.models import load_model
+        if draft_model is None:
+            from kakeya_lab.models import load_model
 
-        draft = load_model(arg, dtype=next(model.parameters()).dtype)
+            draft_model = load_model(arg, dtype=next(model.parameters()).dtype)
+        net = getattr(draft_model, "model", draft_model)
         return DraftModelProposer(
-            draft.model, config, tokenizer=draft.tokenizer, verifier_tokenizer=tokenizer, label=arg
+            net, config, tokenizer=getattr(draft_model, "tokenizer", None),
+            verifier_tokenizer=tokenizer, label=arg,
         )
-    raise ValueError(
-        f"unknown proposer {spec!r}: use none, ngram[:SIZES], early-exit:LAYERS or draft:MODEL"
-    )
+    raise ValueError(f"unknown proposer {spec!r}: {usage}")

@@ -29,17 +29,16 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         from kakeya_lab import inputs
 
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0.0 or t == float("inf"):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {t!r}")
-        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "temperature", inputs.number(self.temperature, "temperature", minimum=0.0))
         if self.top_k is not None:
-            inputs.count(self.top_k, "top_k", minimum=1)
-        p = self.top_p
-        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0):
-            raise ValueError(f"top_p must be a number in (0, 1] or None, got {p!r}")
+            object.__setattr__(self, "top_k", inputs.count(self.top_k, "top_k", minimum=1))
+        if self.top_p is not None:
+            top_p = inputs.number(self.top_p, "top_p", minimum=0.0, strict=True)
+            if top_p > 1.0:
+                raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+            object.__setattr__(self, "top_p", top_p)
         if self.seed is not None:
-            inputs.count(self.seed, "seed", minimum=0, maximum=2**63 - 1)
+            object.__setattr__(self, "seed", inputs.count(self.seed, "seed", minimum=0, maximum=2**63 - 1))
 
     @property
     def greedy(self) -> bool:

@@ -41,10 +41,13 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from transformers import PreTrainedModel
 
+from kakeya_lab import inputs
 from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.inputs import InputTypeError
+from kakeya_lab.proposers import check_proposer
 from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.speculative import Decoder, SpeculativeStep
-from kakeya_lab.verifier import Verifier
+from kakeya_lab.verifier import Verifier, vocab_size_of
 
 if TYPE_CHECKING:
     from kakeya_lab.proposers import Proposer
@@ -238,20 +241,26 @@ class SessionStore:
         prefill_chunk: int = 512,
         check_invariants: bool = True,
     ):
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        capacity = inputs.count(capacity, "capacity", minimum=1, maximum=inputs.MAX_SIZE)
         if policy not in ("reject", "evict_lru"):
             raise ValueError(f"policy must be 'reject' or 'evict_lru', got {policy!r}")
-        if idle_ttl_s is not None and idle_ttl_s <= 0:
-            raise ValueError(f"idle_ttl_s must be > 0 or None, got {idle_ttl_s}")
+        if idle_ttl_s is not None:
+            idle_ttl_s = inputs.number(idle_ttl_s, "idle_ttl_s (None: never expire)", minimum=0.0, strict=True)
+        prefill_chunk = inputs.count(prefill_chunk, "prefill_chunk", minimum=1, maximum=inputs.MAX_SIZE)
+        if not isinstance(config, SinkWindowConfig):
+            raise InputTypeError(f"config must be a SinkWindowConfig, got {type(config).__name__}")
         self.model = model
+        self.vocab_size = vocab_size_of(model)
         self.config = config
         self.capacity = capacity
         self.policy = policy
         self.idle_ttl_s = idle_ttl_s
         self.prefill_chunk = prefill_chunk
         self.check_invariants = check_invariants
-        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else model_eos_ids(model))
+        self.eos_token_ids = (
+            inputs.stop_token_ids(eos_token_ids, self.vocab_size)
+            if eos_token_ids is not None else model_eos_ids(model)
+        )
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         # Guards the session table only; never held while taking a session's lock.
         self._lock = threading.RLock()
@@ -426,6 +435,11 @@ class SessionStore:
         caller stops early. Arguments are checked here, before the first event.
         """
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        inputs.count(max_new_tokens, "max_new_tokens", minimum=1, maximum=inputs.MAX_SIZE)
+        inputs.count(k, "draft_length", minimum=1, maximum=inputs.MAX_SIZE)
+        stops = self.eos_token_ids | inputs.stop_token_ids(stop_token_ids, self.vocab_size)
+        if proposer is not None:
+            check_proposer(proposer)
         session = self._session(session_id)
         with session.lock:
             self._live(session, idle=True)
@@ -434,7 +448,7 @@ class SessionStore:
                 raise SessionError(f"session {session_id!r} is empty: append a prompt before generate")
             decoder = Decoder(
                 session.verifier, session.next_logits, max_new_tokens=max_new_tokens,
-                sampling=sampling, stop_token_ids=self.eos_token_ids | frozenset(stop_token_ids or ()),
+                sampling=sampling, stop_token_ids=stops,
                 proposer=proposer, draft_length=k, adaptive_draft_length=adaptive_k,
             )
             stream = GenerationStream(session, self._run(session, decoder))

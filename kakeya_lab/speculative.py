@@ -124,9 +124,9 @@ class Decoder:
             raise TypeError(f"sampling must be a SamplingConfig or None, got {type(sampling).__name__}")
         if proposer is not None:
             check_proposer(proposer)
-            draft_length = inputs.count(draft_length, "draft_length", minimum=1, maximum=inputs.MAX_SIZE)
+        draft_length = inputs.count(draft_length, "draft_length", minimum=1, maximum=inputs.MAX_SIZE)
         self.generator = generator if generator is not None else self.sampling.make_generator()
-        self.stop_token_ids = frozenset(stop_token_ids)
+        self.stop_token_ids = inputs.stop_token_ids(stop_token_ids, verifier.vocab_size)
         self.verifier = verifier
         self.proposer = proposer
         self.draft_length = draft_length
