@@ -34,8 +34,8 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Generator, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Generator, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -92,15 +92,80 @@ class Token:
 
 
 @dataclass(frozen=True)
+class GenerationCounts:
+    """What one ``generate`` call did. ``tau`` is tokens per verifier forward (1.0 for
+    plain decoding; None without a forward); history and cache figures are after the call."""
+
+    generated_tokens: int
+    verifier_forwards: int
+    tau: float | None
+    proposed: int
+    accepted: int
+    history_len: int
+    cache_len: int
+    kv_live_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GenerationTimings:
+    """Wall-clock seconds of one ``generate`` call (``first_token_s`` from the first
+    ``next()``; None if no token was delivered)."""
+
+    total_s: float
+    first_token_s: float | None
+    verifier_s: float
+    proposer_s: float
+    tokens_per_s: float | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class Done:
     """End of a ``generate`` call. ``stop_reason`` is ``"eos"``, ``"stop"`` or ``"max_tokens"``."""
 
     stop_reason: str
-    counts: dict
-    timings: dict
+    counts: GenerationCounts
+    timings: GenerationTimings
 
 
 Event = HistoryTruncated | Token | SpeculativeStep | Done
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A generate stream collected: the delivered ``token_ids``, the final :class:`Done`,
+    ``truncated_dropped`` (the :class:`HistoryTruncated` figure, None if none came) and the
+    speculative ``steps`` in order."""
+
+    token_ids: list[int]
+    done: Done
+    truncated_dropped: int | None
+    steps: list[SpeculativeStep]
+
+
+def collect_reply(events: Iterable[Event]) -> Reply:
+    """Consume a ``generate`` stream to its end and collect it into a :class:`Reply`."""
+    token_ids: list[int] = []
+    steps: list[SpeculativeStep] = []
+    truncated = None
+    done = None
+    for event in events:
+        if isinstance(event, Token):
+            token_ids.append(event.id)
+        elif isinstance(event, HistoryTruncated):
+            truncated = event.dropped
+        elif isinstance(event, SpeculativeStep):
+            steps.append(event)
+        elif isinstance(event, Done):
+            done = event
+    if done is None:
+        raise SessionError("the stream ended without a Done event (it was closed part-way)")
+    return Reply(token_ids=token_ids, done=done, truncated_dropped=truncated, steps=steps)
 
 
 @dataclass(frozen=True)
@@ -123,7 +188,26 @@ class SessionInfo:
     created_s: float
     last_used_s: float
     config: dict
-    speculative: dict
+    speculative: SpeculativeSummary
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class SpeculativeSummary:
+    """Cumulative speculative figures of a session (docs/design.md "Metrics"):
+    ``acceptance_rate`` = accepted / proposed, ``tau`` = tokens per verifier forward of its
+    speculative generations (None when not measured)."""
+
+    steps: int
+    proposed: int
+    accepted: int
+    acceptance_rate: float | None
+    tau: float | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(eq=False)
@@ -417,26 +501,30 @@ class SessionStore:
         self,
         session_id: str,
         max_new_tokens: int,
-        temperature: float = 0.0,
-        seed: int | None = None,
+        sampling: SamplingConfig | None = None,
         *,
-        top_k: int | None = None,
-        top_p: float | None = None,
         stop_token_ids: Sequence[int] | None = None,
         proposer: Proposer | None = None,
-        k: int = 4,
-        adaptive_k: bool = False,
+        draft_length: int = 4,
+        adaptive_draft_length: bool = False,
     ) -> GenerationStream:
         """Generate up to ``max_new_tokens`` tokens; a stream of events.
 
-        ``proposer=None`` is plain decoding; otherwise speculative decoding with drafts of
-        ``k`` tokens (greedy output is identical to plain decoding). The session keeps
-        exactly the tokens delivered as :class:`Token` events (EOS included), also if the
-        caller stops early. Arguments are checked here, before the first event.
+        ``sampling=None`` is greedy. ``proposer=None`` is plain decoding; otherwise
+        speculative decoding with drafts of ``draft_length`` tokens (greedy output is
+        identical to plain decoding). The session keeps exactly the tokens delivered as
+        :class:`Token` events (EOS included), also if the caller stops early. Arguments are
+        checked here, before the first event. Collect a whole reply with :func:`collect_reply`.
         """
-        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if sampling is None:
+            sampling = SamplingConfig()
+        elif not isinstance(sampling, SamplingConfig):
+            raise InputTypeError(
+                f"sampling must be a SamplingConfig or None, got {type(sampling).__name__} "
+                "(e.g. SamplingConfig(temperature=0.8, seed=0))"
+            )
         inputs.count(max_new_tokens, "max_new_tokens", minimum=1, maximum=inputs.MAX_SIZE)
-        inputs.count(k, "draft_length", minimum=1, maximum=inputs.MAX_SIZE)
+        inputs.count(draft_length, "draft_length", minimum=1, maximum=inputs.MAX_SIZE)
         stops = self.eos_token_ids | inputs.stop_token_ids(stop_token_ids, self.vocab_size)
         if proposer is not None:
             check_proposer(proposer)
@@ -449,7 +537,7 @@ class SessionStore:
             decoder = Decoder(
                 session.verifier, session.next_logits, max_new_tokens=max_new_tokens,
                 sampling=sampling, stop_token_ids=stops,
-                proposer=proposer, draft_length=k, adaptive_draft_length=adaptive_k,
+                proposer=proposer, draft_length=draft_length, adaptive_draft_length=adaptive_draft_length,
             )
             stream = GenerationStream(session, self._run(session, decoder))
             session.stream = weakref.ref(stream)
@@ -506,24 +594,60 @@ class SessionStore:
         forwards = decoder.verifier_forwards
         yield Done(
             stop_reason=stop_reason,
-            counts={
-                "generated_tokens": decoder.delivered,
-                "verifier_forwards": forwards,
-                "tau": decoder.delivered / forwards if forwards else None,
-                "proposed": sum(s.proposed for s in decoder.steps),
-                "accepted": sum(s.accepted for s in decoder.steps),
-                "history_len": verifier.history_len,
-                "cache_len": verifier.cache_len,
-                "kv_live_bytes": verifier.kv_live_bytes,
-            },
-            timings={
-                "total_s": total,
-                "first_token_s": first_token_s,
-                "verifier_s": decoder.verifier_s,
-                "proposer_s": sum(s.proposer_s for s in decoder.steps),
-                "tokens_per_s": decoder.delivered / total if total > 0 else None,
-            },
+            counts=GenerationCounts(
+                generated_tokens=decoder.delivered,
+                verifier_forwards=forwards,
+                tau=decoder.delivered / forwards if forwards else None,
+                proposed=sum(s.proposed for s in decoder.steps),
+                accepted=sum(s.accepted for s in decoder.steps),
+                history_len=verifier.history_len,
+                cache_len=verifier.cache_len,
+                kv_live_bytes=verifier.kv_live_bytes,
+            ),
+            timings=GenerationTimings(
+                total_s=total,
+                first_token_s=first_token_s,
+                verifier_s=decoder.verifier_s,
+                proposer_s=sum(s.proposer_s for s in decoder.steps),
+                tokens_per_s=decoder.delivered / total if total > 0 else None,
+            ),
         )
+
+    def probe(
+        self,
+        session_id: str,
+        token_ids: Sequence[int] | torch.Tensor,
+        max_new_tokens: int,
+        *,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> list[int]:
+        """Greedy continuation of the session's history + ``token_ids`` (a side question),
+        scored on a provisional block and rolled back: the session is unchanged afterwards.
+
+        Stops after ``max_new_tokens`` or a stop/EOS token (included in the result).
+        """
+        inputs.count(max_new_tokens, "max_new_tokens", minimum=1, maximum=inputs.MAX_SIZE)
+        stops = self.eos_token_ids | inputs.stop_token_ids(stop_token_ids, self.vocab_size)
+        ids = inputs.token_ids(token_ids, self.vocab_size)
+        session = self._session(session_id)
+        with session.lock:
+            self._live(session, idle=True)
+            self._settle_pending(session)
+            verifier = session.verifier
+            out: list[int] = []
+            try:
+                logits = verifier.forward_block(ids)[-1]
+                while True:
+                    token = int(torch.argmax(logits))
+                    out.append(token)
+                    if token in stops or len(out) == max_new_tokens:
+                        break
+                    logits = verifier.forward_block([token])[-1]
+            finally:
+                verifier.rollback()
+            self._touch(session)
+            self._check(session, expected_history=None)
+            return out
 
     # ------------------------------------------------------------------- query
     def info(self, session_id: str) -> SessionInfo:
@@ -579,13 +703,13 @@ class SessionStore:
             raise AssertionError("kv_live_bytes is 0 after an append")
 
 
-def _speculative_summary(stats: dict) -> dict:
-    """Cumulative speculative figures of a session (DESIGN.md "Metrics")."""
-    steps, proposed, accepted = stats.get("steps", 0), stats.get("proposed", 0), stats.get("accepted", 0)
-    return {
-        "steps": steps,
-        "proposed": proposed,
-        "accepted": accepted,
-        "acceptance_rate": accepted / proposed if proposed else None,
-        "tau": stats["emitted"] / stats["forwards"] if stats.get("forwards") else None,
-    }
+def _speculative_summary(stats: dict) -> SpeculativeSummary:
+    """Cumulative speculative figures of a session (docs/design.md "Metrics")."""
+    proposed, accepted = stats.get("proposed", 0), stats.get("accepted", 0)
+    return SpeculativeSummary(
+        steps=stats.get("steps", 0),
+        proposed=proposed,
+        accepted=accepted,
+        acceptance_rate=accepted / proposed if proposed else None,
+        tau=stats["emitted"] / stats["forwards"] if stats.get("forwards") else None,
+    )

@@ -18,6 +18,7 @@ import torch
 
 from kakeya_lab import SinkWindowConfig
 from kakeya_lab.proposers import DraftModelProposer, EarlyExitProposer, NgramProposer
+from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.session import (
     Done,
     HistoryTruncated,
@@ -62,9 +63,9 @@ def _assert_same_as_clean(default_model, store, sid, history):
 
 MODES = {
     "plain-greedy": dict(),
-    "plain-sampled": dict(temperature=0.9, seed=3),
+    "plain-sampled": dict(sampling=SamplingConfig(temperature=0.9, seed=3)),
     "early-exit-greedy": dict(proposer="early-exit"),
-    "early-exit-sampled": dict(proposer="early-exit", temperature=0.9, seed=3),
+    "early-exit-sampled": dict(proposer="early-exit", sampling=SamplingConfig(temperature=0.9, seed=3)),
     "self-draft-greedy": dict(proposer="self-draft"),
 }
 
@@ -92,7 +93,7 @@ def test_stop_commits_exactly_the_delivered_tokens(default_model, prompt, kind, 
     store.append(sid, prompt)
     options = _options(kind, default_model)
     delivered = []
-    stream = store.generate(sid, 20, k=4, **options)
+    stream = store.generate(sid, 20, draft_length=4, **options)
     for event in stream:
         if isinstance(event, Token):
             delivered.append(event.id)
@@ -122,7 +123,7 @@ def test_stop_at_a_non_token_event_keeps_only_delivered_tokens(default_model, te
     store.append(sid, start)
     proposer = DraftModelProposer(default_model.model, CONFIG)
     delivered = []
-    stream = store.generate(sid, 30, proposer=proposer, k=4)
+    stream = store.generate(sid, 30, proposer=proposer, draft_length=4)
     seen = 0
     for event in stream:
         if isinstance(event, Token):
@@ -177,7 +178,7 @@ def test_one_generation_at_a_time_per_session(default_model, prompt):
         store.append(sid, [5, 6])
     rest = list(stream)  # the open stream is undisturbed
     tokens = [e.id for e in [first, *rest] if isinstance(e, Token)]
-    assert isinstance(rest[-1], Done) and rest[-1].counts["generated_tokens"] == len(tokens) == 8
+    assert isinstance(rest[-1], Done) and rest[-1].counts.generated_tokens == len(tokens) == 8
     assert store.verifier(sid).history_token_ids == prompt + tokens
     store.append(sid, [5, 6])  # free again
 
@@ -246,7 +247,7 @@ def test_interrupt_inside_a_speculative_step_keeps_delivered_tokens(default_mode
     store.append(sid, prompt)
     proposer = DraftModelProposer(model, CONFIG)
     delivered = []
-    stream = store.generate(sid, 30, proposer=proposer, k=4)
+    stream = store.generate(sid, 30, proposer=proposer, draft_length=4)
     for event in stream:
         if isinstance(event, Token):
             delivered.append(event.id)
@@ -339,4 +340,4 @@ def test_idle_expiry_while_paused_but_never_while_streaming(default_model, promp
         poller.join(timeout=10)
     assert time.monotonic() - t0 > 0.4  # the stream outlived the TTL
     assert not seen_missing and isinstance(events[-1], Done)
-    assert events[-1].counts["generated_tokens"] == 24
+    assert events[-1].counts.generated_tokens == 24
