@@ -341,3 +341,28 @@ def test_idle_expiry_while_paused_but_never_while_streaming(default_model, promp
     assert time.monotonic() - t0 > 0.4  # the stream outlived the TTL
     assert not seen_missing and isinstance(events[-1], Done)
     assert events[-1].counts.generated_tokens == 24
+
+
+def test_stop_button_from_another_thread_mid_stream(default_model, prompt):
+    """A UI thread closes the stream while the consumer thread is pulling events."""
+    store = _store(default_model)
+    sid = store.create()
+    store.append(sid, prompt)
+    stream = store.generate(sid, 200, proposer=EarlyExitProposer(default_model.model, CONFIG, num_layers=6))
+    delivered = []
+    started = threading.Event()
+
+    def consume():
+        for event in stream:
+            if isinstance(event, Token):
+                delivered.append(event.id)
+                started.set()
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    assert started.wait(timeout=60)
+    stream.close()  # the Stop button
+    consumer.join(timeout=60)
+    assert not consumer.is_alive()
+    assert 1 <= len(delivered) < 200
+    _assert_same_as_clean(default_model, store, sid, prompt + delivered)

@@ -19,6 +19,7 @@ from kakeya_lab.proposers import (
     EarlyExitProposer,
     NgramProposer,
     TokenizerMismatch,
+    make_proposer,
 )
 from kakeya_lab.sampling import SamplingConfig, sampling_probs
 from kakeya_lab.session import SessionStore, Token
@@ -290,3 +291,12 @@ def test_adaptive_draft_length_stays_lossless(plain_runs, default_model):
                              adaptive_draft_length=True)
     assert got == want
     assert len({s.draft_length for s in steps if s.draft_length}) > 1  # the length actually moved
+
+
+def test_make_proposer_uses_an_already_loaded_draft_model(default_model, tiny_model):
+    config = SinkWindowConfig(sink=4, window=28)
+    proposer = make_proposer("draft:tiny", default_model.model, config, default_model.tokenizer,
+                             draft_model=tiny_model)
+    assert isinstance(proposer, DraftModelProposer) and proposer.model is tiny_model.model
+    assert proposer.describe()["model"] == "tiny"
+    assert make_proposer("none", default_model.model, config) is None
