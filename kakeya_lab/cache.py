@@ -47,14 +47,13 @@ class SinkWindowConfig:
     positions: PositionMode = "global"
 
     def __post_init__(self) -> None:
-        if isinstance(self.sink, bool) or not isinstance(self.sink, int) or self.sink < 0:
-            raise ValueError(f"sink must be an integer >= 0, got {self.sink!r}")
-        if self.window is not None and (
-            isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1
-        ):
-            raise ValueError(
-                f"window must be an integer >= 1 (it includes the current token) or None, got {self.window!r}"
-            )
+        from kakeya_lab import inputs
+
+        object.__setattr__(self, "sink", inputs.size(self.sink, "sink", minimum=0))
+        if self.window is not None:
+            hint = "it includes the current token; None never evicts"
+            window = inputs.size(self.window, "window", minimum=1, hint=hint)
+            object.__setattr__(self, "window", window)
         if self.positions not in ("global", "rolling"):
             raise ValueError(f"positions must be 'global' or 'rolling', got {self.positions!r}")
 

@@ -9,6 +9,7 @@ default model).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 
@@ -71,6 +72,30 @@ class ChatTemplate:
         self.awaiting_reply = False
         self.rendered += self.tokenizer.decode(ids, skip_special_tokens=False)
         return text
+
+    def fork(self) -> ChatTemplate:
+        """An independent copy (same tokenizer) to ask a side question without touching this one."""
+        return ChatTemplate.from_state(self.tokenizer, self.to_state())
+
+    def to_state(self) -> dict:
+        """Plain JSON-able state for checkpoints (restore with :meth:`from_state`)."""
+        return {
+            "messages": copy.deepcopy(self.messages),
+            "rendered": self.rendered,
+            "awaiting_reply": self.awaiting_reply,
+        }
+
+    @classmethod
+    def from_state(cls, tokenizer, state: dict) -> ChatTemplate:
+        """A template continuing from :meth:`to_state`'s output, with ``tokenizer``."""
+        missing = {"messages", "rendered", "awaiting_reply"} - set(state)
+        if missing:
+            raise ValueError(f"chat state lacks {sorted(missing)}: pass what ChatTemplate.to_state() returned")
+        chat = cls(tokenizer)
+        chat.messages = copy.deepcopy(list(state["messages"]))
+        chat.rendered = str(state["rendered"])
+        chat.awaiting_reply = bool(state["awaiting_reply"])
+        return chat
 
     def full_ids(self, add_generation_prompt: bool | None = None) -> list[int]:
         """The tokenizer's template over the whole conversation, as ids (the reference)."""

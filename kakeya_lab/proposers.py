@@ -1,7 +1,9 @@
-"""Draft proposers for speculative decoding (DESIGN.md "Proposers").
+"""Draft proposers for speculative decoding (docs/design.md "Proposers").
 
-Protocol: ``propose(context, k, ...) -> Draft`` where ``context`` is the session's token
-history so far (every token the verifier has accepted or emitted); ``accept(n)`` tells
+Protocol: ``propose(context, draft_length, sampling, generator=None) -> Draft`` where
+``context`` is the session's token history so far (every token the verifier has accepted
+or emitted), ``sampling`` a :class:`~kakeya_lab.sampling.SamplingConfig` (greedy drafts
+when it is greedy) and ``generator`` the random source to draw from; ``accept(n)`` tells
 the proposer how many of its last draft's tokens were accepted, so it can roll back its
 own state. A proposer keeps whatever state it wants but must resynchronise from
 ``context`` alone: if its own history is not a prefix of ``context`` it starts over.
@@ -28,8 +30,10 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from kakeya_lab import inputs
 from kakeya_lab.cache import SinkWindowConfig
-from kakeya_lab.sampling import sampling_probs
+from kakeya_lab.inputs import InputTypeError
+from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.verifier import Verifier
 
 
@@ -50,17 +54,29 @@ class Proposer(Protocol):
     def propose(
         self,
         context: Sequence[int],
-        k: int,
-        *,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
+        draft_length: int,
+        sampling: SamplingConfig,
         generator: torch.Generator | None = None,
     ) -> Draft: ...
 
     def accept(self, n: int) -> None: ...
 
     def describe(self) -> dict: ...
+
+
+def check_proposer(proposer: object) -> None:
+    """Raise ``TypeError`` unless ``proposer`` follows the :class:`Proposer` protocol."""
+    if isinstance(proposer, str):
+        raise InputTypeError(
+            f"proposer must be a Proposer object, got the string {proposer!r}: "
+            "build one with kakeya_lab.proposers.make_proposer(spec, model, config)"
+        )
+    missing = [m for m in ("propose", "accept") if not callable(getattr(proposer, m, None))]
+    if missing:
+        raise InputTypeError(
+            f"proposer must follow the Proposer protocol (propose, accept, describe); "
+            f"{type(proposer).__name__} lacks {', '.join(missing)}"
+        )
 
 
 class TokenizerMismatch(ValueError):
@@ -87,19 +103,23 @@ class NgramProposer:
     name = "ngram"
 
     def __init__(self, ngram_sizes: Sequence[int] = (3, 2, 1), max_lookback: int | None = None):
-        sizes = sorted({int(n) for n in ngram_sizes}, reverse=True)
-        if not sizes or sizes[-1] < 1:
-            raise ValueError(f"ngram_sizes must be positive integers, got {ngram_sizes!r}")
+        if isinstance(ngram_sizes, (str, bytes)) or not hasattr(ngram_sizes, "__iter__"):
+            raise InputTypeError(f"ngram_sizes must be a sequence of integers >= 1, got {ngram_sizes!r}")
+        sizes = sorted({inputs.count(n, "an n-gram size", minimum=1) for n in ngram_sizes}, reverse=True)
+        if not sizes:
+            raise ValueError("ngram_sizes is empty: give at least one n-gram size, e.g. (3, 2, 1)")
         self.ngram_sizes = sizes
+        if max_lookback is not None:
+            max_lookback = inputs.count(max_lookback, "max_lookback", minimum=1)
         self.max_lookback = max_lookback
 
-    def propose(self, context, k, *, temperature=0.0, top_k=None, top_p=None, generator=None) -> Draft:
+    def propose(self, context, draft_length, sampling=None, generator=None) -> Draft:
         t0 = time.perf_counter()
         ctx = list(context)
         if self.max_lookback is not None:
             ctx = ctx[-self.max_lookback :]
         tokens: list[int] = []
-        if k >= 1:
+        if draft_length >= 1:
             t = torch.tensor(ctx, dtype=torch.long)
             for n in self.ngram_sizes:
                 if len(ctx) <= n:
@@ -108,7 +128,7 @@ class NgramProposer:
                 hits = torch.nonzero((windows == t[-n:]).all(dim=1)).flatten()
                 if hits.numel():
                     start = int(hits[-1]) + n
-                    tokens = ctx[start : start + k]
+                    tokens = ctx[start : start + draft_length]
                     if tokens:
                         break
         return Draft(tokens=tokens, probs=None, seconds=time.perf_counter() - t0)
@@ -123,8 +143,8 @@ class NgramProposer:
 class DraftModelProposer:
     """A draft model with its own sink-window cache.
 
-    Drafts ``k`` tokens autoregressively (greedy at ``temperature == 0``, else sampled from
-    the same filtered distribution the verifier samples from). After ``accept(n)`` its
+    Drafts ``draft_length`` tokens autoregressively (greedy when ``sampling`` is greedy,
+    else sampled from the same filtered distribution the verifier samples from). After ``accept(n)`` its
     cache keeps the accepted drafts and drops the rest.
     """
 
@@ -161,22 +181,23 @@ class DraftModelProposer:
         if self._next_logits is None:
             raise ValueError("a draft needs a non-empty context")
 
-    def propose(self, context, k, *, temperature=0.0, top_k=None, top_p=None, generator=None) -> Draft:
+    def propose(self, context, draft_length, sampling=None, generator=None) -> Draft:
         t0 = time.perf_counter()
+        sampling = sampling if sampling is not None else SamplingConfig()
         self._sync(list(context))
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         logits = self._next_logits
         self._rows = [logits]  # logits after context, then after each forwarded draft
-        for i in range(k):
-            if temperature == 0.0:
+        for i in range(draft_length):
+            if sampling.greedy:
                 token = int(torch.argmax(logits))
             else:
-                q = sampling_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+                q = sampling.probs(logits)
                 token = int(torch.multinomial(q, 1, generator=generator))
                 probs.append(q)
             tokens.append(token)
-            if i + 1 < k:
+            if i + 1 < draft_length:
                 logits = self.verifier.forward_block([token])[-1]
                 self._rows.append(logits)
         return Draft(
@@ -199,8 +220,8 @@ def early_exit_model(model: PreTrainedModel, num_layers: int) -> PreTrainedModel
     """A causal LM made of ``model``'s embedding, first ``num_layers`` layers, final norm
     and lm_head — sharing the parameters (no copy)."""
     total = model.config.num_hidden_layers
-    if not 1 <= num_layers < total:
-        raise ValueError(f"early exit needs 1 <= num_layers < {total}, got {num_layers}")
+    num_layers = inputs.count(num_layers, "num_layers", minimum=1, maximum=total - 1,
+                              hint=f"early exit keeps fewer than the model's {total} layers")
     cfg = copy.deepcopy(model.config)
     cfg.num_hidden_layers = num_layers
     if getattr(cfg, "layer_types", None) is not None:
@@ -232,27 +253,44 @@ class EarlyExitProposer(DraftModelProposer):
         return {"name": self.name, "num_layers": self.num_layers, "cache": self.config.to_dict()}
 
 
-def make_proposer(spec: str | None, model: PreTrainedModel, config: SinkWindowConfig, tokenizer=None):
+def make_proposer(
+    spec: str | None,
+    model: PreTrainedModel,
+    config: SinkWindowConfig,
+    tokenizer=None,
+    *,
+    draft_model=None,
+) -> Proposer | None:
     """Build a proposer from a short spec (CLI, notebooks, sweep files).
 
     ``none`` → ``None`` (plain decoding); ``ngram`` or ``ngram:3,2,1``;
     ``early-exit:LAYERS``; ``draft:MODEL`` (a registry name or local folder, loaded with
-    :func:`~kakeya_lab.models.load_model`; its tokenizer must equal ``tokenizer``).
+    :func:`~kakeya_lab.models.load_model` unless ``draft_model`` — an already loaded model,
+    i.e. what ``load_model`` returns or a bare ``PreTrainedModel`` — is given; its tokenizer
+    must equal ``tokenizer``).
     """
+    usage = "use none, ngram[:SIZES], early-exit:LAYERS or draft:MODEL"
+    if spec is not None and not isinstance(spec, str):
+        raise InputTypeError(f"proposer spec must be a string or None, got {type(spec).__name__} ({usage})")
     if spec in (None, "", "none"):
         return None
     kind, _, arg = spec.partition(":")
     if kind == "ngram":
-        return NgramProposer([int(n) for n in arg.split(",")] if arg else (3, 2, 1))
+        try:
+            sizes = [int(n) for n in arg.split(",")] if arg else (3, 2, 1)
+        except ValueError:
+            raise ValueError(f"bad n-gram sizes in {spec!r}: write them like ngram:3,2,1") from None
+        return NgramProposer(sizes)
     if kind == "early-exit" and arg.isdigit():
         return EarlyExitProposer(model, config, num_layers=int(arg))
     if kind == "draft" and arg:
-        from kakeya_lab.models import load_model
+        if draft_model is None:
+            from kakeya_lab.models import load_model
 
-        draft = load_model(arg, dtype=next(model.parameters()).dtype)
+            draft_model = load_model(arg, dtype=next(model.parameters()).dtype)
+        net = getattr(draft_model, "model", draft_model)
         return DraftModelProposer(
-            draft.model, config, tokenizer=draft.tokenizer, verifier_tokenizer=tokenizer, label=arg
+            net, config, tokenizer=getattr(draft_model, "tokenizer", None),
+            verifier_tokenizer=tokenizer, label=arg,
         )
-    raise ValueError(
-        f"unknown proposer {spec!r}: use none, ngram[:SIZES], early-exit:LAYERS or draft:MODEL"
-    )
+    raise ValueError(f"unknown proposer {spec!r}: {usage}")

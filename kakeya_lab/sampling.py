@@ -1,29 +1,85 @@
-"""Next-token sampling shared by plain and speculative decoding."""
+"""Next-token sampling shared by plain decoding, speculative decoding and the proposers.
+
+:class:`SamplingConfig` is the one place the sampling knobs live (temperature, top-k,
+top-p, seed). It is validated once; ``greedy`` says whether tokens are argmax choices;
+:meth:`SamplingConfig.choose` picks the next token and :meth:`SamplingConfig.probs` gives
+the filtered distribution sampling draws from (what rejection sampling compares).
+"""
 
 from __future__ import annotations
+
+import secrets
+from dataclasses import asdict, dataclass
 
 import torch
 
 
-def sample_token(
-    logits: torch.Tensor,
-    *,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> int:
-    """Greedy (``temperature == 0``) or sampled next token from ``logits [vocab]``."""
-    if temperature == 0.0:
-        return int(torch.argmax(logits))
-    probs = sampling_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to pick tokens. ``temperature == 0`` is greedy (top-k/top-p/seed unused).
+
+    ``seed=None`` draws a fresh seed per generation (not reproducible).
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        from kakeya_lab import inputs
+
+        object.__setattr__(self, "temperature", inputs.number(self.temperature, "temperature", minimum=0.0))
+        if self.top_k is not None:
+            object.__setattr__(self, "top_k", inputs.count(self.top_k, "top_k", minimum=1))
+        if self.top_p is not None:
+            top_p = inputs.number(self.top_p, "top_p", minimum=0.0, strict=True)
+            if top_p > 1.0:
+                raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+            object.__setattr__(self, "top_p", top_p)
+        if self.seed is not None:
+            object.__setattr__(self, "seed", inputs.count(self.seed, "seed", minimum=0, maximum=2**63 - 1))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def make_generator(self) -> torch.Generator | None:
+        """A CPU generator seeded from ``seed`` (a random seed if None); None when greedy."""
+        if self.greedy:
+            return None
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
+        return generator
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution sampling draws from: temperature, then top-k, then top-p.
+
+        Greedy configs give the one-hot distribution of the argmax.
+        """
+        if self.greedy:
+            probs = torch.zeros(logits.shape[-1], dtype=torch.float32)
+            probs[int(torch.argmax(logits))] = 1.0
+            return probs
+        return sampling_probs(logits, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+    def choose(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> int:
+        """The next token from ``logits [vocab]``: the argmax if greedy, else a sample."""
+        if self.greedy:
+            return int(torch.argmax(logits))
+        return int(torch.multinomial(self.probs(logits), 1, generator=generator))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+GREEDY = SamplingConfig()
 
 
 def sampling_probs(
     logits: torch.Tensor, *, temperature: float, top_k: int | None = None, top_p: float | None = None
 ) -> torch.Tensor:
-    """The distribution sampling draws from: temperature, then top-k, then top-p (nucleus)."""
+    """Temperature, then top-k, then top-p (nucleus) over ``logits [vocab]``; ``temperature > 0``."""
     scores = logits.float() / temperature
     if top_k is not None and 0 < top_k < scores.numel():
         kth = torch.topk(scores, top_k).values[-1]
@@ -37,12 +93,3 @@ def sampling_probs(
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
         probs = probs / probs.sum()
     return probs
-
-
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not temperature >= 0.0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")

@@ -1,9 +1,30 @@
 """Session runtime: many conversations, one sink-window cache each.
 
 A session appends only the *new* tokens of each turn, so a turn's prefill cost depends on
-the new message and not on the history. :meth:`SessionStore.generate` is a generator of
-events (DESIGN.md "Session runtime"): at most one :class:`HistoryTruncated` per call,
-one :class:`Token` per emitted token, and a final :class:`Done`.
+the new message and not on the history. :meth:`SessionStore.generate` returns a
+:class:`GenerationStream` of events: at most one :class:`HistoryTruncated` per call, one
+:class:`Token` per delivered token, a :class:`SpeculativeStep` per verifier forward in
+speculative mode, and a final :class:`Done`.
+
+Safety rules (docs/design.md "Session runtime"):
+
+* A stream commits exactly the tokens it yielded as :class:`Token` events. A consumer
+  that stops early (``break``, ``close()``, garbage collection) leaves no undelivered
+  token behind: the rest of the step is rolled back (verifier and proposer), and the
+  session's next-token logits follow the last delivered token.
+* One generation at a time per session: ``generate``/``append``/``probe`` on a session
+  whose stream is open raise :class:`SessionBusy`.
+* Locks: each session has its own lock, held while a stream computes its next event and
+  released before the event is handed out (never held across a ``yield``). The store's
+  lock guards only the session table. A paused stream blocks nobody.
+* Close, LRU eviction or idle expiry of a streaming session end its stream with
+  :class:`SessionClosed` (naming the reason) at the consumer's next ``next()``.
+* Idle TTL: a session is idle from its last store call or last event handed out. A stream
+  that is computing an event is never expired (so never mid-token); a stream whose
+  consumer has not asked for an event for ``idle_ttl_s`` is idle like any other session
+  (an abandoned, never-closed stream cannot pin a session forever).
+* ``append`` is all-or-nothing at the session level: counters, next-token logits, turn
+  count and last-used time change only when the verifier's append succeeds.
 """
 
 from __future__ import annotations
@@ -11,24 +32,22 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Generator, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
 from transformers import PreTrainedModel
 
+from kakeya_lab import inputs
 from kakeya_lab.cache import SinkWindowConfig
-from kakeya_lab.sampling import check_sampling
-from kakeya_lab.speculative import (
-    DecodeState,
-    SpeculativeStep,
-    plain_decode,
-    settle,
-    speculative_decode,
-)
-from kakeya_lab.verifier import Verifier
+from kakeya_lab.inputs import InputTypeError
+from kakeya_lab.proposers import check_proposer
+from kakeya_lab.sampling import SamplingConfig
+from kakeya_lab.speculative import Decoder, SpeculativeStep
+from kakeya_lab.verifier import Verifier, vocab_size_of
 
 if TYPE_CHECKING:
     from kakeya_lab.proposers import Proposer
@@ -51,9 +70,18 @@ class CapacityExceeded(SessionError):
     """``create`` under the ``reject`` policy with every slot in use."""
 
 
+class SessionBusy(SessionError):
+    """The session has an open generation stream; finish or ``close()`` it first."""
+
+
+class SessionClosed(SessionError):
+    """The session was closed, evicted or expired while its stream was open."""
+
+
 @dataclass(frozen=True)
 class HistoryTruncated:
-    """The cache has started dropping history: ``dropped`` tokens are no longer attended."""
+    """The cache has started dropping history: ``dropped`` tokens are no longer attended
+    once the next :class:`Token` is delivered."""
 
     dropped: int
 
@@ -64,15 +92,80 @@ class Token:
 
 
 @dataclass(frozen=True)
+class GenerationCounts:
+    """What one ``generate`` call did. ``tau`` is tokens per verifier forward (1.0 for
+    plain decoding; None without a forward); history and cache figures are after the call."""
+
+    generated_tokens: int
+    verifier_forwards: int
+    tau: float | None
+    proposed: int
+    accepted: int
+    history_len: int
+    cache_len: int
+    kv_live_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GenerationTimings:
+    """Wall-clock seconds of one ``generate`` call (``first_token_s`` from the first
+    ``next()``; None if no token was delivered)."""
+
+    total_s: float
+    first_token_s: float | None
+    verifier_s: float
+    proposer_s: float
+    tokens_per_s: float | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class Done:
     """End of a ``generate`` call. ``stop_reason`` is ``"eos"``, ``"stop"`` or ``"max_tokens"``."""
 
     stop_reason: str
-    counts: dict
-    timings: dict
+    counts: GenerationCounts
+    timings: GenerationTimings
 
 
 Event = HistoryTruncated | Token | SpeculativeStep | Done
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A generate stream collected: the delivered ``token_ids``, the final :class:`Done`,
+    ``truncated_dropped`` (the :class:`HistoryTruncated` figure, None if none came) and the
+    speculative ``steps`` in order."""
+
+    token_ids: list[int]
+    done: Done
+    truncated_dropped: int | None
+    steps: list[SpeculativeStep]
+
+
+def collect_reply(events: Iterable[Event]) -> Reply:
+    """Consume a ``generate`` stream to its end and collect it into a :class:`Reply`."""
+    token_ids: list[int] = []
+    steps: list[SpeculativeStep] = []
+    truncated = None
+    done = None
+    for event in events:
+        if isinstance(event, Token):
+            token_ids.append(event.id)
+        elif isinstance(event, HistoryTruncated):
+            truncated = event.dropped
+        elif isinstance(event, SpeculativeStep):
+            steps.append(event)
+        elif isinstance(event, Done):
+            done = event
+    if done is None:
+        raise SessionError("the stream ended without a Done event (it was closed part-way)")
+    return Reply(token_ids=token_ids, done=done, truncated_dropped=truncated, steps=steps)
 
 
 @dataclass(frozen=True)
@@ -95,10 +188,29 @@ class SessionInfo:
     created_s: float
     last_used_s: float
     config: dict
-    speculative: dict
+    speculative: SpeculativeSummary
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
-@dataclass
+@dataclass(frozen=True)
+class SpeculativeSummary:
+    """Cumulative speculative figures of a session (docs/design.md "Metrics"):
+    ``acceptance_rate`` = accepted / proposed, ``tau`` = tokens per verifier forward of its
+    speculative generations (None when not measured)."""
+
+    steps: int
+    proposed: int
+    accepted: int
+    acceptance_rate: float | None
+    tau: float | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(eq=False)
 class _Session:
     id: str
     verifier: Verifier
@@ -108,6 +220,14 @@ class _Session:
     turns: int = 0
     generated_tokens: int = 0
     stats: dict = field(default_factory=dict)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    stream: weakref.ref | None = None  # the open GenerationStream, if any
+    pending_token: int | None = None  # delivered but not yet appended (an interrupted settle)
+    closed_reason: str | None = None  # set once the store has dropped the session
+    computing: int = 0  # > 0 while a stream computes an event (never expired then)
+
+    def open_stream(self) -> GenerationStream | None:
+        return self.stream() if self.stream is not None else None
 
 
 def model_eos_ids(model: PreTrainedModel) -> frozenset[int]:
@@ -116,14 +236,81 @@ def model_eos_ids(model: PreTrainedModel) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else list(eos or []))
 
 
+class GenerationStream(Iterator[Event]):
+    """The events of one ``generate`` call (an iterator; also a context manager).
+
+    ``close()`` stops it: the session keeps exactly the tokens already handed out as
+    :class:`Token` events. Dropping the last reference closes it too. Each ``next()``
+    holds the session's lock only while computing the event.
+    """
+
+    def __init__(self, session: _Session, body: Generator[Event, None, None]):
+        self._session = session
+        self._body = body
+        self._finished = False
+
+    def __iter__(self) -> GenerationStream:
+        return self
+
+    def __next__(self) -> Event:
+        session = self._session
+        with session.lock:
+            if self._finished:
+                raise StopIteration
+            if session.closed_reason is not None:
+                self._end()
+                raise SessionClosed(
+                    f"session {session.id!r} was {session.closed_reason} while generating; "
+                    "the stream has ended (the session no longer exists: create a new one)"
+                )
+            session.computing += 1
+            try:
+                return next(self._body)
+            except BaseException:
+                self._end()
+                raise
+            finally:
+                session.computing -= 1
+                session.last_used_s = time.monotonic()
+
+    def close(self) -> None:
+        """Stop the stream; keep exactly the delivered tokens. Idempotent."""
+        session = self._session
+        with session.lock:
+            if self._finished:
+                return
+            try:
+                self._body.close()  # runs the body's cleanup: settle the delivered tokens
+            finally:
+                self._end()
+
+    def _end(self) -> None:
+        self._finished = True
+        self._body.close()  # no-op once finished or closed
+        if self._session.open_stream() in (self, None):
+            self._session.stream = None
+
+    def __enter__(self) -> GenerationStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # never raise from a finaliser; the session stays consistent
+            pass
+
+
 class SessionStore:
     """Owns sessions over one model; each session has its own verifier and cache.
 
     ``capacity`` bounds open sessions; ``policy`` says what ``create`` does when full:
     ``"reject"`` raises :class:`CapacityExceeded`, ``"evict_lru"`` closes the least
     recently used session. Sessions idle longer than ``idle_ttl_s`` are closed at the
-    next call into the store. ``check_invariants`` verifies the cache mirror after every
-    mutation (cheap; on by default).
+    next call into the store (see the module docstring for streams). ``check_invariants``
+    verifies the cache mirror after every mutation (cheap; on by default).
     """
 
     def __init__(
@@ -138,95 +325,167 @@ class SessionStore:
         prefill_chunk: int = 512,
         check_invariants: bool = True,
     ):
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        capacity = inputs.count(capacity, "capacity", minimum=1, maximum=inputs.MAX_SIZE)
         if policy not in ("reject", "evict_lru"):
             raise ValueError(f"policy must be 'reject' or 'evict_lru', got {policy!r}")
-        if idle_ttl_s is not None and idle_ttl_s <= 0:
-            raise ValueError(f"idle_ttl_s must be > 0 or None, got {idle_ttl_s}")
+        if idle_ttl_s is not None:
+            idle_ttl_s = inputs.number(idle_ttl_s, "idle_ttl_s (None: never expire)", minimum=0.0, strict=True)
+        prefill_chunk = inputs.count(prefill_chunk, "prefill_chunk", minimum=1, maximum=inputs.MAX_SIZE)
+        if not isinstance(config, SinkWindowConfig):
+            raise InputTypeError(f"config must be a SinkWindowConfig, got {type(config).__name__}")
         self.model = model
+        self.vocab_size = vocab_size_of(model)
         self.config = config
         self.capacity = capacity
         self.policy = policy
         self.idle_ttl_s = idle_ttl_s
         self.prefill_chunk = prefill_chunk
         self.check_invariants = check_invariants
-        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else model_eos_ids(model))
+        self.eos_token_ids = (
+            inputs.stop_token_ids(eos_token_ids, self.vocab_size)
+            if eos_token_ids is not None else model_eos_ids(model)
+        )
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        # Guards the session table only; never held while taking a session's lock.
         self._lock = threading.RLock()
         self.evicted: list[tuple[str, str]] = []  # (id, reason), most recent last
 
     # --------------------------------------------------------------- lifecycle
     def create(self) -> str:
         """Open a session and return its server-issued id."""
-        with self._lock:
-            self._expire_idle()
-            if len(self._sessions) >= self.capacity:
-                if self.policy == "reject":
-                    raise CapacityExceeded(
-                        f"all {self.capacity} session slots are in use (policy 'reject'); close one first"
-                    )
-                victim, _ = next(iter(self._sessions.items()))
-                self._drop(victim, "evicted: least recently used")
-            sid = secrets.token_hex(8)
-            now = time.monotonic()
-            verifier = Verifier(self.model, self.config, prefill_chunk=self.prefill_chunk)
-            self._sessions[sid] = _Session(sid, verifier, created_s=now, last_used_s=now)
-            return sid
+        dropped: list[_Session] = []
+        try:
+            with self._lock:
+                dropped += self._expire_idle()
+                if len(self._sessions) >= self.capacity:
+                    if self.policy == "reject":
+                        raise CapacityExceeded(
+                            f"all {self.capacity} session slots are in use (policy 'reject'); close one first"
+                        )
+                    victim = next(iter(self._sessions))
+                    dropped.append(self._drop(victim, "evicted: least recently used"))
+                sid = secrets.token_hex(8)
+                now = time.monotonic()
+                verifier = Verifier(self.model, self.config, prefill_chunk=self.prefill_chunk)
+                self._sessions[sid] = _Session(sid, verifier, created_s=now, last_used_s=now)
+                return sid
+        finally:
+            self._free(dropped)
 
     def close(self, session_id: str) -> None:
-        """Close a session and free its cache. Unknown or already closed ids raise."""
-        with self._lock:
-            self._get(session_id)
-            self._drop(session_id, "closed")
+        """Close a session and free its cache. Unknown or already closed ids raise.
+
+        An open stream of the session ends with :class:`SessionClosed` at its next ``next()``.
+        """
+        dropped: list[_Session] = []
+        try:
+            with self._lock:
+                dropped += self._expire_idle()
+                self._lookup(session_id)
+                dropped.append(self._drop(session_id, "closed"))
+        finally:
+            self._free(dropped)
 
     def __len__(self) -> int:
-        with self._lock:
-            self._expire_idle()
-            return len(self._sessions)
+        return len(self.ids())
 
     def ids(self) -> list[str]:
-        with self._lock:
-            self._expire_idle()
-            return list(self._sessions)
+        dropped: list[_Session] = []
+        try:
+            with self._lock:
+                dropped += self._expire_idle()
+                return list(self._sessions)
+        finally:
+            self._free(dropped)
 
-    def _drop(self, session_id: str, reason: str) -> None:
+    def _drop(self, session_id: str, reason: str) -> _Session:
+        """Remove a session from the table (under the table lock); free it with :meth:`_free`."""
         session = self._sessions.pop(session_id)
-        session.verifier.cache.reset()
+        session.closed_reason = reason
         self.evicted.append((session_id, reason))
         del self.evicted[:-100]
-
-    def _expire_idle(self) -> None:
-        if self.idle_ttl_s is None:
-            return
-        now = time.monotonic()
-        for sid in [s.id for s in self._sessions.values() if now - s.last_used_s > self.idle_ttl_s]:
-            self._drop(sid, f"evicted: idle longer than {self.idle_ttl_s}s")
-
-    def _get(self, session_id: str) -> _Session:
-        self._expire_idle()
-        session = self._sessions.get(session_id)
-        if session is None:
-            reason = next((r for sid, r in reversed(self.evicted) if sid == session_id), None)
-            detail = f" ({reason})" if reason else ""
-            raise UnknownSession(f"unknown session id {session_id!r}{detail}")
         return session
 
+    @staticmethod
+    def _free(sessions: list[_Session]) -> None:
+        """Free dropped sessions' caches (after the table lock is released; waits for a
+        stream that is computing an event)."""
+        for session in sessions:
+            with session.lock:
+                session.verifier.cache.reset()
+                session.next_logits = None
+
+    def _expire_idle(self) -> list[_Session]:
+        if self.idle_ttl_s is None:
+            return []
+        now = time.monotonic()
+        expired = [
+            s.id for s in self._sessions.values()
+            if s.computing == 0 and now - s.last_used_s > self.idle_ttl_s
+        ]
+        return [self._drop(sid, f"evicted: idle longer than {self.idle_ttl_s}s") for sid in expired]
+
+    def _lookup(self, session_id: str) -> _Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise UnknownSession(self._unknown_message(session_id))
+        return session
+
+    def _unknown_message(self, session_id: str) -> str:
+        reason = next((r for sid, r in reversed(self.evicted) if sid == session_id), None)
+        detail = f" ({reason})" if reason else ""
+        return f"unknown session id {session_id!r}{detail}"
+
+    def _session(self, session_id: str) -> _Session:
+        """Expire idle sessions and return this one (then take its lock and call :meth:`_live`)."""
+        dropped: list[_Session] = []
+        try:
+            with self._lock:
+                dropped += self._expire_idle()
+                return self._lookup(session_id)
+        finally:
+            self._free(dropped)
+
+    def _live(self, session: _Session, *, idle: bool = False) -> None:
+        """Under the session's lock: raise if it was dropped meanwhile, or (``idle``) if a
+        stream is open."""
+        if session.closed_reason is not None:
+            with self._lock:
+                raise UnknownSession(self._unknown_message(session.id))
+        if idle and session.open_stream() is not None:
+            raise SessionBusy(
+                f"session {session.id!r} has an open generation stream: consume it to the end "
+                "or call its close() before the next append/generate"
+            )
+
+    @staticmethod
+    def _settle_pending(session: _Session) -> None:
+        """Append a delivered token whose commit was interrupted (under the session's lock)."""
+        if session.pending_token is not None:
+            session.next_logits = session.verifier.append([session.pending_token])
+            session.pending_token = None
+
     def _touch(self, session: _Session) -> None:
-        session.last_used_s = time.monotonic()
-        self._sessions.move_to_end(session.id)
+        with self._lock:
+            session.last_used_s = time.monotonic()
+            if session.id in self._sessions:
+                self._sessions.move_to_end(session.id)
 
     # ---------------------------------------------------------------- mutation
     def append(self, session_id: str, token_ids: Sequence[int] | torch.Tensor) -> AppendResult:
-        """Append (commit) ``token_ids`` to the session; nothing changes if they are invalid."""
-        with self._lock:
-            session = self._get(session_id)
+        """Append (commit) ``token_ids`` to the session; all-or-nothing (also under an
+        interrupt): the session is unchanged unless the append completes."""
+        session = self._session(session_id)
+        with session.lock:
+            self._live(session, idle=True)
+            self._settle_pending(session)
             verifier = session.verifier
             history_before = verifier.history_len
             dropped_before = verifier.history_len - verifier.cache_len
             t0 = time.perf_counter()
-            session.next_logits = verifier.append(token_ids)
+            logits = verifier.append(token_ids)
             latency = time.perf_counter() - t0
+            session.next_logits = logits
             session.turns += 1
             self._touch(session)
             self._check(session, expected_history=None)
@@ -242,118 +501,159 @@ class SessionStore:
         self,
         session_id: str,
         max_new_tokens: int,
-        temperature: float = 0.0,
-        seed: int | None = None,
+        sampling: SamplingConfig | None = None,
         *,
-        top_k: int | None = None,
-        top_p: float | None = None,
         stop_token_ids: Sequence[int] | None = None,
         proposer: Proposer | None = None,
-        k: int = 4,
-        adaptive_k: bool = False,
-    ) -> Iterator[Event]:
-        """Generate up to ``max_new_tokens`` tokens; yields events as they happen.
+        draft_length: int = 4,
+        adaptive_draft_length: bool = False,
+    ) -> GenerationStream:
+        """Generate up to ``max_new_tokens`` tokens; a stream of events.
 
-        ``proposer=None`` is plain decoding; otherwise speculative decoding with drafts of
-        ``k`` tokens (greedy output is identical to plain decoding). Every emitted token is
-        committed to the session (EOS included), also if the caller stops iterating early.
-        Arguments are checked before the first event.
+        ``sampling=None`` is greedy. ``proposer=None`` is plain decoding; otherwise
+        speculative decoding with drafts of ``draft_length`` tokens (greedy output is
+        identical to plain decoding). The session keeps exactly the tokens delivered as
+        :class:`Token` events (EOS included), also if the caller stops early. Arguments are
+        checked here, before the first event. Collect a whole reply with :func:`collect_reply`.
         """
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        check_sampling(temperature, top_k, top_p)
-        if proposer is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"k must be an integer >= 1, got {k!r}")
-        with self._lock:
-            session = self._get(session_id)
+        if sampling is None:
+            sampling = SamplingConfig()
+        elif not isinstance(sampling, SamplingConfig):
+            raise InputTypeError(
+                f"sampling must be a SamplingConfig or None, got {type(sampling).__name__} "
+                "(e.g. SamplingConfig(temperature=0.8, seed=0))"
+            )
+        inputs.count(max_new_tokens, "max_new_tokens", minimum=1, maximum=inputs.MAX_SIZE)
+        inputs.count(draft_length, "draft_length", minimum=1, maximum=inputs.MAX_SIZE)
+        stops = self.eos_token_ids | inputs.stop_token_ids(stop_token_ids, self.vocab_size)
+        if proposer is not None:
+            check_proposer(proposer)
+        session = self._session(session_id)
+        with session.lock:
+            self._live(session, idle=True)
+            self._settle_pending(session)
             if session.next_logits is None:
                 raise SessionError(f"session {session_id!r} is empty: append a prompt before generate")
-        return self._generate(
-            session, max_new_tokens, temperature, seed, top_k, top_p, stop_token_ids,
-            proposer, k, adaptive_k,
-        )
+            decoder = Decoder(
+                session.verifier, session.next_logits, max_new_tokens=max_new_tokens,
+                sampling=sampling, stop_token_ids=stops,
+                proposer=proposer, draft_length=draft_length, adaptive_draft_length=adaptive_draft_length,
+            )
+            stream = GenerationStream(session, self._run(session, decoder))
+            session.stream = weakref.ref(stream)
+            self._touch(session)
+            return stream
 
-    def _generate(
-        self, session, max_new_tokens, temperature, seed, top_k, top_p, stop_token_ids,
-        proposer, k, adaptive_k,
-    ):
-        generator = None
-        if temperature > 0:
-            generator = torch.Generator(device="cpu")
-            generator.manual_seed(seed if seed is not None else secrets.randbits(63))
-        stops = self.eos_token_ids | frozenset(stop_token_ids or ())
+    def _run(self, session: _Session, decoder: Decoder) -> Generator[Event, None, None]:
+        """The body of a stream (runs under the session's lock, one event at a time)."""
         verifier = session.verifier
-        truncated_reported = verifier.history_len > verifier.cache_len
         start_history = verifier.history_len
-        state = DecodeState(next_logits=session.next_logits)
-        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-        if proposer is None:
-            stream = plain_decode(
-                verifier, state, max_new_tokens=max_new_tokens, stop_token_ids=stops, **sampling
-            )
-        else:
-            stream = speculative_decode(
-                verifier, state, proposer, max_new_tokens=max_new_tokens, k=k,
-                stop_token_ids=stops, adaptive=adaptive_k, **sampling,
-            )
+        budget = self.config.budget
+        truncation_reported = verifier.history_len > verifier.cache_len
         t_start = time.perf_counter()
         first_token_s = None
         last = None
-        with self._lock:
-            try:
-                for item in stream:
-                    if isinstance(item, SpeculativeStep):
-                        session.stats["steps"] = session.stats.get("steps", 0) + 1
-                        session.stats["proposed"] = session.stats.get("proposed", 0) + item.proposed
-                        session.stats["accepted"] = session.stats.get("accepted", 0) + item.accepted
-                        yield item
-                        continue
-                    last = item
+        try:
+            while not decoder.finished:
+                step = decoder.advance()
+                if step is not None:
+                    session.stats["steps"] = session.stats.get("steps", 0) + 1
+                    session.stats["proposed"] = session.stats.get("proposed", 0) + step.proposed
+                    session.stats["accepted"] = session.stats.get("accepted", 0) + step.accepted
+                    yield step
+                while decoder.batch:
+                    history_after = start_history + decoder.delivered + 1
+                    if budget is not None and history_after > budget and not truncation_reported:
+                        truncation_reported = True
+                        yield HistoryTruncated(dropped=history_after - budget)
+                    last = decoder.deliver()
                     if first_token_s is None:
                         first_token_s = time.perf_counter() - t_start
                     self._touch(session)
-                    dropped = verifier.history_len - verifier.cache_len
-                    if dropped > 0 and not truncated_reported:
-                        truncated_reported = True
-                        yield HistoryTruncated(dropped=dropped)
-                    yield Token(id=item)
+                    yield Token(id=last)
+        finally:
+            if session.closed_reason is None:  # a dropped session's cache is gone: nothing to keep
+                try:
+                    decoder.settle()
+                finally:
+                    # settle appends the last delivered token; if that forward was interrupted
+                    # the token is kept aside and appended first by the next call
+                    session.pending_token = decoder.pending
+                    session.next_logits = decoder.next_logits if decoder.pending is None else None
+                    session.generated_tokens += decoder.delivered
+                    if decoder.proposer is not None:
+                        session.stats["emitted"] = session.stats.get("emitted", 0) + decoder.delivered
+                        session.stats["forwards"] = (
+                            session.stats.get("forwards", 0) + decoder.verifier_forwards
+                        )
+                self._check(session, expected_history=start_history + decoder.delivered)
+        total = time.perf_counter() - t_start
+        stop_reason = decoder.stop_reason
+        if stop_reason == "stop" and last in self.eos_token_ids:
+            stop_reason = "eos"
+        forwards = decoder.verifier_forwards
+        yield Done(
+            stop_reason=stop_reason,
+            counts=GenerationCounts(
+                generated_tokens=decoder.delivered,
+                verifier_forwards=forwards,
+                tau=decoder.delivered / forwards if forwards else None,
+                proposed=sum(s.proposed for s in decoder.steps),
+                accepted=sum(s.accepted for s in decoder.steps),
+                history_len=verifier.history_len,
+                cache_len=verifier.cache_len,
+                kv_live_bytes=verifier.kv_live_bytes,
+            ),
+            timings=GenerationTimings(
+                total_s=total,
+                first_token_s=first_token_s,
+                verifier_s=decoder.verifier_s,
+                proposer_s=sum(s.proposer_s for s in decoder.steps),
+                tokens_per_s=decoder.delivered / total if total > 0 else None,
+            ),
+        )
+
+    def probe(
+        self,
+        session_id: str,
+        token_ids: Sequence[int] | torch.Tensor,
+        max_new_tokens: int,
+        *,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> list[int]:
+        """Greedy continuation of the session's history + ``token_ids`` (a side question),
+        scored on a provisional block and rolled back: the session is unchanged afterwards.
+
+        Stops after ``max_new_tokens`` or a stop/EOS token (included in the result).
+        """
+        inputs.count(max_new_tokens, "max_new_tokens", minimum=1, maximum=inputs.MAX_SIZE)
+        stops = self.eos_token_ids | inputs.stop_token_ids(stop_token_ids, self.vocab_size)
+        ids = inputs.token_ids(token_ids, self.vocab_size)
+        session = self._session(session_id)
+        with session.lock:
+            self._live(session, idle=True)
+            self._settle_pending(session)
+            verifier = session.verifier
+            out: list[int] = []
+            try:
+                logits = verifier.forward_block(ids)[-1]
+                while True:
+                    token = int(torch.argmax(logits))
+                    out.append(token)
+                    if token in stops or len(out) == max_new_tokens:
+                        break
+                    logits = verifier.forward_block([token])[-1]
             finally:
-                settle(verifier, state)
-                session.next_logits = state.next_logits
-                session.generated_tokens += state.emitted
-                self._check(session, expected_history=start_history + state.emitted)
-            if proposer is not None:
-                session.stats["emitted"] = session.stats.get("emitted", 0) + state.emitted
-                session.stats["forwards"] = session.stats.get("forwards", 0) + state.verifier_forwards
-            total = time.perf_counter() - t_start
-            stop_reason = state.stop_reason
-            if stop_reason == "stop" and last in self.eos_token_ids:
-                stop_reason = "eos"
-            yield Done(
-                stop_reason=stop_reason,
-                counts={
-                    "generated_tokens": state.emitted,
-                    "verifier_forwards": state.verifier_forwards,
-                    "tau": state.emitted / state.verifier_forwards if state.verifier_forwards else None,
-                    "proposed": sum(s.proposed for s in state.steps),
-                    "accepted": sum(s.accepted for s in state.steps),
-                    "history_len": verifier.history_len,
-                    "cache_len": verifier.cache_len,
-                    "kv_live_bytes": verifier.kv_live_bytes,
-                },
-                timings={
-                    "total_s": total,
-                    "first_token_s": first_token_s,
-                    "verifier_s": state.verifier_s,
-                    "proposer_s": sum(s.proposer_s for s in state.steps),
-                    "tokens_per_s": state.emitted / total if total > 0 else None,
-                },
-            )
+                verifier.rollback()
+            self._touch(session)
+            self._check(session, expected_history=None)
+            return out
 
     # ------------------------------------------------------------------- query
     def info(self, session_id: str) -> SessionInfo:
-        with self._lock:
-            s = self._get(session_id)
+        s = self._session(session_id)
+        with s.lock:
+            self._live(s)
             v = s.verifier
             return SessionInfo(
                 id=s.id,
@@ -368,10 +668,18 @@ class SessionStore:
                 speculative=_speculative_summary(s.stats),
             )
 
+    def next_token_logits(self, session_id: str) -> torch.Tensor | None:
+        """A copy of the logits ``[vocab]`` after the session's history (None if empty)."""
+        s = self._session(session_id)
+        with s.lock:
+            self._live(s)
+            if s.open_stream() is None:
+                self._settle_pending(s)
+            return None if s.next_logits is None else s.next_logits.clone()
+
     def verifier(self, session_id: str) -> Verifier:
         """The session's verifier (read its state; mutate only through the store)."""
-        with self._lock:
-            return self._get(session_id).verifier
+        return self._session(session_id).verifier
 
     # -------------------------------------------------------------- invariants
     def _check(self, session: _Session, expected_history: int | None) -> None:
@@ -395,13 +703,13 @@ class SessionStore:
             raise AssertionError("kv_live_bytes is 0 after an append")
 
 
-def _speculative_summary(stats: dict) -> dict:
-    """Cumulative speculative figures of a session (DESIGN.md "Metrics")."""
-    steps, proposed, accepted = stats.get("steps", 0), stats.get("proposed", 0), stats.get("accepted", 0)
-    return {
-        "steps": steps,
-        "proposed": proposed,
-        "accepted": accepted,
-        "acceptance_rate": accepted / proposed if proposed else None,
-        "tau": stats["emitted"] / stats["forwards"] if stats.get("forwards") else None,
-    }
+def _speculative_summary(stats: dict) -> SpeculativeSummary:
+    """Cumulative speculative figures of a session (docs/design.md "Metrics")."""
+    proposed, accepted = stats.get("proposed", 0), stats.get("accepted", 0)
+    return SpeculativeSummary(
+        steps=stats.get("steps", 0),
+        proposed=proposed,
+        accepted=accepted,
+        acceptance_rate=accepted / proposed if proposed else None,
+        tau=stats["emitted"] / stats["forwards"] if stats.get("forwards") else None,
+    )

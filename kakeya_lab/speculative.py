@@ -1,8 +1,9 @@
-"""Speculative decoding over the sink-window verifier (DESIGN.md "Speculative decoding").
+"""Plain and speculative decoding over the sink-window verifier (docs/design.md "Speculative decoding").
 
-One verifier forward per step scores ``[x, d1..dk]``: ``x`` the last emitted token (not
-yet in the cache) and ``d`` the proposer's draft. Row ``i`` of the block's logits predicts
-the token after ``block[:i+1]``, so it checks ``d[i]``.
+A :class:`Decoder` runs one verifier forward per step. The block ``[x, d1..dk]`` holds
+``x``, the last delivered token (not yet in the cache), and the proposer's draft ``d``;
+row ``i`` of the block's logits predicts the token after ``block[:i+1]``, so it checks
+``d[i]``. Plain decoding is the same loop with empty drafts (one token per forward).
 
 * Greedy: accept drafts while they equal the verifier's argmax, then emit the verifier's
   own token. The verifier gives each block position the oracle's context, so the stream is
@@ -12,88 +13,37 @@ the token after ``block[:i+1]``, so it checks ``d[i]``.
   from ``p``. This preserves the verifier's distribution (Leviathan et al. 2023).
   Deterministic drafts (``q`` one-hot) are the special case ``q(d) = 1``.
 
-When a stream ends, every emitted token is committed and ``state.next_logits`` holds the
-logits after the last one, exactly as after plain decoding (:func:`plain_decode`).
+Delivery: a step's tokens stay *provisional* until handed out one by one with
+:meth:`Decoder.deliver`. :meth:`Decoder.settle` commits exactly the delivered tokens,
+rolls the rest of the step back (verifier block and proposer state) and leaves
+``next_logits`` as the logits after the last delivered token, however the stream ended.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from kakeya_lab.proposers import Draft, Proposer
-from kakeya_lab.sampling import sample_token, sampling_probs
+from kakeya_lab import inputs
+from kakeya_lab.proposers import Draft, Proposer, check_proposer
+from kakeya_lab.sampling import GREEDY, SamplingConfig
 from kakeya_lab.verifier import Verifier
 
 
 @dataclass(frozen=True)
 class SpeculativeStep:
-    """One verifier forward: drafts ``proposed``, ``accepted`` of them, ``emitted`` tokens."""
+    """One verifier forward: ``proposed`` drafts (asked: ``draft_length``), ``accepted`` of
+    them, ``emitted`` tokens offered to the consumer."""
 
-    k: int
+    draft_length: int
     proposed: int
     accepted: int
     emitted: int
     proposer_s: float
     verifier_s: float
-
-
-@dataclass
-class DecodeState:
-    """Decoder state shared with the caller: the logits after the committed history, the
-    emitted token not yet in the cache (if any), and what happened."""
-
-    next_logits: torch.Tensor
-    pending_token: int | None = None
-    stop_reason: str = "max_tokens"
-    emitted: int = 0
-    verifier_forwards: int = 0
-    verifier_s: float = 0.0
-    steps: list[SpeculativeStep] = field(default_factory=list)
-
-
-def settle(verifier: Verifier, state: DecodeState) -> None:
-    """Commit an emitted-but-uncommitted token (after an abandoned or finished stream)."""
-    if verifier.pending_len:
-        verifier.rollback()
-    if state.pending_token is not None:
-        t0 = time.perf_counter()
-        state.next_logits = verifier.append([state.pending_token])
-        state.verifier_s += time.perf_counter() - t0
-        state.verifier_forwards += 1
-        state.pending_token = None
-
-
-def plain_decode(
-    verifier: Verifier,
-    state: DecodeState,
-    *,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-    stop_token_ids: Sequence[int] = (),
-) -> Iterator[int]:
-    """Plain decoding: one verifier forward per token (tau = 1). Each yielded token is
-    already committed, and ``state.next_logits`` follows it."""
-    stops = frozenset(stop_token_ids)
-    for _ in range(max_new_tokens):
-        token = sample_token(
-            state.next_logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
-        )
-        t0 = time.perf_counter()
-        state.next_logits = verifier.append([token])
-        state.verifier_s += time.perf_counter() - t0
-        state.verifier_forwards += 1
-        state.emitted += 1
-        yield token
-        if token in stops:
-            state.stop_reason = "stop"
-            return
 
 
 def accept_greedy(rows: torch.Tensor, draft: Sequence[int]) -> tuple[int, int]:
@@ -106,18 +56,12 @@ def accept_greedy(rows: torch.Tensor, draft: Sequence[int]) -> tuple[int, int]:
 
 
 def accept_sampled(
-    rows: torch.Tensor,
-    draft: Draft,
-    *,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    generator: torch.Generator | None,
+    rows: torch.Tensor, draft: Draft, sampling: SamplingConfig, generator: torch.Generator | None
 ) -> tuple[int, int]:
     """Rejection sampling: accepted prefix length and the next token (residual or bonus)."""
     tokens = draft.tokens
     for i, d in enumerate(tokens):
-        p = sampling_probs(rows[i], temperature=temperature, top_k=top_k, top_p=top_p)
+        p = sampling.probs(rows[i])
         if draft.probs is None:
             q = torch.zeros_like(p)
             q[d] = 1.0
@@ -131,112 +75,218 @@ def accept_sampled(
         if total <= 0:  # p == q: the rejection had probability 0; sample p
             residual, total = p, p.sum()
         return i, int(torch.multinomial(residual / total, 1, generator=generator))
-    p = sampling_probs(rows[len(tokens)], temperature=temperature, top_k=top_k, top_p=top_p)
+    p = sampling.probs(rows[len(tokens)])
     return len(tokens), int(torch.multinomial(p, 1, generator=generator))
 
 
-class AdaptiveK:
-    """Grow ``k`` by one after a fully accepted draft, shrink it after a draft that lost
-    more than half; bounded to ``[1, k_max]``."""
+class AdaptiveDraftLength:
+    """Grow the draft length by one after a fully accepted draft, shrink it after a draft
+    that lost more than half; bounded to ``[1, max_draft_length]``."""
 
-    def __init__(self, k: int, k_max: int | None = None):
-        self.k = k
-        self.k_max = k_max or 2 * k
+    def __init__(self, draft_length: int, max_draft_length: int | None = None):
+        self.draft_length = draft_length
+        self.max_draft_length = max_draft_length or 2 * draft_length
 
     def update(self, proposed: int, accepted: int) -> int:
         if proposed and accepted == proposed:
-            self.k = min(self.k + 1, self.k_max)
+            self.draft_length = min(self.draft_length + 1, self.max_draft_length)
         elif proposed and accepted < proposed / 2:
-            self.k = max(1, self.k - 1)
-        return self.k
+            self.draft_length = max(1, self.draft_length - 1)
+        return self.draft_length
 
 
-def speculative_decode(
-    verifier: Verifier,
-    state: DecodeState,
-    proposer: Proposer,
-    *,
-    max_new_tokens: int,
-    k: int,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-    stop_token_ids: Sequence[int] = (),
-    adaptive: bool = False,
-) -> Iterator[int | SpeculativeStep]:
-    """Yield emitted token ids and one :class:`SpeculativeStep` per verifier forward.
+class Decoder:
+    """Decodes after ``verifier``'s committed history, whose next-token logits are ``next_logits``.
 
-    ``verifier`` holds the committed history and ``state.next_logits`` the logits after
-    it. When the stream ends every emitted token is committed and ``state.next_logits``
-    follows the last one; if the caller abandons the stream, :func:`settle` restores that.
+    ``proposer=None`` is plain decoding. Drive it with :meth:`advance` (one step; returns
+    the :class:`SpeculativeStep` in speculative mode), then :meth:`deliver` each token of
+    :attr:`batch`, until :attr:`finished`; always end with :meth:`settle`. Or iterate it
+    (``for item in decoder``): token ids (and steps), each delivered as it is yielded,
+    settled when the iteration ends or is abandoned.
     """
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    stops = frozenset(stop_token_ids)
-    schedule = AdaptiveK(k) if adaptive else None
-    bind = getattr(proposer, "bind", None)
-    if callable(bind):  # proposers that read the verifier's hidden states
-        bind(verifier)
 
-    x = sample_token(
-        state.next_logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
-    )
-    state.pending_token = x
-    state.emitted = 1
-    yield x
-    while x not in stops and state.emitted < max_new_tokens:
-        room = max_new_tokens - state.emitted  # tokens this step may still emit (>= 1)
-        k_now = min(schedule.k if schedule else k, room - 1)
-        if k_now > 0:
-            context = verifier.history_token_ids + [x]
-            draft = proposer.propose(
-                context, k_now, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+    def __init__(
+        self,
+        verifier: Verifier,
+        next_logits: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        sampling: SamplingConfig | None = None,
+        generator: torch.Generator | None = None,
+        stop_token_ids: Sequence[int] = (),
+        proposer: Proposer | None = None,
+        draft_length: int = 4,
+        adaptive_draft_length: bool = False,
+    ):
+        self.max_new_tokens = inputs.count(max_new_tokens, "max_new_tokens", minimum=1)
+        self.sampling = sampling if sampling is not None else GREEDY
+        if not isinstance(self.sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig or None, got {type(sampling).__name__}")
+        if proposer is not None:
+            check_proposer(proposer)
+        draft_length = inputs.count(draft_length, "draft_length", minimum=1, maximum=inputs.MAX_SIZE)
+        self.generator = generator if generator is not None else self.sampling.make_generator()
+        self.stop_token_ids = inputs.stop_token_ids(stop_token_ids, verifier.vocab_size)
+        self.verifier = verifier
+        self.proposer = proposer
+        self.draft_length = draft_length
+        self.schedule = AdaptiveDraftLength(draft_length) if adaptive_draft_length and proposer else None
+        self.next_logits = next_logits  # after the committed history (valid when pending is None)
+        self.pending: int | None = None  # delivered, not yet in the cache
+        self.delivered = 0
+        self.stop_reason = "max_tokens"
+        self.verifier_forwards = 0
+        self.verifier_s = 0.0
+        self.steps: list[SpeculativeStep] = []
+        # the open step: its rows (None: the first token, sampled without a forward),
+        # the tokens it offers, how many are in the verifier's block, how many delivered
+        self._rows: torch.Tensor | None = None
+        self._offered: list[int] = []
+        self._in_block = 0
+        self._taken = 0
+        self._drafted = False
+        self._last: int | None = None
+        if proposer is not None:
+            bind = getattr(proposer, "bind", None)
+            if callable(bind):  # proposers that read the verifier's hidden states
+                bind(verifier)
+
+    # ----------------------------------------------------------------- driving
+    @property
+    def batch(self) -> list[int]:
+        """Tokens of the current step not yet delivered, in order."""
+        return self._offered[self._taken :]
+
+    @property
+    def finished(self) -> bool:
+        if self.batch:
+            return False
+        if self._last is not None and self._last in self.stop_token_ids:
+            return True
+        return self.delivered >= self.max_new_tokens
+
+    def advance(self) -> SpeculativeStep | None:
+        """Run the next step (after the previous step's tokens were all delivered)."""
+        if self.batch or self.finished:
+            raise RuntimeError("advance() needs every offered token delivered and the stream unfinished")
+        self._close_step()
+        if self.pending is None:  # the first token comes from the logits we already have
+            self._offered = [self.sampling.choose(self.next_logits, self.generator)]
+            return None
+        x = self.pending
+        room = self.max_new_tokens - self.delivered  # tokens this step may still emit (>= 1)
+        length = self.schedule.draft_length if self.schedule else self.draft_length
+        length = min(length, room - 1) if self.proposer is not None else 0
+        if length > 0:
+            draft = self.proposer.propose(
+                self.verifier.history_token_ids + [x], length, self.sampling, self.generator
             )
-            draft.tokens = list(draft.tokens)[:k_now]
+            draft.tokens = list(draft.tokens)[:length]
         else:
             draft = Draft([], None, 0.0)
         t0 = time.perf_counter()
-        rows = verifier.forward_block([x] + draft.tokens)
+        rows = self.verifier.forward_block([x] + draft.tokens)
         verifier_s = time.perf_counter() - t0
-        state.verifier_s += verifier_s
-        state.verifier_forwards += 1
-        if temperature == 0.0:
-            n, nxt = accept_greedy(rows, draft.tokens)
-        else:
-            n, nxt = accept_sampled(
-                rows, draft, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
-            )
-        emitted = draft.tokens[:n] + [nxt]  # never more than `room` tokens
-        first_stop = next((j for j, t in enumerate(emitted) if t in stops), None)
+        self.verifier_s += verifier_s
+        self.verifier_forwards += 1
+        self._drafted = length > 0
+        try:
+            if self.sampling.greedy:
+                n, nxt = accept_greedy(rows, draft.tokens)
+            else:
+                n, nxt = accept_sampled(rows, draft, self.sampling, self.generator)
+        except BaseException:
+            self._roll_back_block()
+            raise
+        offered = draft.tokens[:n] + [nxt]  # never more than `room` tokens
+        first_stop = next((j for j, t in enumerate(offered) if t in self.stop_token_ids), None)
         if first_stop is not None:
-            emitted = emitted[: first_stop + 1]
-        # x and the emitted drafts are committed; the verifier's own token is not yet
-        in_block = min(len(emitted), n)
-        verifier.commit(1 + in_block)
-        if k_now > 0:
-            proposer.accept(in_block)
-        if in_block == len(emitted):  # stopped on an accepted draft: its logits are known
-            state.pending_token = None
-            state.next_logits = rows[in_block]
-        else:
-            state.pending_token = emitted[-1]
+            offered = offered[: first_stop + 1]
+        self._rows, self._offered = rows, offered
+        self._in_block = min(len(offered), n)  # offered drafts are block positions 1..n
+        if self.proposer is None:
+            return None
         step = SpeculativeStep(
-            k=k_now, proposed=len(draft.tokens), accepted=n, emitted=len(emitted),
+            draft_length=length, proposed=len(draft.tokens), accepted=n, emitted=len(offered),
             proposer_s=draft.seconds, verifier_s=verifier_s,
         )
-        state.steps.append(step)
-        if schedule:
-            schedule.update(step.proposed, n)
-        yield step
-        for token in emitted:
-            state.emitted += 1
-            yield token
-        x = emitted[-1]
-        if state.pending_token is None:
-            break
-    if x in stops:
-        state.stop_reason = "stop"
-    settle(verifier, state)
+        self.steps.append(step)
+        if self.schedule:
+            self.schedule.update(step.proposed, n)
+        return step
+
+    def deliver(self) -> int:
+        """Hand out the next token of :attr:`batch`; it will be committed."""
+        if not self.batch:
+            raise RuntimeError("no offered token left to deliver: call advance()")
+        token = self._offered[self._taken]
+        self._taken += 1
+        self.delivered += 1
+        self._last = token
+        if token in self.stop_token_ids:
+            self.stop_reason = "stop"
+        return token
+
+    def settle(self) -> None:
+        """Commit exactly the delivered tokens and drop the rest of the open step; then
+        ``next_logits`` follows the last delivered token. Idempotent."""
+        self._close_step()
+        if self.verifier.pending_len:
+            self.verifier.rollback()
+        if self.pending is not None:
+            t0 = time.perf_counter()
+            self.next_logits = self.verifier.append([self.pending])
+            self.verifier_s += time.perf_counter() - t0
+            self.verifier_forwards += 1
+            self.pending = None
+
+    def __iter__(self) -> Iterator[int | SpeculativeStep]:
+        try:
+            while not self.finished:
+                step = self.advance()
+                if step is not None:
+                    yield step
+                while self.batch:
+                    yield self.deliver()
+        finally:
+            self.settle()
+
+    # ---------------------------------------------------------------- internals
+    def _roll_back_block(self) -> None:
+        self.verifier.rollback()
+        if self._drafted:
+            self.proposer.accept(0)
+        self._drafted = False
+
+    def _close_step(self) -> None:
+        """Commit the delivered part of the open step (block position 0 is the pending token)."""
+        taken, offered, rows = self._taken, self._offered, self._rows
+        self._rows, self._offered, self._taken = None, [], 0
+        if rows is None:  # first-token step: no block
+            if taken:
+                self.pending = offered[0]
+            return
+        keep = min(taken, self._in_block)  # delivered tokens that are accepted drafts
+        self.verifier.commit(1 + keep)
+        if self._drafted:
+            self.proposer.accept(keep)
+        self._drafted = False
+        if taken > keep:  # the verifier's own token was delivered: it is next step's x
+            self.pending = offered[taken - 1]
+        else:
+            self.pending = None
+            self.next_logits = rows[keep]
+
+
+def plain_decode(verifier: Verifier, next_logits: torch.Tensor, **options) -> Decoder:
+    """A plain :class:`Decoder` (one verifier forward per token, tau = 1)."""
+    return Decoder(verifier, next_logits, **options)
+
+
+def speculative_decode(
+    verifier: Verifier, next_logits: torch.Tensor, proposer: Proposer, **options
+) -> Decoder:
+    """A speculative :class:`Decoder` drafting with ``proposer``."""
+    if proposer is None:
+        raise ValueError("speculative_decode needs a proposer (use plain_decode without one)")
+    return Decoder(verifier, next_logits, proposer=proposer, **options)

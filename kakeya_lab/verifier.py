@@ -24,20 +24,11 @@ def vocab_size_of(model: PreTrainedModel) -> int:
 
 
 def check_token_ids(token_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> list[int]:
-    """Return ``token_ids`` as a list of ints, or raise ``ValueError`` saying what is wrong."""
-    if isinstance(token_ids, torch.Tensor):
-        token_ids = token_ids.reshape(-1).tolist()
-    if isinstance(token_ids, (str, bytes)):
-        raise TypeError("token ids must be a sequence of integers, not a string (tokenize it first)")
-    ids = list(token_ids)
-    if not ids:
-        raise ValueError("empty token ids: nothing to append")
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(
-            f"{len(bad)} token id(s) outside the vocabulary 0..{vocab_size - 1}: {bad[:5]}"
-        )
-    return ids
+    """Return ``token_ids`` as a list of ints, or raise ``TypeError``/``ValueError`` saying
+    what is wrong (the policy of :func:`kakeya_lab.inputs.token_ids`)."""
+    from kakeya_lab import inputs
+
+    return inputs.token_ids(token_ids, vocab_size)
 
 
 def final_norm(model: PreTrainedModel) -> torch.nn.Module:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
@@ -10,6 +11,7 @@ import torch
 
 from kakeya_lab import SinkWindowCache, SinkWindowConfig, Verifier
 from kakeya_lab.chat import ChatTemplate
+from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.session import (
     CapacityExceeded,
     Done,
@@ -18,6 +20,7 @@ from kakeya_lab.session import (
     SessionStore,
     Token,
     UnknownSession,
+    collect_reply,
 )
 
 CONFIG = SinkWindowConfig(sink=2, window=12)
@@ -68,10 +71,11 @@ def test_unknown_empty_oov_and_double_close(store):
         store.append(sid, [1, 10**9])
     assert store.info(sid).history_len == 0
     store.append(sid, [1, 2, 3])
-    for bad in [dict(max_new_tokens=0), dict(max_new_tokens=2, temperature=-1.0),
-                dict(max_new_tokens=2, temperature=1.0, top_p=0.0)]:
+    for bad in [lambda: store.generate(sid, 0),
+                lambda: store.generate(sid, 2, SamplingConfig(temperature=-1.0)),
+                lambda: store.generate(sid, 2, SamplingConfig(temperature=1.0, top_p=0.0))]:
         with pytest.raises(ValueError):
-            store.generate(sid, **bad)
+            bad()
     assert store.info(sid).history_len == 3
     store.close(sid)
     with pytest.raises(UnknownSession, match="closed"):
@@ -111,8 +115,9 @@ def test_generate_events_and_truncation(tiny_model):
     tokens = [e for e in events if isinstance(e, Token)]
     done = events[-1]
     assert isinstance(done, Done) and done.stop_reason == "max_tokens"
-    assert done.counts["generated_tokens"] == len(tokens) == 8
-    assert done.counts["history_len"] == 18 and done.counts["cache_len"] == CONFIG.budget
+    assert done.counts.generated_tokens == len(tokens) == 8
+    assert done.counts.history_len == 18 and done.counts.cache_len == CONFIG.budget
+    assert done.counts.to_dict()["generated_tokens"] == 8 and done.timings.total_s > 0
     # a later call: truncation was already reported for this history, not again
     assert not [e for e in store.generate(sid, 3) if isinstance(e, HistoryTruncated)]
 
@@ -123,7 +128,7 @@ def test_stop_tokens_and_seeded_sampling(tiny_model):
     def run(seed):
         sid = store.create()
         store.append(sid, [1, 2, 3])
-        toks = [e.id for e in store.generate(sid, 12, temperature=1.0, seed=seed, top_k=50)
+        toks = [e.id for e in store.generate(sid, 12, SamplingConfig(temperature=1.0, seed=seed, top_k=50))
                 if isinstance(e, Token)]
         store.close(sid)
         return toks
@@ -207,3 +212,58 @@ def test_chat_with_generated_replies_in_a_session(default_model):
     v = store.verifier(sid)
     assert tok.decode(v.history_token_ids, skip_special_tokens=False) == chat.rendered
     assert v.history_len > 60 and v.cache_len == 64
+
+
+def test_probe_is_a_rolled_back_side_question_past_eviction(default_model, text_ids):
+    config = SinkWindowConfig(sink=4, window=60)
+    store = SessionStore(default_model.model, config)
+    sid = store.create()
+    history = text_ids[:90]
+    store.append(sid, history)
+    v = store.verifier(sid)
+    before = (v.history_token_ids, v.cached_token_ids, store.next_token_logits(sid), store.info(sid).turns)
+    question = text_ids[100:110]
+    answer = store.probe(sid, question, 8)
+    after = (v.history_token_ids, v.cached_token_ids, store.next_token_logits(sid), store.info(sid).turns)
+    assert before[:2] == after[:2] and torch.equal(before[2], after[2]) and before[3] == after[3]
+    assert v.pending_len == 0 and v.history_len > config.budget
+    # the answer is the greedy reply of a session that really appended the question
+    other = store.create()
+    store.append(other, history + question)
+    assert answer == collect_reply(store.generate(other, 8)).token_ids
+    # and the probed session continues as if nothing happened
+    clean = store.create()
+    store.append(clean, history)
+    assert collect_reply(store.generate(sid, 6)).token_ids == collect_reply(store.generate(clean, 6)).token_ids
+
+
+def test_collect_reply_and_typed_records(tiny_model):
+    store = SessionStore(tiny_model.model, CONFIG)
+    sid = store.create()
+    store.append(sid, list(range(10, 20)))
+    reply = collect_reply(store.generate(sid, 8))
+    assert len(reply.token_ids) == reply.done.counts.generated_tokens == 8
+    assert reply.truncated_dropped == 1  # the 5th token makes the history 15 > budget 14
+    assert reply.steps == [] and reply.done.counts.tau == 1.0
+    info = store.info(sid)
+    assert info.speculative.steps == 0 and info.to_dict()["speculative"]["tau"] is None
+    stream = store.generate(sid, 4)
+    next(stream)
+    stream.close()
+    with pytest.raises(SessionError, match="without a Done"):
+        collect_reply(stream)
+
+
+def test_chat_template_fork_and_state_round_trip(default_model):
+    tok = default_model.tokenizer
+    chat = ChatTemplate(tok, system="Be brief.")
+    ids = chat.user("Hello!") + chat.assistant("Hi.")
+    side = chat.fork()
+    side_ids = side.user("A side question?")
+    assert chat.messages[-1]["content"] == "Hi." and not chat.awaiting_reply
+    assert side_ids == chat.fork().user("A side question?")
+    resumed = ChatTemplate.from_state(tok, json.loads(json.dumps(chat.to_state())))
+    assert resumed.user("Next?") == chat.user("Next?")
+    assert ids + resumed.full_ids()[len(ids):] == chat.full_ids()
+    with pytest.raises(ValueError, match="to_state"):
+        ChatTemplate.from_state(tok, {"messages": []})

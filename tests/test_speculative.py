@@ -19,11 +19,11 @@ from kakeya_lab.proposers import (
     EarlyExitProposer,
     NgramProposer,
     TokenizerMismatch,
+    make_proposer,
 )
-from kakeya_lab.sampling import sampling_probs
+from kakeya_lab.sampling import SamplingConfig, sampling_probs
 from kakeya_lab.session import SessionStore, Token
 from kakeya_lab.speculative import (
-    DecodeState,
     SpeculativeStep,
     accept_sampled,
     plain_decode,
@@ -35,17 +35,17 @@ MAX_NEW = 40
 
 def _plain(model, config, prompt, max_new=MAX_NEW):
     v = Verifier(model, config)
-    state = DecodeState(next_logits=v.append(prompt))
-    return list(plain_decode(v, state, max_new_tokens=max_new)), v
+    return list(plain_decode(v, v.append(prompt), max_new_tokens=max_new)), v
 
 
-def _spec(model, config, prompt, proposer, k, max_new=MAX_NEW, **kw):
+def _spec(model, config, prompt, proposer, draft_length, max_new=MAX_NEW, **kw):
     v = Verifier(model, config)
-    state = DecodeState(next_logits=v.append(prompt))
-    out = list(speculative_decode(v, state, proposer, max_new_tokens=max_new, k=k, **kw))
+    decoder = speculative_decode(v, v.append(prompt), proposer, max_new_tokens=max_new,
+                                 draft_length=draft_length, **kw)
+    out = list(decoder)
     tokens = [t for t in out if not isinstance(t, SpeculativeStep)]
     steps = [s for s in out if isinstance(s, SpeculativeStep)]
-    return tokens, steps, v, state
+    return tokens, steps, v, decoder
 
 
 PROPOSERS = ["ngram", "self-draft", "tiny-draft", "early-exit"]
@@ -74,23 +74,34 @@ def plain_runs(default_model, text_ids):
     return runs
 
 
-@pytest.mark.parametrize("mode", ["global", "rolling"])
-@pytest.mark.parametrize("kind", PROPOSERS)
-@pytest.mark.parametrize("k", [1, 4, 8])
-def test_greedy_is_lossless(plain_runs, default_model, tiny_model, mode, kind, k):
+def _lossless_cases():
+    """Every (mode, proposer, draft length); the fast loop keeps global mode at length 4
+    and one rolling case, the rest are marked slow."""
+    for mode in ("global", "rolling"):
+        for kind in PROPOSERS:
+            for draft_length in (1, 4, 8):
+                fast = (mode == "global" and draft_length == 4) or (mode, kind, draft_length) == (
+                    "rolling", "ngram", 4)
+                yield pytest.param(mode, kind, draft_length, marks=() if fast else pytest.mark.slow,
+                                   id=f"{draft_length}-{kind}-{mode}")
+
+
+@pytest.mark.parametrize(("mode", "kind", "draft_length"), list(_lossless_cases()))
+def test_greedy_is_lossless(plain_runs, default_model, tiny_model, mode, kind, draft_length):
     config, prompt, want = plain_runs[mode]
     proposer = _proposer(kind, default_model, tiny_model, config)
-    got, steps, v, state = _spec(default_model.model, config, prompt, proposer, k)
+    got, steps, v, state = _spec(default_model.model, config, prompt, proposer, draft_length)
     assert got == want
     assert v.history_token_ids == prompt + want  # everything emitted is committed
     assert v.cache_len == config.budget
     assert len(steps) + 1 == state.verifier_forwards
     if kind == "self-draft":
         assert all(s.accepted == s.proposed for s in steps)  # drafts equal the verifier's
-        if k > 1:
+        if draft_length > 1:
             assert len(want) / state.verifier_forwards > 1.5
 
 
+@pytest.mark.slow
 def test_speculative_session_matches_plain_across_turns(default_model):
     """Through the session runtime, over several chat turns, past the window."""
     from kakeya_lab.chat import ChatTemplate
@@ -106,7 +117,7 @@ def test_speculative_session_matches_plain_across_turns(default_model):
         toks = []
         for user in ["Hi there!", "Name three colours.", "And three more?"]:
             store.append(sid, chat.user(user))
-            events = list(store.generate(sid, 16, proposer=proposer, k=4))
+            events = list(store.generate(sid, 16, proposer=proposer, draft_length=4))
             reply = [e.id for e in events if isinstance(e, Token)]
             chat.generated(reply, eos_token_ids=store.eos_token_ids)
             toks += reply
@@ -116,13 +127,14 @@ def test_speculative_session_matches_plain_across_turns(default_model):
         info = store.info(sid)
         assert info.history_len > config.budget
         if proposer is not None:
-            assert info.speculative["steps"] > 0 and info.speculative["tau"] >= 1.0
+            assert info.speculative.steps > 0 and info.speculative.tau >= 1.0
     assert outputs["ngram"] == outputs["plain"]
     assert outputs["early"] == outputs["plain"]
 
 
 # ----------------------------------------------------------- rejection sampling
 VOCAB = 8
+SAMPLED = SamplingConfig(temperature=1.0)
 
 
 def _small_model(seed):
@@ -135,15 +147,15 @@ def _small_model(seed):
     return enable_sink_window_attention(model)
 
 
-def _broken_accept(rows, draft, *, temperature, top_k, top_p, generator):
+def _broken_accept(rows, draft, sampling, generator):
     """Wrong on purpose: on rejection it resamples from p instead of max(0, p - q)."""
     for i, d in enumerate(draft.tokens):
-        p = sampling_probs(rows[i], temperature=temperature, top_k=top_k, top_p=top_p)
+        p = sampling.probs(rows[i])
         q = draft.probs[i]
         if float(torch.rand((), generator=generator)) < min(1.0, float(p[d] / q[d])):
             continue
         return i, int(torch.multinomial(p, 1, generator=generator))
-    p = sampling_probs(rows[len(draft.tokens)], temperature=temperature, top_k=top_k, top_p=top_p)
+    p = sampling.probs(rows[len(draft.tokens)])
     return len(draft.tokens), int(torch.multinomial(p, 1, generator=generator))
 
 
@@ -173,15 +185,14 @@ def _first_two_tokens_test(accept, samples=20000):
         q1 = sampling_probs(qrows[d1], temperature=1.0)
         d2 = int(torch.multinomial(q1, 1, generator=gen))
         draft = Draft([d1, d2], torch.stack([q0, q1]), 0.0)
-        n, nxt = accept(rows[d1, d2], draft, temperature=1.0, top_k=None, top_p=None, generator=gen)
+        n, nxt = accept(rows[d1, d2], draft, SAMPLED, gen)
         emitted = ([d1, d2][:n] + [nxt])[:2]
         if len(emitted) < 2:  # rejected at once: the second token comes from the next step
             first = emitted[0]
             q1 = sampling_probs(qrows[first], temperature=1.0)
             d = int(torch.multinomial(q1, 1, generator=gen))
             block_rows = rows[first, d][1:]  # after x+first, then after x+first+d
-            n2, nxt2 = accept(block_rows, Draft([d], q1[None], 0.0), temperature=1.0,
-                              top_k=None, top_p=None, generator=gen)
+            n2, nxt2 = accept(block_rows, Draft([d], q1[None], 0.0), SAMPLED, gen)
             emitted.append(d if n2 else nxt2)
         counts[tuple(emitted)] += 1
     p1 = sampling_probs(rows[0, 0][0], temperature=1.0)
@@ -208,6 +219,7 @@ def test_the_distribution_check_catches_a_wrong_residual():
 
 
 # ------------------------------------------------------------ rollback / caches
+@pytest.mark.slow
 def test_verifier_and_proposer_caches_stay_consistent(tiny_model):
     """Thousands of random accept lengths: both caches equal a fresh replay and the oracle."""
     model = tiny_model.model
@@ -219,10 +231,10 @@ def test_verifier_and_proposer_caches_stay_consistent(tiny_model):
     x = rng.randrange(v.vocab_size)
     accepts = 0
     while accepts < 2000:
-        k = rng.randint(1, 5)
-        draft = proposer.propose(v.history_token_ids + [x], k)
+        length = rng.randint(1, 5)
+        draft = proposer.propose(v.history_token_ids + [x], length, SamplingConfig())
         v.forward_block([x] + draft.tokens)
-        n = rng.randint(0, k)
+        n = rng.randint(0, length)
         v.commit(1 + n)
         proposer.accept(n)
         accepts += 1
@@ -251,10 +263,10 @@ def test_bad_arguments_are_clear_errors(default_model, tiny_model):
     store = SessionStore(model, config)
     sid = store.create()
     store.append(sid, [1, 2, 3])
-    with pytest.raises(ValueError, match="k must be"):
-        store.generate(sid, 4, proposer=NgramProposer(), k=0)
+    with pytest.raises(ValueError, match="draft_length must be"):
+        store.generate(sid, 4, proposer=NgramProposer(), draft_length=0)
     with pytest.raises(ValueError, match="temperature"):
-        store.generate(sid, 4, temperature=-0.5, proposer=NgramProposer())
+        store.generate(sid, 4, SamplingConfig(temperature=-0.5), proposer=NgramProposer())
     other = copy.deepcopy(tok)
     other.add_tokens(["<an-extra-token>"])
     with pytest.raises(TokenizerMismatch, match="tokenizer"):
@@ -275,6 +287,16 @@ def test_ngram_proposer_looks_up_the_latest_match():
 
 def test_adaptive_draft_length_stays_lossless(plain_runs, default_model):
     config, prompt, want = plain_runs["global"]
-    got, steps, _, _ = _spec(default_model.model, config, prompt, NgramProposer(), k=3, adaptive=True)
+    got, steps, _, _ = _spec(default_model.model, config, prompt, NgramProposer(), draft_length=3,
+                             adaptive_draft_length=True)
     assert got == want
-    assert len({s.k for s in steps if s.k}) > 1  # k actually moved
+    assert len({s.draft_length for s in steps if s.draft_length}) > 1  # the length actually moved
+
+
+def test_make_proposer_uses_an_already_loaded_draft_model(default_model, tiny_model):
+    config = SinkWindowConfig(sink=4, window=28)
+    proposer = make_proposer("draft:tiny", default_model.model, config, default_model.tokenizer,
+                             draft_model=tiny_model)
+    assert isinstance(proposer, DraftModelProposer) and proposer.model is tiny_model.model
+    assert proposer.describe()["model"] == "tiny"
+    assert make_proposer("none", default_model.model, config) is None

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kakeya_lab.proposers import Draft
-from kakeya_lab.sampling import sampling_probs
+from kakeya_lab.sampling import GREEDY, SamplingConfig
 from kakeya_lab.verifier import HiddenTrace, Verifier
 
 KINDS = ("feature", "block", "lora")
@@ -180,22 +180,19 @@ class Drafter(nn.Module):
         features: torch.Tensor,
         next_tokens: Sequence[int],
         k: int,
-        *,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
+        sampling: SamplingConfig = GREEDY,
         generator: torch.Generator | None = None,
     ) -> tuple[list[int], torch.Tensor | None]:
         """Draft ``k`` tokens after the context; returns ids and, when sampling, ``q`` per draft."""
         raise NotImplementedError
 
-    def _choose(self, logits: torch.Tensor, temperature, top_k, top_p, generator):
+    def _choose(self, logits: torch.Tensor, sampling: SamplingConfig, generator):
         """One token from draft-vocab ``logits``; returns (token id, full-vocab q or None)."""
-        if temperature == 0.0:
+        if sampling.greedy:
             return int(self.draft_ids[int(torch.argmax(logits))]), None
         full = torch.full((self.config.vocab_size,), float("-inf"))
         full[self.draft_ids] = logits.float()
-        q = sampling_probs(full, temperature=temperature, top_k=top_k, top_p=top_p)
+        q = sampling.probs(full)
         return int(torch.multinomial(q, 1, generator=generator)), q
 
 
@@ -224,13 +221,13 @@ class FeatureDrafter(Drafter):
         return torch.cat(preds, dim=1), torch.arange(1, n + k)
 
     @torch.no_grad()
-    def draft(self, features, next_tokens, k, *, temperature=0.0, top_k=None, top_p=None, generator=None):
+    def draft(self, features, next_tokens, k, sampling=GREEDY, generator=None):
         feats = features[None].float()
         toks = torch.tensor([list(next_tokens)], dtype=torch.long)
         out, qs = [], []
         for i in range(k):
             f = self.forward(feats, toks)[:, -1:]
-            token, q = self._choose(self.logits(f[0, 0]), temperature, top_k, top_p, generator)
+            token, q = self._choose(self.logits(f[0, 0]), sampling, generator)
             out.append(token)
             if q is not None:
                 qs.append(q)
@@ -263,13 +260,13 @@ class BlockDrafter(Drafter):
         return pred, torch.arange(n, n + k)
 
     @torch.no_grad()
-    def draft(self, features, next_tokens, k, *, temperature=0.0, top_k=None, top_p=None, generator=None):
+    def draft(self, features, next_tokens, k, sampling=GREEDY, generator=None):
         k = min(k, self.config.block_size)
         toks = torch.tensor([list(next_tokens)], dtype=torch.long)
         logits = self.logits(self.forward(features[None].float(), toks, k)[0])
         out, qs = [], []
         for row in logits:  # slots are filled independently; one forward for the block
-            token, q = self._choose(row, temperature, top_k, top_p, generator)
+            token, q = self._choose(row, sampling, generator)
             out.append(token)
             if q is not None:
                 qs.append(q)
@@ -329,7 +326,8 @@ class DrafterProposer:
         c = self.drafter.config
         self.trace = verifier.trace_hidden(c.context_len + 2 * c.block_size + 64)
 
-    def propose(self, context, k, *, temperature=0.0, top_k=None, top_p=None, generator=None) -> Draft:
+    def propose(self, context, draft_length, sampling=GREEDY, generator=None) -> Draft:
+        k = draft_length
         t0 = time.perf_counter()
         context = list(context)
         history = context[:-1]  # committed; the last token is emitted but not yet scored
@@ -340,7 +338,7 @@ class DrafterProposer:
         feats = self.trace.features(positions, [history[p] for p in positions])
         tokens, probs = self.drafter.draft(
             feats, context[len(context) - n :], k,
-            temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
+            sampling if sampling is not None else GREEDY, generator,
         )
         return Draft(tokens, probs, time.perf_counter() - t0)
 
