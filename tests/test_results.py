@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from kakeya_lab.results import run_header, write_json_atomic, write_metrics
 
@@ -29,3 +30,46 @@ def test_atomic_write_replaces_whole_files(tmp_path):
     write_json_atomic(target, {"v": list(range(1000))})
     write_json_atomic(target, {"v": 1})
     assert json.loads(target.read_text()) == {"v": 1}
+
+
+def test_run_header_refuses_an_anonymous_model(tiny_model):
+    from kakeya_lab.results import ResultSchemaError
+
+    with pytest.raises(ResultSchemaError, match="model="):
+        run_header(experiment="e", run_id="r", model=None)
+    drift = {"first_p50_s": 0.1, "last_p50_s": 0.1, "drift_s": 0.0}  # what notebook 00 once passed
+    with pytest.raises(ResultSchemaError, match="name or weight_sha256"):
+        run_header(experiment="e", run_id="r", model=drift)
+    with pytest.raises(ResultSchemaError, match="ModelDescription"):
+        run_header(experiment="e", run_id="r", model=42)
+    with pytest.raises(ResultSchemaError, match="overwrite"):
+        run_header(experiment="e", run_id="r", model=tiny_model.description, extra={"model": "x"})
+
+
+def test_write_metrics_names_the_bad_field_and_writes_nothing(tmp_path, tiny_model):
+    from kakeya_lab.results import ResultSchemaError
+
+    header = run_header(experiment="e", run_id="r", model=tiny_model.description,
+                        cache={"sink": 4, "window": 60, "positions": "global"})
+    for field, value, said in (("positions", "both", "positions"), ("window", -3, "window"),
+                               ("experiment", "", "experiment"), ("model", {"name": "m"}, "model")):
+        bad = {**header, field: value}
+        with pytest.raises(ResultSchemaError, match=said):
+            write_metrics(tmp_path, bad, {"x": 1})
+    with pytest.raises(ResultSchemaError, match="weight_sha256"):
+        write_metrics(tmp_path, {**header, "model": {**header["model"], "weight_sha256": "abc"}}, {})
+    missing = {k: v for k, v in header.items() if k != "git_commit"}
+    with pytest.raises(ResultSchemaError, match="git_commit"):
+        write_metrics(tmp_path, missing, {})
+    assert not list(tmp_path.iterdir())
+
+
+def test_files_are_written_with_normal_permissions(tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        path = write_json_atomic(tmp_path / "a.json", {"v": 1})
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644
