@@ -73,3 +73,57 @@ def test_files_are_written_with_normal_permissions(tmp_path):
     finally:
         os.umask(old)
     assert path.stat().st_mode & 0o777 == 0o644
+
+
+WRITER = """
+import importlib.util, sys, time
+# durable.py alone (importing the package would pull in torch: seconds per test)
+spec = importlib.util.spec_from_file_location('durable', sys.argv[2])
+durable = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(durable)
+
+def stall(fh):
+    fh.write(b'{"partial": ' + b'1' * 100000)
+    fh.flush()
+    print('writing', flush=True)
+    time.sleep(600)
+
+durable.write_atomic(sys.argv[1], stall)
+"""
+
+
+def test_a_killed_writer_leaves_no_partial_file_and_its_temp_is_cleaned_up(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    target = tmp_path / "metrics.json"
+    write_json_atomic(target, {"v": "old"})
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(target), str(root / "kakeya_lab" / "durable.py")],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    stale = list(tmp_path.glob(".metrics.json.*.tmp"))
+    assert len(stale) == 1 and stale[0].stat().st_size >= 100000  # what the killed writer left
+    assert json.loads(target.read_text()) == {"v": "old"}  # the old file is whole
+    write_json_atomic(tmp_path / "other.json", {"v": 2})  # the next write in this folder cleans up
+    assert not list(tmp_path.glob(".*.tmp"))
+    assert json.loads(target.read_text()) == {"v": "old"}
+
+
+def test_csv_and_parquet_are_written_atomically(tmp_path):
+    import pandas as pd
+
+    from kakeya_lab.durable import write_csv_atomic, write_parquet_atomic
+
+    table = pd.DataFrame({"turn": [0, 1], "latency_s": [0.5, float("nan")]})
+    write_csv_atomic(tmp_path / "t.csv", table)
+    write_parquet_atomic(tmp_path / "t.parquet", table)
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "t.csv"), table)
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "t.parquet"), table)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.csv", "t.parquet"]
