@@ -47,6 +47,7 @@ def sweep_file(tmp_path):
     return path
 
 
+@pytest.mark.slow  # papermill kernels: tens of seconds
 def test_sweep_runs_skips_and_indexes(sweep_file, tmp_path):
     results = tmp_path / "results"
     first = run_sweep(sweep_file, profile="smoke", results_root=results, progress=False)
@@ -63,6 +64,7 @@ def test_sweep_runs_skips_and_indexes(sweep_file, tmp_path):
     assert sorted(again["status"]) == ["skipped"] * 4
 
 
+@pytest.mark.slow  # papermill kernels: tens of seconds
 def test_failing_runs_are_recorded_and_the_sweep_goes_on(sweep_file, tmp_path):
     results = tmp_path / "results"
     path = tmp_path / "mixed.yaml"
@@ -101,6 +103,7 @@ def test_bad_sweep_files_are_clear_errors(tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # papermill kernels: tens of seconds
 def test_sweep_on_a_real_local_ray_cluster(sweep_file, tmp_path):
     ray = pytest.importorskip("ray", reason="the ray extra is not installed")
     path = tmp_path / "onray.yaml"
@@ -116,6 +119,7 @@ def test_sweep_on_a_real_local_ray_cluster(sweep_file, tmp_path):
     assert sorted(index["metric.total"]) == [22, 32]
 
 
+@pytest.mark.slow  # papermill kernels: tens of seconds
 def test_resume_refuses_runs_of_an_edited_notebook(sweep_file, tmp_path):
     results = tmp_path / "results"
     path = tmp_path / "one.yaml"

@@ -33,6 +33,7 @@ def uninterrupted(default_model):
     return run_long(default_model, arms, turns, max_new_tokens=6, turns_per_bucket=3, progress=False)
 
 
+@pytest.mark.slow  # the real default model over ten turns
 def test_sink_window_is_bounded_and_full_cache_is_not(uninterrupted):
     s = uninterrupted.summary
     assert s["sink_window"]["kv_bounded"] is True, s["sink_window"]["kv_bounded_by_turns"]
@@ -88,6 +89,7 @@ def _cli(out_dir):
             "--turns-per-bucket", "3", "--quiet"]
 
 
+@pytest.mark.slow  # the real default model over ten turns
 def test_resume_after_kill_loses_no_completed_turn(tmp_path, uninterrupted):
     out = tmp_path / "run"
     proc = subprocess.Popen(_cli(out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
