@@ -87,6 +87,21 @@ def _check_cache(args: argparse.Namespace):
         raise UserError(str(exc)) from exc
 
 
+def _check_out_dir(path: str, what: str = "OUT_DIR") -> Path:
+    """A folder that exists or can be created by this user (nothing is created here)."""
+    import os
+
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{what} {out} exists and is not a folder")
+    existing = next((p for p in (out, *out.absolute().parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        raise UserError(f"{what} {out}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{what} {out}: cannot write in {existing}")
+    return out
+
+
 def _check_model(name: str, flag: str = "--model") -> None:
     """A registry name, an existing folder, or a Hub id already in the local Hugging Face
     cache (checked without loading anything or touching the network)."""
@@ -423,9 +438,7 @@ def cmd_long_run(args: argparse.Namespace) -> int:
         probe = FactProbe(every=args.probe_every) if args.probe_every else None
     except ValueError as exc:
         raise UserError(f"--arms: {exc}") from exc
-    out = Path(args.out_dir)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"OUT_DIR {out} exists and is not a folder")
+    out = _check_out_dir(args.out_dir)
     _check_model(args.model)
     loaded = load_model(args.model, progress=not args.quiet)
     turns = chained_user_turns(chitchat_conversations("dev"), args.turns)
@@ -494,6 +507,7 @@ def cmd_align_capture(args: argparse.Namespace) -> int:
         _check_int(flag, value, 1)
     if args.min_confidence is not None and not 0.0 < args.min_confidence <= 1.0:
         raise UserError(f"--min-confidence must be in (0, 1], got {args.min_confidence}")
+    _check_out_dir(args.out_dir)
     _check_model(args.model)
     convs = domain_conversations(args.domain, args.split, limit=args.conversations)
     options = CaptureOptions(top_k=args.top_k, turns_per_conversation=args.turns,

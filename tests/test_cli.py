@@ -41,6 +41,8 @@ MISUSES = [
     ("long-run turns-per-bucket 0", [*LONG, "--turns-per-bucket", "0"], "--turns-per-bucket must be >= 1"),
     ("long-run unknown model", [*LONG, "--model", "no-such-model"], "'no-such-model' is not a registry model"),
     ("long-run out is a file", ["long-run", "{tmp}/afile", "--turns", "3"], "exists and is not a folder"),
+    ("long-run out under a file", ["long-run", "{tmp}/afile/run", "--turns", "3"], "afile is not a folder"),
+    ("capture out is a file", ["align", "capture", "{tmp}/afile"], "exists and is not a folder"),
     ("chat unknown proposer", [*CHAT, "--proposer", "oracle"], "unknown proposer 'oracle'"),
     ("chat early-exit not a number", [*CHAT, "--proposer", "early-exit:x"], "unknown proposer"),
     ("chat draft model unknown", [*CHAT, "--proposer", "draft:no-such-model"], "is not a registry model"),
