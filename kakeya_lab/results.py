@@ -123,7 +123,11 @@ def _model_record(model: Any) -> dict[str, Any]:
             f"{sorted(model) if isinstance(model, dict) else type(model).__name__}); pass "
             "loaded.description so the run folder names the weights that produced it"
         )
-    record["random"] = bool(record["random"]) if record["random"] is not None else False
+    if not isinstance(record["random"], bool):
+        raise ResultSchemaError(
+            f"run_header: the model description must say random=True/False (got {record['random']!r}), "
+            "so a randomly initialised model is never read as a real one"
+        )
     return record
 
 
