@@ -1,20 +1,27 @@
-# The two README commands: `make quickstart` (main job) and `make test` (whole suite).
-# Both create .venv and install what they need on first use.
+# The README commands: `make quickstart` (main job), `make test` (whole suite, as CI runs
+# it) and `make test-fast` (the quick loop while changing code). All create .venv and
+# install what they need on first use. Any failing step fails the target, pytest's exit
+# code 5 ("no tests collected") included, so nothing passes silently.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 MODEL ?= smollm2-135m-instruct
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+# The CPU build of PyTorch, pinned (a bare `torch` from PyPI is a multi-GB CUDA build).
+# pip must be able to see this wheel: a local wheel folder / index in pip's own config, or
+# PyTorch's CPU index, e.g. `make install TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
+TORCH ?= torch==2.13.0+cpu
+TORCH_INDEX ?=
+TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: install quickstart test lint notebooks clean-venv
+.PHONY: install quickstart test test-fast lint notebooks clean-venv
 
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# CPU build of PyTorch (a bare `torch` would pull a multi-GB CUDA build)
-	$(BIN)/python -m pip install -q "torch==2.13.*"
+	$(BIN)/python -m pip install -q $(TORCH_INDEX_ARG) "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
@@ -26,6 +33,12 @@ test: install
 	$(BIN)/kakeya-lab models pull $(MODEL)
 	$(BIN)/ruff check kakeya_lab tests
 	$(BIN)/python -m pytest tests notebooks $(NBVAL) $(PYTEST_ARGS)
+
+# The quick loop: every test not marked slow, plus ruff (no notebooks, no slow tests).
+test-fast: install
+	$(BIN)/kakeya-lab models pull $(MODEL)
+	$(BIN)/ruff check kakeya_lab tests
+	$(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check kakeya_lab tests

@@ -5,41 +5,142 @@
     kakeya-lab models verify [NAME ...]
     kakeya-lab chat [--model NAME] [--sink 4] [--window 1020] [--proposer ngram] ...
     kakeya-lab run NOTEBOOK [-p NAME VALUE ...] [--results DIR] [--experiment NAME]
-    kakeya-lab sweep FILE.yaml [--profile smoke|full] [--executor local|ray]
-    kakeya-lab long-run OUT_DIR [--turns N | --duration-s S] [--arms ...] [--window W]
+    kakeya-lab sweep FILE.yaml [--profile smoke|full] [--executor local|ray] [--force-new]
+    kakeya-lab long-run OUT_DIR [--turns N | --duration-s S] [--arms ...] [--window W] [--force-new]
+    kakeya-lab align capture OUT_DIR [--domain chitchat|code|prose] [--split train|dev] ...
 
 Layout: :func:`build_parser` builds the whole argparse tree; every leaf sub-command sets
-``func`` (``args -> int``) with ``set_defaults``. To add a command group (e.g. ``chat`` or
-``run``) write an ``add_<group>_parser(subparsers)`` function next to
-:func:`add_models_parser` and call it from :func:`build_parser`.
+``func`` (``args -> int``) with ``set_defaults``. A command group is an
+``add_<group>_parser(subparsers)`` function called from :func:`build_parser`; its
+``cmd_*`` functions check every argument (``_check_*`` helpers) before a model loads or
+anything is written.
 
-Exit status: 0 on success; 2 for user errors (unknown model, model not available offline,
-bad arguments), printed as one line on stderr without a traceback; 130 on Ctrl-C. Anything
-else is a bug and keeps its traceback.
+Exit status: 0 on success; 1 when a run ran but failed (a notebook raised, a sweep had
+failing runs, every turn of a long run failed); 2 for user errors (bad or inconsistent
+arguments, unknown model, model not available offline, a resume with other settings),
+printed as one line on stderr without a traceback and before anything is written; 130 on
+Ctrl-C. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 PROG = "kakeya-lab"
+EXIT_RUN_FAILED = 1
 EXIT_USER_ERROR = 2
+MAX_CACHE_TOKENS = 1 << 24  # a sink or window beyond this cannot be held on any machine we target
 
 
 class UserError(Exception):
     """An error caused by the user's input; :func:`main` prints it on one line, exits 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors on one line (``kakeya-lab: error: ...; see --help``)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"{PROG}: error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(EXIT_USER_ERROR)
+
+
 def _user_error_types() -> tuple[type[BaseException], ...]:
     from kakeya_lab.align.checkpoint import CheckpointError
     from kakeya_lab.align.rollouts import RolloutError
     from kakeya_lab.models import ModelStoreError
+    from kakeya_lab.resume import ResumeMismatch
     from kakeya_lab.session import SessionError
 
-    return (UserError, ModelStoreError, SessionError, RolloutError, CheckpointError)
+    return (UserError, ModelStoreError, SessionError, RolloutError, CheckpointError, ResumeMismatch)
+
+
+# --------------------------------------------------------------------------- argument checks
+
+
+def _check_int(name: str, value: int, minimum: int, maximum: int | None = None) -> None:
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+        raise UserError(f"{name} must be {bound}, got {value}")
+
+
+def _check_positive(name: str, value: float | None, *, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    ok = math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        raise UserError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def _check_cache(args: argparse.Namespace):
+    """The :class:`~kakeya_lab.cache.SinkWindowConfig` of ``--sink/--window/--positions``."""
+    from kakeya_lab.cache import SinkWindowConfig
+
+    _check_int("--sink", args.sink, 0, MAX_CACHE_TOKENS)
+    _check_int("--window", args.window, 1, MAX_CACHE_TOKENS)
+    try:
+        return SinkWindowConfig(sink=args.sink, window=args.window, positions=getattr(args, "positions", "global"))
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+
+
+def _check_out_dir(path: str, what: str = "OUT_DIR") -> Path:
+    """A folder that exists or can be created by this user (nothing is created here)."""
+    import os
+
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{what} {out} exists and is not a folder")
+    existing = next((p for p in (out, *out.absolute().parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        raise UserError(f"{what} {out}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{what} {out}: cannot write in {existing}")
+    return out
+
+
+def _check_model(name: str, flag: str = "--model") -> None:
+    """A registry name, an existing folder, or a Hub id already in the local Hugging Face
+    cache (checked without loading anything or touching the network)."""
+    from kakeya_lab.models import UnknownModelError, get_spec
+
+    try:
+        get_spec(name)
+        return
+    except UnknownModelError:
+        pass
+    if Path(name).expanduser().is_dir():
+        return
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return
+    except Exception:  # noqa: BLE001 - a malformed id is simply not in the cache
+        pass
+    raise UserError(
+        f"{flag} {name!r} is not a registry model (see `{PROG} models list`), not a local folder "
+        "and not in the local Hugging Face cache"
+    )
+
+
+def _check_proposer(spec: str) -> None:
+    """The syntax of a proposer spec (a draft model is checked with :func:`_check_model`)."""
+    kind, _, arg = (spec or "none").partition(":")
+    if kind == "none" and not arg:
+        return
+    if kind == "ngram" and (not arg or all(p.isdigit() and int(p) >= 1 for p in arg.split(","))):
+        return
+    if kind == "early-exit" and arg.isdigit() and int(arg) >= 1:
+        return
+    if kind == "draft" and arg:
+        _check_model(arg, "--proposer draft:")
+        return
+    raise UserError(f"unknown proposer {spec!r}: use none, ngram[:SIZES], early-exit:LAYERS or draft:MODEL")
 
 
 def _human_size(n: int | None) -> str:
@@ -194,16 +295,17 @@ def add_models_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Interactive multi-turn chat on one session, with a live cache/latency line."""
-    from kakeya_lab.cache import SinkWindowConfig
     from kakeya_lab.chat import ChatTemplate
     from kakeya_lab.models import load_model
     from kakeya_lab.proposers import make_proposer
     from kakeya_lab.session import Done, HistoryTruncated, SessionStore, Token
 
-    try:
-        config = SinkWindowConfig(sink=args.sink, window=args.window, positions=args.positions)
-    except ValueError as exc:
-        raise UserError(str(exc)) from exc
+    config = _check_cache(args)
+    _check_int("--max-new-tokens", args.max_new_tokens, 1)
+    _check_int("--k", args.k, 1)
+    _check_positive("--temperature", args.temperature, allow_zero=True)
+    _check_proposer(args.proposer)
+    _check_model(args.model)
     loaded = load_model(args.model)
     tok = loaded.tokenizer
     store = SessionStore(loaded.model, config, capacity=1)
@@ -311,7 +413,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from exc
     except RunFailed as exc:
         print(f"{PROG}: run failed: {exc} (partial run folder: {exc.run_dir})", file=sys.stderr)
-        return 1
+        return EXIT_RUN_FAILED
     print(run_dir)
     return 0
 
@@ -337,7 +439,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     try:
         sweep = load_sweep(args.file)
         outcomes = run_sweep(sweep, profile=args.profile, results_root=args.results,
-                             executor=args.executor, ray_address=args.ray_address, progress=not args.quiet)
+                             executor=args.executor, ray_address=args.ray_address, progress=not args.quiet,
+                             force_new=args.force_new)
     except (FileNotFoundError, ValueError) as exc:
         raise UserError(str(exc)) from exc
     counts = outcomes["status"].value_counts().to_dict() if len(outcomes) else {}
@@ -345,7 +448,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
           f"; index: {args.results}/index.parquet")
     for row in outcomes[outcomes["status"] == "failed"].itertuples() if len(outcomes) else []:
         print(f"  failed {row.run_id}: {row.error}", file=sys.stderr)
-    return 1 if counts.get("failed") else 0
+    return EXIT_RUN_FAILED if counts.get("failed") else 0
 
 
 def add_sweep_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -355,6 +458,8 @@ def add_sweep_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--executor", choices=["local", "ray"], default=None, help="override the file's executor")
     p.add_argument("--ray-address", default=None, help="Ray cluster address (default: start one locally)")
     p.add_argument("--results", default="results")
+    p.add_argument("--force-new", action="store_true",
+                   help="re-run runs whose folders hold another notebook version or other parameters")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_sweep)
 
@@ -364,35 +469,61 @@ def add_sweep_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_long_run(args: argparse.Namespace) -> int:
     """A long multi-turn run into OUT_DIR (checkpointed; re-running resumes)."""
-    from pathlib import Path
-
-    from kakeya_lab.bench.long_run import FactProbe, long_run_headline, run_long, standard_arms
+    from kakeya_lab.bench.long_run import (
+        DegenerateRun,
+        FactProbe,
+        check_run_arguments,
+        long_run_headline,
+        run_long,
+        standard_arms,
+    )
     from kakeya_lab.data import chained_user_turns, chitchat_conversations
     from kakeya_lab.models import load_model
     from kakeya_lab.results import run_header, write_metrics
 
+    _check_cache(args)
+    for flag, value in (("--turns", args.turns), ("--max-new-tokens", args.max_new_tokens),
+                        ("--checkpoint-every", args.checkpoint_every),
+                        ("--turns-per-bucket", args.turns_per_bucket)):
+        _check_int(flag, value, 1)
+    _check_int("--probe-every", args.probe_every, 0)
+    _check_positive("--duration-s", args.duration_s)
+    _check_positive("--reprefill-cap-s", args.reprefill_cap_s)
     try:
-        arms = standard_arms(args.sink, args.window, args.positions, names=args.arms.split(","))
+        arms = standard_arms(args.sink, args.window, args.positions,
+                             names=[a.strip() for a in args.arms.split(",") if a.strip()])
+        check_run_arguments(turns=args.turns, max_new_tokens=args.max_new_tokens,
+                            checkpoint_every=args.checkpoint_every, duration_s=args.duration_s,
+                            reprefill_cap_s=args.reprefill_cap_s, turns_per_bucket=args.turns_per_bucket)
+        probe = FactProbe(every=args.probe_every) if args.probe_every else None
     except ValueError as exc:
-        raise UserError(str(exc)) from exc
+        raise UserError(f"--arms: {exc}") from exc
+    out = _check_out_dir(args.out_dir)
+    _check_model(args.model)
     loaded = load_model(args.model, progress=not args.quiet)
     turns = chained_user_turns(chitchat_conversations("dev"), args.turns)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    header = run_header(experiment="long_run", run_id=out.name, model=loaded.description,
+    header = run_header(experiment="long_run", run_id=out.resolve().name, model=loaded.description,
                         cache=arms[next(iter(arms))].config.to_dict(),
                         extra={"arms": list(arms), "turns": args.turns, "max_new_tokens": args.max_new_tokens})
-    run = run_long(loaded, arms, turns, max_new_tokens=args.max_new_tokens, out_dir=out,
-                   checkpoint_every=args.checkpoint_every, duration_s=args.duration_s,
-                   probe=FactProbe(every=args.probe_every) if args.probe_every else None,
-                   reprefill_cap_s=args.reprefill_cap_s, turns_per_bucket=args.turns_per_bucket,
-                   progress=not args.quiet)
+    try:
+        run = run_long(loaded, arms, turns, max_new_tokens=args.max_new_tokens, out_dir=out,
+                       checkpoint_every=args.checkpoint_every, duration_s=args.duration_s, probe=probe,
+                       reprefill_cap_s=args.reprefill_cap_s, turns_per_bucket=args.turns_per_bucket,
+                       force_new=args.force_new, progress=not args.quiet)
+    except DegenerateRun as exc:
+        print(f"{PROG}: run failed: {' '.join(str(exc).split())} (checkpoint in {out})", file=sys.stderr)
+        return EXIT_RUN_FAILED
     write_metrics(out, header, {"arms": run.summary}, headline=long_run_headline(run.summary))
     for arm, s in run.summary.items():
         drift = s.get("latency_drift_p50_by_turns", {}).get("append_latency_s", {})
-        print(f"{arm:12s} turns {s['turns']:5d}  kv_bounded {s.get('kv_bounded')}  "
-              f"prefill_bounded {s.get('prefill_bounded')}  append p50 drift {drift.get('drift_pct')}%  "
-              f"last/first bucket {s.get('append_latency_last_over_first_bucket')}")
+        shown = f"{drift['drift_pct']:.1f}%" if drift.get("drift_pct") is not None else "not measured"
+        print(f"{arm:12s} turns {s['turns']:5d}  errors {s['errors']}  kv_bounded {s.get('kv_bounded')}  "
+              f"prefill_bounded {s.get('prefill_bounded')}  append p50 drift {shown}"
+              + (f"  stopped: {s['stopped']}" if s.get("stopped") else ""))
+    failed = [arm for arm, s in run.summary.items() if s.get("errors")]
+    if failed:
+        print(f"{PROG}: arm(s) {', '.join(failed)} stopped on a failing turn (see turns.csv)", file=sys.stderr)
+        return EXIT_RUN_FAILED
     return 0
 
 
@@ -404,7 +535,8 @@ def add_long_run_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--turns", type=int, default=100)
     p.add_argument("--duration-s", type=float, default=None, help="stop after this wall time instead")
-    p.add_argument("--arms", default="sink_window,full_cache,reprefill")
+    p.add_argument("--arms", default="sink_window,full_cache,reprefill",
+                   help="comma-separated: sink_window, full_cache, reprefill")
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=1020)
     p.add_argument("--positions", choices=["global", "rolling"], default="global")
@@ -413,6 +545,8 @@ def add_long_run_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--probe-every", type=int, default=25, help="0: no recall probes")
     p.add_argument("--reprefill-cap-s", type=float, default=30.0)
     p.add_argument("--turns-per-bucket", type=int, default=50)
+    p.add_argument("--force-new", action="store_true",
+                   help="start over in OUT_DIR instead of resuming its checkpoint")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_long_run)
 
@@ -423,17 +557,25 @@ def add_long_run_parser(subparsers: argparse._SubParsersAction) -> None:
 def cmd_align_capture(args: argparse.Namespace) -> int:
     """Capture verifier rollouts of one domain and split into OUT_DIR (resumable)."""
     from kakeya_lab.align.rollouts import CaptureOptions, capture_rollouts
-    from kakeya_lab.cache import SinkWindowConfig
     from kakeya_lab.data import domain_conversations
     from kakeya_lab.models import load_model
 
+    config = _check_cache(args)
+    for flag, value in (("--conversations", args.conversations), ("--turns", args.turns),
+                        ("--max-new-tokens", args.max_new_tokens), ("--top-k", args.top_k),
+                        ("--shard-size", args.shard_size)):
+        _check_int(flag, value, 1)
+    if args.min_confidence is not None and not 0.0 < args.min_confidence <= 1.0:
+        raise UserError(f"--min-confidence must be in (0, 1], got {args.min_confidence}")
+    _check_out_dir(args.out_dir)
+    _check_model(args.model)
     convs = domain_conversations(args.domain, args.split, limit=args.conversations)
     options = CaptureOptions(top_k=args.top_k, turns_per_conversation=args.turns,
                              max_new_tokens=args.max_new_tokens, shard_size=args.shard_size,
                              min_confidence=args.min_confidence, replies=args.replies)
     loaded = load_model(args.model, progress=not args.quiet)
     manifest = capture_rollouts(loaded, convs, args.out_dir, split=args.split, options=options,
-                                config=SinkWindowConfig(args.sink, args.window),
+                                config=config,
                                 progress=not args.quiet)
     rows = sum(s["rows"] for s in manifest["shards"])
     tokens = sum(s["tokens"] for s in manifest["shards"])
@@ -476,7 +618,7 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full ``kakeya-lab`` argument parser (one sub-parser per command group)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="kakeya_lab: sink-window KV caches and speculative decoding on real LLMs.",
     )

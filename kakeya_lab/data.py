@@ -1,5 +1,9 @@
 """Prompt sets and corpora, all from installed packages (no downloads at run time).
 
+Everything here is read from the installed ``kakeya_lab`` package or its dependencies,
+never from the checkout or the running interpreter, so an installed wheel has every
+domain and a split is the same on every machine and Python version.
+
 Chit-chat: the MIT-licensed ``chitchat-dataset`` package (BYU PCC lab, ~7k real
 two-person chats, ~19 turns each). Consecutive messages of one sender are joined into one
 turn. **Split by conversation id**: a conversation is in ``dev`` iff the first 8 hex
@@ -9,11 +13,14 @@ ids it yields, and a test checks the two agree.
 
 Code and prose (for per-domain evaluation of proposers, :func:`domain_conversations`):
 
-* ``code``: passages of the running interpreter's own standard library (``*.py`` at the
-  top of ``sysconfig``'s ``stdlib``), each starting at a top-level ``def``/``class``;
-  ``dev`` iff the same hash rule holds for the file name (held out by file).
-* ``prose``: passages of *The Tempest* (``data/tempest.txt``, public domain) of about
-  600 characters at blank lines; ``dev`` iff the rule holds for ``"tempest:<index>"``.
+* ``code``: passages of a pinned set of 30 small CPython 3.11.7 standard-library modules
+  shipped as package data (``kakeya_lab/corpora/code/<module>.py.txt``, PSF licence in
+  ``LICENSE-PSF.txt`` beside them), each passage starting at a top-level ``def``/``class``
+  (at most 8 per file, 14 lines each); ``dev`` iff the same hash rule holds for the file
+  name ``<module>.py`` (held out by file).
+* ``prose``: passages of *The Tempest* (``kakeya_lab/corpora/tempest.txt``, public
+  domain) of about 600 characters at blank lines; ``dev`` iff the rule holds for
+  ``"tempest:<index>"``.
 
 Each passage becomes a two-turn conversation: "continue this" with the passage, then
 "Go on." — so every domain runs through the same chat-templated session path.
@@ -25,12 +32,24 @@ import hashlib
 import json
 from dataclasses import dataclass
 from functools import lru_cache
+from importlib import resources
 from pathlib import Path
 from typing import Literal
 
 Split = Literal["train", "dev"]
 DEV_BUCKETS = 10
-REPO_DATA = Path(__file__).resolve().parent.parent / "data"
+REPO_DATA = Path(__file__).resolve().parent.parent / "data"  # the checkout's data/ (manifests only)
+CODE_SUFFIX = ".py.txt"
+
+
+def corpus_file(name: str):
+    """A file shipped in ``kakeya_lab/corpora`` (an importlib Traversable)."""
+    return resources.files("kakeya_lab").joinpath("corpora", name)
+
+
+def tempest_text() -> str:
+    """Shakespeare, *The Tempest* (complete play, public domain), as shipped."""
+    return corpus_file("tempest.txt").read_text(encoding="utf-8")
 
 
 @dataclass(frozen=True)
@@ -84,20 +103,6 @@ def chitchat_conversations(
     return out
 
 
-def chitchat_dataset(split: Split = "dev", *, limit: int | None = None):
-    """The same conversations as a ``datasets.Dataset`` (columns ``id``, ``turns``, ``domain``)."""
-    import datasets
-
-    convs = chitchat_conversations(split, limit=limit)
-    return datasets.Dataset.from_dict(
-        {
-            "id": [c.id for c in convs],
-            "turns": [list(c.turns) for c in convs],
-            "domain": [c.domain for c in convs],
-        }
-    )
-
-
 def chained_user_turns(conversations: list[Conversation], n_turns: int) -> list[str]:
     """The first speaker's turns of ``conversations`` one after another, ``n_turns`` of them
     (a long session made of real chats; cycles if the conversations run out)."""
@@ -119,27 +124,27 @@ def dev_ids_manifest() -> dict:
     }
 
 
-def _code_passages(max_lines: int = 14) -> list[tuple[str, str]]:
-    """``(file name, passage)`` from the standard library, in a fixed order."""
-    import sysconfig
+def code_files() -> list[str]:
+    """The module file names of the shipped code corpus (``heapq.py``, ...), sorted."""
+    folder = corpus_file("code")
+    return sorted(p.name[: -len(".txt")] for p in folder.iterdir() if p.name.endswith(CODE_SUFFIX))
 
-    root = Path(sysconfig.get_paths()["stdlib"])
+
+def _code_passages(max_lines: int = 14) -> list[tuple[str, str]]:
+    """``(file name, passage)`` from the shipped code corpus, in a fixed order."""
     out = []
-    for path in sorted(root.glob("*.py")):
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except (UnicodeDecodeError, OSError):
-            continue
+    for name in code_files():
+        lines = corpus_file("code").joinpath(name + ".txt").read_text(encoding="utf-8").splitlines()
         starts = [i for i, line in enumerate(lines) if line.startswith(("def ", "class "))]
         for i in starts[:8]:  # a few passages per file keeps files balanced
             passage = "\n".join(lines[i : i + max_lines]).strip()
             if len(passage) > 80:
-                out.append((path.name, passage))
+                out.append((name, passage))
     return out
 
 
 def _prose_passages(target_chars: int = 600) -> list[str]:
-    text = (REPO_DATA / "tempest.txt").read_text(encoding="utf-8")
+    text = tempest_text()
     passages, current = [], ""
     for para in text.split("\n\n"):
         para = para.strip()

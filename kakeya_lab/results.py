@@ -1,20 +1,53 @@
-"""Self-describing result files (DESIGN.md "Results"), written atomically."""
+"""Self-describing result files (``docs/design.md``, "Results"), written atomically.
+
+A ``metrics.json`` is ``run_header(...)`` plus ``ended``, ``headline`` and ``metrics``; it
+must validate against ``kakeya_lab/schemas/metrics.schema.json`` (:data:`METRICS_SCHEMA`),
+which :func:`write_metrics` checks before anything is written. :func:`run_header` refuses a
+model description without a name and a weight sha256, so a run folder always says which
+weights produced it.
+
+Figures are standalone HTML that load plotly.js from one shared ``plotly.min.js`` at the
+root of the results tree (:func:`save_figure`), not a 4.8 MB copy per run folder.
+"""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import subprocess
-import tempfile
 from datetime import datetime, timezone
-from importlib import metadata
+from functools import lru_cache
+from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
+from kakeya_lab.durable import finite, write_json_atomic, write_text_atomic
+
 SCHEMA_VERSION = 1
+PLOTLY_JS = "plotly.min.js"
+RESULTS_MARKER = ".kakeya-results"  # marks the root of a results tree (where plotly.min.js lives)
 _PACKAGES = ("kakeya_lab", "torch", "transformers", "numpy", "pandas", "plotly", "papermill")
+_MODEL_FIELDS = ("name", "weight_sha256", "architecture", "random")
+
+__all__ = [
+    "METRICS_SCHEMA", "SCHEMA_VERSION", "ResultSchemaError", "git_commit", "hardware", "mark_results_root",
+    "now_iso", "package_versions", "run_header", "save_figure", "validate_metrics", "write_json_atomic",
+    "write_metrics",
+]
+
+
+class ResultSchemaError(ValueError):
+    """A result document that does not say what it is (fails ``metrics.schema.json``)."""
+
+
+@lru_cache(maxsize=1)
+def _schema() -> dict:
+    text = resources.files("kakeya_lab").joinpath("schemas/metrics.schema.json").read_text()
+    return json.loads(text)
+
+
+METRICS_SCHEMA: dict = _schema()
 
 
 def now_iso() -> str:
@@ -68,33 +101,62 @@ def hardware() -> dict[str, Any]:
     return info
 
 
+def _model_record(model: Any) -> dict[str, Any]:
+    """The identity of ``model`` (a ModelDescription or a dict); refuses an anonymous one."""
+    if model is None:
+        raise ResultSchemaError(
+            "run_header needs model=: the ModelDescription of the loaded model (loaded.description)"
+        )
+    if isinstance(model, dict):
+        record = {k: model.get(k) for k in _MODEL_FIELDS}
+    elif all(hasattr(model, k) for k in ("name", "weight_sha256")):
+        record = {k: getattr(model, k, None) for k in _MODEL_FIELDS}
+    else:
+        raise ResultSchemaError(
+            f"run_header: model must be a ModelDescription or a dict with name and weight_sha256, "
+            f"got {type(model).__name__}"
+        )
+    missing = [k for k in ("name", "weight_sha256") if not isinstance(record[k], str) or not record[k]]
+    if missing:
+        raise ResultSchemaError(
+            f"run_header: the model description has no {' or '.join(missing)} (got keys "
+            f"{sorted(model) if isinstance(model, dict) else type(model).__name__}); pass "
+            "loaded.description so the run folder names the weights that produced it"
+        )
+    if not isinstance(record["random"], bool):
+        raise ResultSchemaError(
+            f"run_header: the model description must say random=True/False (got {record['random']!r}), "
+            "so a randomly initialised model is never read as a real one"
+        )
+    return record
+
+
 def run_header(
     *,
     experiment: str,
     run_id: str,
-    model: Any = None,
+    model: Any,
     backend: str = "torch",
     dtype: str = "float32",
     cache: dict | None = None,
-    proposer: dict | None = None,
+    proposer: dict | str | None = None,
     seed: int | None = None,
     started: str | None = None,
     extra: dict | None = None,
 ) -> dict[str, Any]:
-    """The header every result file starts with. ``model`` is a ModelDescription (or dict)."""
-    if model is not None and not isinstance(model, dict):
-        model = {
-            "name": model.name,
-            "weight_sha256": model.weight_sha256,
-            "architecture": model.architecture,
-            "random": model.random,
-        }
+    """The header every result file starts with.
+
+    ``model``: the ModelDescription of the loaded model (or a dict with at least ``name``
+    and ``weight_sha256``); anything else raises :class:`ResultSchemaError`. ``cache``: a
+    ``SinkWindowConfig.to_dict()`` (``sink``, ``window``, ``positions``). ``extra`` keys are
+    added at the top level and may not overwrite a header field.
+    """
     cache = cache or {}
     header = {
         "schema_version": SCHEMA_VERSION,
         "experiment": experiment,
         "run_id": run_id,
-        "model": model,
+        "model": _model_record(model),
         "backend": backend,
         "dtype": dtype,
         "sink": cache.get("sink"),
@@ -109,56 +171,37 @@ def run_header(
         "ended": None,
     }
     if extra:
+        clash = sorted(set(extra) & set(header))
+        if clash:
+            raise ResultSchemaError(f"run_header: extra keys {clash} would overwrite header fields")
         header.update(extra)
     return header
 
 
-def _finite(obj: Any) -> Any:
-    """NaN and infinities become None (JSON has no such numbers; pandas makes them for gaps)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_finite(v) for v in obj]
-    if hasattr(obj, "item") and getattr(obj, "ndim", 1) == 0:
-        return _finite(obj.item())
-    return obj
+def _where(error: Any) -> str:
+    path = "/".join(str(p) for p in error.absolute_path)
+    return path or "(top level)"
 
 
-def write_json_atomic(path: str | Path, obj: Any) -> Path:
-    """Write JSON via a temp file in the same folder and rename it into place
-    (non-finite floats are written as null)."""
-    obj = _finite(obj)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=2, default=_jsonable, allow_nan=False)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+def validate_metrics(doc: dict) -> None:
+    """Raise :class:`ResultSchemaError` naming every bad field if ``doc`` does not match
+    ``metrics.schema.json``."""
+    import jsonschema
 
-
-def _jsonable(value: Any) -> Any:
-    if hasattr(value, "item"):
-        return value.item()
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"cannot serialise {type(value).__name__}")
+    validator = jsonschema.Draft202012Validator(METRICS_SCHEMA, format_checker=jsonschema.FormatChecker())
+    errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
+    if errors:
+        detail = "; ".join(f"{_where(e)}: {e.message}" for e in errors[:5])
+        more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+        raise ResultSchemaError(f"metrics.json does not match its schema: {detail}{more}")
 
 
 def write_metrics(
     run_dir: str | Path, header: dict, metrics: dict, *, headline: dict | None = None,
     name: str = "metrics.json",
 ) -> Path:
-    """Write ``{**header, "ended": now, "headline": ..., "metrics": metrics}`` atomically.
+    """Write ``{**header, "ended": now, "headline": ..., "metrics": metrics}`` atomically,
+    after checking it against the schema (nothing is written if it does not match).
 
     ``headline``: the few numbers the run index (``results/index.parquet``) shows.
     """
@@ -166,15 +209,55 @@ def write_metrics(
     doc["ended"] = now_iso()
     doc["headline"] = headline or {}
     doc["metrics"] = metrics
+    doc = finite(doc)
+    validate_metrics(json.loads(json.dumps(doc, default=_plain)))
     return write_json_atomic(Path(run_dir) / name, doc)
 
 
-def save_figure(fig: Any, run_dir: str | Path, name: str) -> Path:
-    """Save a plotly figure as standalone-offline HTML (plotly.js written once per folder)."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / f"{name}.html"
-    tmp = run_dir / f".{name}.html.tmp"
-    fig.write_html(tmp, include_plotlyjs="directory", full_html=True)
-    os.replace(tmp, path)
+def _plain(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+def mark_results_root(results_root: str | Path) -> Path:
+    """Mark ``results_root`` as the root of a results tree: figures in run folders below
+    it share its ``plotly.min.js``."""
+    root = Path(results_root)
+    root.mkdir(parents=True, exist_ok=True)
+    marker = root / RESULTS_MARKER
+    if not marker.exists():
+        write_text_atomic(marker, "kakeya_lab results tree: run folders share ./plotly.min.js\n")
+    return root
+
+
+def _results_root_of(run_dir: Path) -> Path:
+    for folder in (run_dir, *run_dir.parents):
+        if (folder / RESULTS_MARKER).exists():
+            return folder
+    return run_dir
+
+
+def _ensure_plotlyjs(root: Path) -> Path:
+    from plotly.offline import get_plotlyjs
+
+    path = root / PLOTLY_JS
+    script = get_plotlyjs()
+    if not path.is_file() or path.stat().st_size != len(script.encode()) or path.read_text() != script:
+        write_text_atomic(path, script)
     return path
+
+
+def save_figure(fig: Any, run_dir: str | Path, name: str) -> Path:
+    """Save a plotly figure as ``<run_dir>/<name>.html``, offline, atomically.
+
+    plotly.js is written once per results tree (``plotly.min.js`` beside the
+    ``.kakeya-results`` marker above ``run_dir``, see :func:`mark_results_root`; in
+    ``run_dir`` itself when there is no marker) and referenced by a relative path.
+    """
+    run_dir = Path(run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    script = _ensure_plotlyjs(_results_root_of(run_dir))
+    src = os.path.relpath(script, run_dir).replace(os.sep, "/")
+    html = fig.to_html(include_plotlyjs=src, full_html=True)
+    return write_text_atomic(run_dir / f"{name}.html", html)

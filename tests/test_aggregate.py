@@ -55,13 +55,27 @@ def test_kv_bounded_rejects_growth_budget_and_degenerate():
 
 
 def test_latency_drift_by_turn_buckets_and_time_buckets():
-    df = table([1] * 4, [0.10, 0.30, 0.20, 0.60], [8] * 4, wall=[0, 100, 700, 800])
+    df = table([1] * 4, [0.10, 0.30, 0.20, 0.60], [8] * 4, wall=[0, 100, 700, 1190])
     by_turns = latency_drift_p50(df, by="turns", size=2)  # p50 0.2 -> 0.4
     assert by_turns["first_p50_s"] == pytest.approx(0.2) and by_turns["last_p50_s"] == pytest.approx(0.4)
     assert by_turns["drift_s"] == pytest.approx(0.2) and by_turns["drift_pct"] == pytest.approx(100.0)
     by_time = latency_drift_p50(df, by="time", size=600)  # same split by wall time
     assert by_time["drift_pct"] == pytest.approx(100.0)
     assert latency_drift_p50(df.iloc[0:0])["drift_s"] is None
+
+
+def test_drift_over_fewer_than_two_full_buckets_is_not_measured():
+    df = table([1] * 4, [0.10, 0.30, 0.20, 0.60], [8] * 4, wall=[0, 100, 700, 800])
+    one = latency_drift_p50(df, by="turns", size=4)  # one bucket: compared with itself
+    assert one["drift_s"] is None and one["drift_pct"] is None and "not measured" in one["reason"]
+    partial = latency_drift_p50(df, by="turns", size=3)  # bucket 1 holds one turn of three
+    assert partial["full_buckets"] == 1 and partial["drift_s"] is None
+    short = latency_drift_p50(df, by="time", size=600)  # the run stopped 200 s into bucket 1
+    assert short["full_buckets"] == 1 and short["drift_pct"] is None
+    out = aggregate_arm(df, budget_tokens=8, budget_bytes=400, turns_per_bucket=4)
+    assert out["append_latency_last_over_first_bucket"] is None
+    assert out["rss_drift"]["drift_pct"] is None and "not measured" in out["rss_drift"]["reason"]
+    assert "not measured" in out["prefill_bounded_by_turns"]["reason"] and not out["prefill_bounded"]
 
 
 def test_prefill_bounded_slope_and_drift():

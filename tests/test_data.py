@@ -1,8 +1,9 @@
-"""The chit-chat corpus and its fixed split by conversation id."""
+"""The prompt corpora (chit-chat, code, prose) and their fixed splits."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from kakeya_lab.data import (
     REPO_DATA,
@@ -27,3 +28,25 @@ def test_train_and_dev_are_disjoint_real_conversations():
     assert all(len(c.turns) >= 2 and all(t.strip() for t in c.turns) for c in dev)
     turns = chained_user_turns(dev[:2], 5)
     assert len(turns) == 5 and turns[0] == dev[0].turns[0]
+
+
+def test_code_and_prose_come_from_the_package_with_a_fixed_split():
+    import kakeya_lab
+    from kakeya_lab.data import code_files, corpus_file, domain_conversations, tempest_text
+
+    package = Path(kakeya_lab.__file__).parent
+    assert Path(str(corpus_file("tempest.txt"))).resolve().is_relative_to(package)
+    assert "Prospero" in tempest_text()
+    files = code_files()
+    assert len(files) == 30 and (package / "corpora" / "code" / "LICENSE-PSF.txt").is_file()
+    # held out by file: the dev files are exactly the ones the hash rule picks, fixed forever
+    assert [f for f in files if split_of(f) == "dev"] == [
+        "colorsys.py", "getopt.py", "py_compile.py", "quopri.py", "types.py"]
+    for split in ("train", "dev"):
+        convs = domain_conversations("code", split)
+        assert convs and all(split_of(c.id.split(":")[1]) == split for c in convs)
+        assert all(c.turns[0].startswith("Continue this Python code.") for c in convs)
+    dev_prose = domain_conversations("prose", "dev")
+    assert dev_prose and all(split_of(c.id.split(":", 1)[1]) == "dev" for c in dev_prose)
+    train_ids = {c.id for c in domain_conversations("code", "train")}
+    assert not train_ids & {c.id for c in domain_conversations("code", "dev")}

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from kakeya_lab.cli import main as cli_main
-from kakeya_lab.experiments import build_index, load_sweep, run_notebook, run_sweep
+from kakeya_lab.experiments import ResumeMismatch, build_index, load_sweep, run_notebook, run_sweep
 
 
 def _notebook(path):
@@ -22,10 +22,11 @@ def _notebook(path):
         params,
         nbformat.v4.new_code_cell(
             "from kakeya_lab.results import run_header, write_metrics\n"
+            "model = {'name': 'arithmetic (no model)', 'weight_sha256': '0' * 64, 'architecture': None, 'random': True}\n"
             "if a < 0:\n    raise ValueError('a must be >= 0')\n"
             "total = a * 10 + b\n"
             "if run_dir:\n"
-            "    write_metrics(run_dir, run_header(experiment=experiment, run_id=run_id), {'total': total}, headline={'total': total, 'nested': {'a': a}})\n"
+            "    write_metrics(run_dir, run_header(experiment=experiment, run_id=run_id, model=model), {'total': total}, headline={'total': total, 'nested': {'a': a}})\n"
             "print(total)"
         ),
     ]
@@ -46,6 +47,7 @@ def sweep_file(tmp_path):
     return path
 
 
+@pytest.mark.slow  # papermill kernels: tens of seconds
 def test_sweep_runs_skips_and_indexes(sweep_file, tmp_path):
     results = tmp_path / "results"
     first = run_sweep(sweep_file, profile="smoke", results_root=results, progress=False)
@@ -62,6 +64,7 @@ def test_sweep_runs_skips_and_indexes(sweep_file, tmp_path):
     assert sorted(again["status"]) == ["skipped"] * 4
 
 
+@pytest.mark.slow  # papermill kernels: tens of seconds
 def test_failing_runs_are_recorded_and_the_sweep_goes_on(sweep_file, tmp_path):
     results = tmp_path / "results"
     path = tmp_path / "mixed.yaml"
@@ -100,6 +103,7 @@ def test_bad_sweep_files_are_clear_errors(tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # papermill kernels: tens of seconds
 def test_sweep_on_a_real_local_ray_cluster(sweep_file, tmp_path):
     ray = pytest.importorskip("ray", reason="the ray extra is not installed")
     path = tmp_path / "onray.yaml"
@@ -113,3 +117,36 @@ def test_sweep_on_a_real_local_ray_cluster(sweep_file, tmp_path):
     assert sorted(out["status"]) == ["completed", "completed"]
     index = pd.read_parquet(tmp_path / "results" / "index.parquet")
     assert sorted(index["metric.total"]) == [22, 32]
+
+
+@pytest.mark.slow  # papermill kernels: tens of seconds
+def test_resume_refuses_runs_of_an_edited_notebook(sweep_file, tmp_path):
+    results = tmp_path / "results"
+    path = tmp_path / "one.yaml"
+    path.write_text("name: one\nnotebook: tiny.ipynb\ngrid:\n  a: [1]\n")
+    assert list(run_sweep(path, results_root=results, progress=False)["status"]) == ["completed"]
+    nb = nbformat.read(tmp_path / "tiny.ipynb", as_version=4)
+    nb.cells[2].source = nb.cells[2].source.replace("a * 10 + b", "a * 100 + b")
+    nbformat.write(nb, tmp_path / "tiny.ipynb")
+    with pytest.raises(ResumeMismatch, match="notebook_sha256"):
+        run_sweep(path, results_root=results, progress=False)
+    assert cli_main(["sweep", str(path), "--results", str(results), "--quiet"]) == 2
+    again = run_sweep(path, results_root=results, progress=False, force_new=True)
+    assert list(again["status"]) == ["completed"]
+    assert list(build_index(results)["metric.total"]) == [102]
+
+
+def test_run_folders_share_one_plotly_js(tmp_path):
+    import plotly.graph_objects as go
+
+    from kakeya_lab.results import mark_results_root, save_figure
+
+    root = mark_results_root(tmp_path / "results")
+    fig = go.Figure(go.Scatter(x=[0, 1], y=[1, 2]))
+    a = save_figure(fig, root / "exp" / "r1", "f")
+    b = save_figure(fig, root / "exp" / "r2", "f")
+    assert (root / "plotly.min.js").stat().st_size > 1_000_000
+    for html in (a, b):
+        assert 'src="../../plotly.min.js"' in html.read_text()
+        assert html.stat().st_size < 100_000
+        assert not list(html.parent.glob("*.js"))

@@ -12,8 +12,15 @@ import time
 import pandas as pd
 import pytest
 
-from kakeya_lab.bench.long_run import DegenerateRun, _refuse_degenerate, run_long, standard_arms
+from kakeya_lab.bench.long_run import (
+    DegenerateRun,
+    refuse_all_failed,
+    refuse_degenerate,
+    run_long,
+    standard_arms,
+)
 from kakeya_lab.data import chained_user_turns, chitchat_conversations
+from kakeya_lab.resume import ResumeMismatch
 
 TURNS = 10
 ARGS = dict(sink=4, window=40)
@@ -26,6 +33,7 @@ def uninterrupted(default_model):
     return run_long(default_model, arms, turns, max_new_tokens=6, turns_per_bucket=3, progress=False)
 
 
+@pytest.mark.slow  # the real default model over ten turns
 def test_sink_window_is_bounded_and_full_cache_is_not(uninterrupted):
     s = uninterrupted.summary
     assert s["sink_window"]["kv_bounded"] is True, s["sink_window"]["kv_bounded_by_turns"]
@@ -41,7 +49,37 @@ def test_sink_window_is_bounded_and_full_cache_is_not(uninterrupted):
 
 def test_degenerate_runs_are_refused():
     with pytest.raises(DegenerateRun):
-        _refuse_degenerate([{"arm": "sink_window", "turn": 0, "kv_live_bytes": 0}])
+        refuse_degenerate([{"arm": "sink_window", "turn": 0, "kv_live_bytes": 0}])
+    failed = [{"arm": "sink_window", "turn": 0, "error": "turn 0: SessionError: boom"},
+              {"arm": "full_cache", "turn": 0, "error": "turn 0: SessionError: boom"}]
+    with pytest.raises(DegenerateRun, match="every turn failed"):
+        refuse_all_failed(failed)
+    refuse_all_failed(failed + [{"arm": "full_cache", "turn": 1, "error": None}])  # one success: a result
+
+
+def test_resume_refuses_other_settings_and_force_new_starts_over(tmp_path, tiny_model):
+    arms = standard_arms(4, 16, names=("sink_window",))
+    turns = ["Hello there.", "How are you?", "Tell me more.", "And then?"]
+    out = tmp_path / "run"
+    first = run_long(tiny_model, arms, turns[:2], max_new_tokens=3, out_dir=out, progress=False)
+    saved = (out / "checkpoint.json").read_text()
+    cases = [
+        ({"max_new_tokens": 4}, "max_new_tokens"),
+        ({"arms": standard_arms(4, 20, names=("sink_window",))}, "window"),
+        ({"arms": standard_arms(4, 16, "rolling", names=("sink_window",))}, "positions"),
+        ({"arms": standard_arms(4, 16, names=("sink_window", "full_cache"))}, "full_cache"),
+        ({"user_turns": turns[1:3]}, "turns.sha256"),
+        ({"user_turns": turns[:3]}, "turns.count"),
+    ]
+    for change, named in cases:
+        kwargs = {"arms": arms, "user_turns": turns[:2], "max_new_tokens": 3, **change}
+        with pytest.raises(ResumeMismatch, match=named):
+            run_long(tiny_model, kwargs.pop("arms"), kwargs.pop("user_turns"), out_dir=out, progress=False, **kwargs)
+        assert (out / "checkpoint.json").read_text() == saved  # refused before anything changed
+    again = run_long(tiny_model, arms, turns[:2], max_new_tokens=3, out_dir=out, progress=False)
+    pd.testing.assert_frame_equal(again.turns, first.turns)  # same settings: resumes (nothing left to run)
+    fresh = run_long(tiny_model, arms, turns[:3], max_new_tokens=4, out_dir=out, progress=False, force_new=True)
+    assert sorted(fresh.turns["turn"]) == [0, 1, 2] and (fresh.turns["generated_tokens"] <= 4).all()
 
 
 def _cli(out_dir):
@@ -51,6 +89,7 @@ def _cli(out_dir):
             "--turns-per-bucket", "3", "--quiet"]
 
 
+@pytest.mark.slow  # the real default model over ten turns
 def test_resume_after_kill_loses_no_completed_turn(tmp_path, uninterrupted):
     out = tmp_path / "run"
     proc = subprocess.Popen(_cli(out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -71,6 +110,11 @@ def test_resume_after_kill_loses_no_completed_turn(tmp_path, uninterrupted):
     saved = json.loads(checkpoint.read_text())  # the last checkpoint written before the kill
     done_before = pd.DataFrame(saved["rows"])
     assert 4 <= saved["next_turn"] < TURNS and len(done_before) == 2 * saved["next_turn"]
+
+    changed = subprocess.run(_cli(out) + ["--window", str(ARGS["window"] + 1)], capture_output=True, text=True)
+    assert changed.returncode == 2, changed.stderr
+    assert "window: was 40, now 41" in changed.stderr and len(changed.stderr.strip().splitlines()) == 1
+    assert json.loads(checkpoint.read_text()) == saved
 
     subprocess.run(_cli(out), check=True, capture_output=True)
     final = pd.read_csv(out / "turns.csv")

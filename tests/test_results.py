@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from kakeya_lab.results import run_header, write_json_atomic, write_metrics
 
@@ -29,3 +30,100 @@ def test_atomic_write_replaces_whole_files(tmp_path):
     write_json_atomic(target, {"v": list(range(1000))})
     write_json_atomic(target, {"v": 1})
     assert json.loads(target.read_text()) == {"v": 1}
+
+
+def test_run_header_refuses_an_anonymous_model(tiny_model):
+    from kakeya_lab.results import ResultSchemaError
+
+    with pytest.raises(ResultSchemaError, match="model="):
+        run_header(experiment="e", run_id="r", model=None)
+    drift = {"first_p50_s": 0.1, "last_p50_s": 0.1, "drift_s": 0.0}  # what notebook 00 once passed
+    with pytest.raises(ResultSchemaError, match="name or weight_sha256"):
+        run_header(experiment="e", run_id="r", model=drift)
+    with pytest.raises(ResultSchemaError, match="ModelDescription"):
+        run_header(experiment="e", run_id="r", model=42)
+    with pytest.raises(ResultSchemaError, match="overwrite"):
+        run_header(experiment="e", run_id="r", model=tiny_model.description, extra={"model": "x"})
+
+
+def test_write_metrics_names_the_bad_field_and_writes_nothing(tmp_path, tiny_model):
+    from kakeya_lab.results import ResultSchemaError
+
+    header = run_header(experiment="e", run_id="r", model=tiny_model.description,
+                        cache={"sink": 4, "window": 60, "positions": "global"})
+    for field, value, said in (("positions", "both", "positions"), ("window", -3, "window"),
+                               ("experiment", "", "experiment"), ("model", {"name": "m"}, "model")):
+        bad = {**header, field: value}
+        with pytest.raises(ResultSchemaError, match=said):
+            write_metrics(tmp_path, bad, {"x": 1})
+    with pytest.raises(ResultSchemaError, match="weight_sha256"):
+        write_metrics(tmp_path, {**header, "model": {**header["model"], "weight_sha256": "abc"}}, {})
+    missing = {k: v for k, v in header.items() if k != "git_commit"}
+    with pytest.raises(ResultSchemaError, match="git_commit"):
+        write_metrics(tmp_path, missing, {})
+    assert not list(tmp_path.iterdir())
+
+
+def test_files_are_written_with_normal_permissions(tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        path = write_json_atomic(tmp_path / "a.json", {"v": 1})
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
+WRITER = """
+import importlib.util, sys, time
+# durable.py alone (importing the package would pull in torch: seconds per test)
+spec = importlib.util.spec_from_file_location('durable', sys.argv[2])
+durable = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(durable)
+
+def stall(fh):
+    fh.write(b'{"partial": ' + b'1' * 100000)
+    fh.flush()
+    print('writing', flush=True)
+    time.sleep(600)
+
+durable.write_atomic(sys.argv[1], stall)
+"""
+
+
+def test_a_killed_writer_leaves_no_partial_file_and_its_temp_is_cleaned_up(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    target = tmp_path / "metrics.json"
+    write_json_atomic(target, {"v": "old"})
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(target), str(root / "kakeya_lab" / "durable.py")],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    stale = list(tmp_path.glob(".metrics.json.*.tmp"))
+    assert len(stale) == 1 and stale[0].stat().st_size >= 100000  # what the killed writer left
+    assert json.loads(target.read_text()) == {"v": "old"}  # the old file is whole
+    write_json_atomic(tmp_path / "other.json", {"v": 2})  # the next write in this folder cleans up
+    assert not list(tmp_path.glob(".*.tmp"))
+    assert json.loads(target.read_text()) == {"v": "old"}
+
+
+def test_csv_and_parquet_are_written_atomically(tmp_path):
+    import pandas as pd
+
+    from kakeya_lab.durable import write_csv_atomic, write_parquet_atomic
+
+    table = pd.DataFrame({"turn": [0, 1], "latency_s": [0.5, float("nan")]})
+    write_csv_atomic(tmp_path / "t.csv", table)
+    write_parquet_atomic(tmp_path / "t.parquet", table)
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "t.csv"), table)
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "t.parquet"), table)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.csv", "t.parquet"]

@@ -11,6 +11,8 @@ windows: for greedy drafting, how many leading draft tokens equal the verifier's
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +36,7 @@ from kakeya_lab.align.checkpoint import (
 )
 from kakeya_lab.align.drafters import Drafter, trainable_state
 from kakeya_lab.align.losses import LossWeights, distill_losses
+from kakeya_lab.resume import ResumeMismatch, check_resume
 
 TRAINER = "trainer.json"
 OPTIMIZER = "optimizer.safetensors"
@@ -125,6 +128,15 @@ class RolloutData:
     def __len__(self) -> int:
         return len(self.starts)
 
+    def fingerprint(self) -> dict:
+        """What identifies this training data for a strict resume: window shape, domains,
+        sizes and a sha256 over the tokens, training mask and window starts."""
+        digest = hashlib.sha256()
+        for tensor in (self.tokens, self.mask, self.starts):
+            digest.update(tensor.numpy().tobytes())
+        return {"context_len": self.context_len, "block_size": self.block_size, "domains": self.domains,
+                "conversations": self.conversations, "windows": len(self.starts), "sha256": digest.hexdigest()}
+
     def batch(self, starts: torch.Tensor) -> dict[str, torch.Tensor]:
         idx = starts[:, None] + torch.arange(self.window)
         return {
@@ -187,7 +199,21 @@ def evaluate_offline(drafter: Drafter, batch: dict, k: int, weights: LossWeights
     return out
 
 
-def _save_checkpoint(folder: Path, drafter: Drafter, optimizer, step: int, cfg: TrainConfig, history) -> None:
+class TrainingResumeMismatch(CheckpointError, ResumeMismatch):
+    """A training checkpoint made with another drafter, training config or data."""
+
+
+def training_settings(drafter: Drafter, cfg: TrainConfig, data: RolloutData,
+                      eval_data: RolloutData | None) -> dict:
+    """Everything a resumed training run must share with the run it continues."""
+    return json.loads(json.dumps({
+        "drafter": drafter.config.to_dict(), "train": cfg.to_dict(), "data": data.fingerprint(),
+        "eval_data": eval_data.fingerprint() if eval_data is not None else None,
+    }))
+
+
+def _save_checkpoint(folder: Path, drafter: Drafter, optimizer, step: int, cfg: TrainConfig, history,
+                     settings: dict) -> None:
     opt = optimizer.state_dict()
     tensors = {}
     for pid, state in opt["state"].items():
@@ -198,19 +224,20 @@ def _save_checkpoint(folder: Path, drafter: Drafter, optimizer, step: int, cfg: 
         CONFIG: drafter.config.to_dict(),
         OPTIMIZER: tensors,
         TRAINER: {"step": step, "train": cfg.to_dict(), "param_groups": opt["param_groups"],
-                  "history": history},
+                  "history": history, "settings": settings},
     })
 
 
-def _load_checkpoint(folder: Path, drafter: Drafter, optimizer, cfg: TrainConfig) -> tuple[int, list]:
+def _load_checkpoint(folder: Path, drafter: Drafter, optimizer, settings: dict) -> tuple[int, list]:
     meta = read_json(folder / TRAINER, "training checkpoint")
     if drafter_config(folder).to_dict() != drafter.config.to_dict():
-        raise CheckpointError(f"{folder} holds a drafter of another shape or verifier; use a new out_dir")
-    saved = TrainConfig.from_dict(meta["train"])
-    if saved != cfg:
-        raise CheckpointError(
-            f"{folder} was trained with other settings ({saved}); resume needs the same TrainConfig"
+        raise TrainingResumeMismatch(
+            f"{folder} holds a drafter of another shape or verifier; use a new out_dir or resume=False"
         )
+    try:
+        check_resume(meta.get("settings"), settings, str(folder))
+    except ResumeMismatch as exc:
+        raise TrainingResumeMismatch(f"{exc} (train_drafter: resume=False starts over)") from None
     load_trainable(drafter, read_tensors(folder / WEIGHTS), str(folder / WEIGHTS))
     state: dict = {}
     for key, value in read_tensors(folder / OPTIMIZER).items():
@@ -234,7 +261,9 @@ def train_drafter(
     """Train ``drafter`` in place; return one history row per logged step.
 
     With ``out_dir``, checkpoints every ``checkpoint_every`` steps and at the end, and
-    resumes from ``out_dir/checkpoint`` when ``resume``. ``stop_after`` ends the run after
+    resumes from ``out_dir/checkpoint`` when ``resume`` — only if the drafter, the
+    TrainConfig and the training and evaluation data are the ones it was made with (else
+    :class:`TrainingResumeMismatch` names the difference); ``resume=False`` starts over. ``stop_after`` ends the run after
     that many steps (as an interruption would), leaving a checkpoint to resume from.
     """
     k = drafter.config.block_size
@@ -249,8 +278,9 @@ def train_drafter(
     )
     ckpt = Path(out_dir) / "checkpoint" if out_dir is not None else None
     step, history = 0, []
+    settings = training_settings(drafter, cfg, data, eval_data)
     if ckpt is not None and resume and ckpt.exists():
-        step, history = _load_checkpoint(ckpt, drafter, optimizer, cfg)
+        step, history = _load_checkpoint(ckpt, drafter, optimizer, settings)
     eval_batch = eval_data.fixed(cfg.eval_windows) if eval_data is not None else None
     end = cfg.steps if stop_after is None else min(cfg.steps, step + stop_after)
     if step == 0 and eval_batch is not None:
@@ -278,7 +308,7 @@ def train_drafter(
         bar.update(1)
         bar.set_postfix(loss=f"{row['train_total']:.3f}")
         if ckpt is not None and (step % cfg.checkpoint_every == 0 or step == end):
-            _save_checkpoint(ckpt, drafter, optimizer, step, cfg, history)
+            _save_checkpoint(ckpt, drafter, optimizer, step, cfg, history, settings)
     bar.close()
     drafter.eval()
     if out_dir is not None and step == cfg.steps:

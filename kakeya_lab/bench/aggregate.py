@@ -1,4 +1,4 @@
-"""Aggregates of a long run (DESIGN.md "Metrics"), computed from the per-turn table.
+"""Aggregates of a long run (``docs/design.md``, "Metrics"), computed from the per-turn table.
 
 Every function takes the rows of one arm (columns of
 :class:`~kakeya_lab.bench.long_run.TurnRecord`) and returns a plain dict that says what it
@@ -6,7 +6,10 @@ concluded and why. Degenerate input never passes: no turns, a cache that never f
 a zero ``kv_live_bytes`` series are "not bounded", with the reason.
 
 Buckets: by ``turns_per_bucket`` turns (``turn // 50``) and by ``seconds_per_bucket`` of
-wall time (``wall_s // 600``); both are reported.
+wall time (``wall_s // 600``); both are reported. Drifts compare the first and the last
+*full* bucket (:func:`full_buckets`); with fewer than two full buckets a drift is "not
+measured" (``None`` with a ``reason``), never 0 — one bucket compared with itself says
+nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +30,31 @@ def bucket_of(df: pd.DataFrame, by: str = "turns", size: float | None = None) ->
     if by == "time":
         return (df["wall_s"] // float(size or SECONDS_PER_BUCKET)).astype(int)
     raise ValueError(f"bucket by 'turns' or 'time', got {by!r}")
+
+
+NOT_MEASURED = "not measured: fewer than two full buckets"
+
+
+def full_buckets(df: pd.DataFrame, by: str = "turns", size: float | None = None) -> list[int]:
+    """The bucket indices of ``df`` that are complete.
+
+    By turns: a bucket holding ``size`` turns. By time: a bucket the run went past (a
+    later bucket has rows) or whose rows reach 90% of its span (the run ended near its end).
+    """
+    if df.empty:
+        return []
+    buckets = bucket_of(df, by, size)
+    if by == "turns":
+        counts = df.groupby(buckets)["turn"].nunique()
+        return [int(b) for b, n in counts.items() if n >= int(size or TURNS_PER_BUCKET)]
+    width = float(size or SECONDS_PER_BUCKET)
+    last = int(buckets.max())
+    out = []
+    for b in sorted(buckets.unique()):
+        reach = float(df.loc[buckets == b, "wall_s"].max()) - b * width
+        if b < last or reach >= 0.9 * width:
+            out.append(int(b))
+    return out
 
 
 def first_full_turn(df: pd.DataFrame, budget_tokens: int | None) -> int | None:
@@ -96,19 +124,30 @@ def latency_drift_p50(
     df: pd.DataFrame, column: str = "append_latency_s", *, by: str = "turns", size: float | None = None,
     start_turn: int | None = None,
 ) -> dict:
-    """Last bucket p50 minus first bucket p50 of ``column`` (seconds and percent)."""
+    """Last full bucket p50 minus first full bucket p50 of ``column`` (seconds and
+    percent), with the p95 of both buckets beside. Fewer than two full buckets: every
+    number None and ``reason`` says "not measured"."""
     rows = df if start_turn is None else df[df["turn"] >= start_turn]
+    out = {"first_p50_s": None, "last_p50_s": None, "drift_s": None, "drift_pct": None,
+           "first_p95_s": None, "last_p95_s": None, "buckets": 0, "full_buckets": 0,
+           "reason": NOT_MEASURED}
+    rows = rows[rows[column].notna()] if len(rows) else rows
     if len(rows) == 0:
-        return {"first_p50_s": None, "last_p50_s": None, "drift_s": None, "drift_pct": None, "buckets": 0}
-    p50 = rows.groupby(bucket_of(rows, by, size))[column].median()
-    first, last = float(p50.iloc[0]), float(p50.iloc[-1])
-    return {
-        "first_p50_s": first,
-        "last_p50_s": last,
-        "drift_s": last - first,
-        "drift_pct": 100.0 * (last - first) / first if first > 0 else None,
-        "buckets": int(len(p50)),
-    }
+        return out
+    buckets = bucket_of(rows, by, size)
+    full = full_buckets(rows, by, size)
+    out["buckets"], out["full_buckets"] = int(buckets.nunique()), len(full)
+    if len(full) < 2:
+        return out
+    first_rows, last_rows = rows[buckets == full[0]][column], rows[buckets == full[-1]][column]
+    first, last = float(first_rows.median()), float(last_rows.median())
+    out.update(
+        first_p50_s=first, last_p50_s=last, drift_s=last - first,
+        drift_pct=100.0 * (last - first) / first if first > 0 else None,
+        first_p95_s=float(first_rows.quantile(0.95)), last_p95_s=float(last_rows.quantile(0.95)),
+        reason=f"first full bucket {full[0]} vs last full bucket {full[-1]}",
+    )
+    return out
 
 
 def prefill_bounded(
@@ -136,8 +175,8 @@ def prefill_bounded(
     out.update(slope_s_per_token=slope, slope_ci95=[lo, hi], drift=drift)
     flat_slope = lo <= 0.0 <= hi
     within = drift["drift_pct"] is not None and abs(drift["drift_pct"]) <= 100 * tolerance
-    if drift["buckets"] < 2:
-        out["reason"] = "fewer than two buckets after the cache filled"
+    if drift["full_buckets"] < 2:
+        out["reason"] = "fewer than two full buckets after the cache filled (not measured)"
     elif not flat_slope:
         out["reason"] = f"append latency grows with history ({slope * 1e6:.3f} us/token, 95% CI [{lo * 1e6:.3f}, {hi * 1e6:.3f}])" if slope > 0 else "append latency slope differs from zero"
     elif not within:
@@ -149,13 +188,21 @@ def prefill_bounded(
 
 
 def rss_drift(df: pd.DataFrame, *, start_turn: int | None = None, by: str = "turns", size: float | None = None) -> dict:
-    """Process RSS: last bucket mean vs first bucket mean (after ``start_turn``)."""
+    """Process RSS: last full bucket mean vs first full bucket mean (after ``start_turn``);
+    "not measured" (None) with fewer than two full buckets."""
     rows = df if start_turn is None else df[df["turn"] >= start_turn]
+    out = {"first_bytes": None, "last_bytes": None, "drift_pct": None, "reason": NOT_MEASURED}
     if rows.empty or "rss_bytes" not in rows:
-        return {"first_bytes": None, "last_bytes": None, "drift_pct": None}
-    means = rows.groupby(bucket_of(rows, by, size))["rss_bytes"].mean()
-    first, last = float(means.iloc[0]), float(means.iloc[-1])
-    return {"first_bytes": first, "last_bytes": last, "drift_pct": 100.0 * (last - first) / first if first else None}
+        return out
+    full = full_buckets(rows, by, size)
+    if len(full) < 2:
+        return out
+    buckets = bucket_of(rows, by, size)
+    first = float(rows.loc[buckets == full[0], "rss_bytes"].mean())
+    last = float(rows.loc[buckets == full[-1], "rss_bytes"].mean())
+    out.update(first_bytes=first, last_bytes=last, drift_pct=100.0 * (last - first) / first if first else None,
+               reason=f"first full bucket {full[0]} vs last full bucket {full[-1]}")
+    return out
 
 
 def repetition_rate(token_ids: list[int], n: int = 4) -> float:
@@ -192,8 +239,8 @@ def aggregate_arm(
     if "repetition" in ok:
         out["repetition_rate"] = float(ok["repetition"].mean())
     out["first_full_turn"] = start
-    buckets = bucket_of(ok, "turns", turns_per_bucket)
-    last_bucket, first_bucket = ok[buckets == buckets.max()], ok[buckets == buckets.min()]
-    ratio = last_bucket["append_latency_s"].median() / first_bucket["append_latency_s"].median()
-    out["append_latency_last_over_first_bucket"] = float(ratio) if math.isfinite(ratio) else None
+    drift = out["latency_drift_p50_by_turns"]["append_latency_s"]
+    ratio = (drift["last_p50_s"] / drift["first_p50_s"]
+             if drift["first_p50_s"] and drift["last_p50_s"] is not None else None)
+    out["append_latency_last_over_first_bucket"] = float(ratio) if ratio is not None and math.isfinite(ratio) else None
     return out

@@ -6,7 +6,7 @@ chat-templated user message to its own session and generates a reply; arms alter
 by turn so they share machine conditions. Greedy arms stay on identical histories (the
 decoder is lossless), so per-turn speedups compare like with like.
 
-Metrics follow DESIGN.md "Metrics": acceptance rate (accepted / proposed), ``tau`` (tokens
+Metrics follow `docs/design.md` ("Metrics"): acceptance rate (accepted / proposed), ``tau`` (tokens
 emitted per verifier forward; 1.0 for plain decoding), acceptance by draft position,
 proposer and verifier seconds, tokens/s, ``speedup`` (speculative tokens/s ÷ plain tokens/s
 over the same turns) and the Leviathan et al. (2023) expectation
@@ -145,7 +145,7 @@ def acceptance_by_position(steps: pd.DataFrame, max_k: int) -> list[float | None
 
 
 def summarize(turns: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
-    """One row per arm with the DESIGN.md metrics (see module docstring)."""
+    """One row per arm with the metrics of `docs/design.md` (see module docstring)."""
     plain = turns[turns["arm"] == "plain"]
     plain_tps = plain["generated_tokens"].sum() / plain["seconds"].sum()
     plain_s_per_token = plain["verifier_s"].sum() / plain["verifier_forwards"].sum()

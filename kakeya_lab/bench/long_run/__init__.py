@@ -1,0 +1,41 @@
+"""Long-run session benchmark: cache arms side by side over the same chat turns.
+
+Arms (:mod:`.arms`, :func:`standard_arms`):
+
+* ``sink_window`` — our session runtime with a sink-window cache;
+* ``full_cache`` — the same runtime with a cache that never evicts (memory grows);
+* ``reprefill`` — stateless, OpenAI-style: every turn re-prefills the whole conversation
+  into a fresh cache, as an HTTP chat endpoint does (latency grows). It stops once a turn
+  takes longer than ``reprefill_cap_s``, which is recorded.
+
+Each turn (:mod:`.turn`) appends only the new chat-templated user message (stateful arms)
+and generates a greedy reply (EOS or ``max_new_tokens``). Arms alternate turn by turn, so
+they share machine conditions (:mod:`.driver`). Per turn the recorder keeps append latency,
+time to first token, generate latency, tokens generated, ``kv_live_bytes``, cache and
+history length, process RSS and truncation (:class:`TurnRecord`). Quality probes
+(:mod:`.probe`) keep a flat latency curve from being mistaken for a useful session: a fact
+planted in the first turn is asked for every ``probe.every`` turns on a provisional block
+that is rolled back, and EOS and repetition rates are recorded.
+
+Results are checkpointed atomically every ``checkpoint_every`` turns into ``out_dir``
+(:mod:`.checkpoint`); :func:`run_long` resumes from the checkpoint only with the same
+settings, and loses no completed turn. Summaries: :mod:`.summary`.
+"""
+
+from kakeya_lab.bench.long_run.arms import ARM_NAMES, Arm, standard_arms
+from kakeya_lab.bench.long_run.checkpoint import CHECKPOINT, ArmState, run_settings
+from kakeya_lab.bench.long_run.driver import LongRun, check_run_arguments, run_long
+from kakeya_lab.bench.long_run.probe import FactProbe, probe_recall
+from kakeya_lab.bench.long_run.records import (
+    DegenerateRun,
+    TurnRecord,
+    refuse_all_failed,
+    refuse_degenerate,
+)
+from kakeya_lab.bench.long_run.summary import long_run_headline, summarize_long_run
+
+__all__ = [
+    "ARM_NAMES", "Arm", "ArmState", "CHECKPOINT", "DegenerateRun", "FactProbe", "LongRun", "TurnRecord",
+    "check_run_arguments", "long_run_headline", "probe_recall", "refuse_all_failed", "refuse_degenerate",
+    "run_long", "run_settings", "standard_arms", "summarize_long_run",
+]

@@ -1,0 +1,135 @@
+"""Checkpoint and strict resume of a long run.
+
+``checkpoint.json`` holds the run's settings (:func:`run_settings`: model identity, arms
+and their caches, generation settings, the turn script), the per-turn rows so far, and
+each arm's committed history and chat state. Resuming replays each arm's history into a
+fresh session (which gives the same cache) — and only if the settings asked for now are
+the saved ones (:func:`~kakeya_lab.resume.check_resume` names every difference).
+
+Two seams stand in for APIs the session runtime provides: :func:`chat_to_state` (to
+become ``chat.to_state()``) and :func:`chat_from_state` (to become
+``ChatTemplate.from_state(tokenizer, state)``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kakeya_lab.bench.long_run.arms import Arm
+from kakeya_lab.bench.long_run.probe import FactProbe
+from kakeya_lab.chat import ChatTemplate
+from kakeya_lab.durable import write_json_atomic
+from kakeya_lab.resume import check_resume
+from kakeya_lab.session import SessionStore
+
+CHECKPOINT = "checkpoint.json"
+OUTPUTS = (CHECKPOINT, "turns.csv", "metrics.json")
+
+
+def chat_to_state(chat: ChatTemplate) -> dict:
+    """The chat's state as plain JSON. (Switch to ``chat.to_state()``.)"""
+    return {"messages": chat.messages, "rendered": chat.rendered, "awaiting_reply": chat.awaiting_reply}
+
+
+def chat_from_state(tokenizer, state: dict) -> ChatTemplate:
+    """A chat restored from :func:`chat_to_state`. (Switch to ``ChatTemplate.from_state``.)"""
+    chat = ChatTemplate(tokenizer)
+    chat.messages = list(state["messages"])
+    chat.rendered = state["rendered"]
+    chat.awaiting_reply = state["awaiting_reply"]
+    return chat
+
+
+def run_settings(
+    loaded, arms: Mapping[str, Arm], user_turns: Sequence[str], *, max_new_tokens: int,
+    probe: FactProbe | None, reprefill_cap_s: float | None, turns_per_bucket: int,
+) -> dict:
+    """Everything that shapes a long run's numbers (not ``duration_s`` or
+    ``checkpoint_every``, which only say how long and how often to save)."""
+    script = hashlib.sha256(json.dumps(list(user_turns)).encode()).hexdigest()
+    return {
+        "model": {"name": loaded.description.name, "weight_sha256": loaded.description.weight_sha256},
+        "arms": {name: arm.to_dict() for name, arm in arms.items()},
+        "max_new_tokens": max_new_tokens,
+        "turns": {"count": len(user_turns), "sha256": script},
+        "probe": asdict(probe) if probe is not None else None,
+        "reprefill_cap_s": reprefill_cap_s,
+        "turns_per_bucket": turns_per_bucket,
+    }
+
+
+@dataclass
+class ArmState:
+    """One arm during a run: its chat, committed history, session, and why it stopped."""
+
+    arm: Arm
+    chat: ChatTemplate
+    history_ids: list[int] = field(default_factory=list)
+    store: SessionStore | None = None
+    sid: str | None = None
+    stopped: str | None = None  # why this arm stopped early
+
+
+@dataclass
+class Progress:
+    """Where a run is: the rows so far, the next turn, the wall time spent, each arm's state."""
+
+    rows: list[dict]
+    next_turn: int
+    wall_s: float
+    plant_len: dict[str, int]
+    states: dict[str, ArmState]
+
+
+def new_session(loaded, arm: Arm) -> tuple[SessionStore, str]:
+    store = SessionStore(loaded.model, arm.config, capacity=1)
+    return store, store.create()
+
+
+def fresh_progress(loaded, arms: Mapping[str, Arm]) -> Progress:
+    states = {}
+    for name, arm in arms.items():
+        state = ArmState(arm, ChatTemplate(loaded.tokenizer))
+        if not arm.stateless:
+            state.store, state.sid = new_session(loaded, arm)
+        states[name] = state
+    return Progress(rows=[], next_turn=0, wall_s=0.0, plant_len={}, states=states)
+
+
+def load_progress(path: Path, loaded, arms: Mapping[str, Arm], settings: dict) -> Progress:
+    """Resume from ``path``; raises :class:`~kakeya_lab.resume.ResumeMismatch` if it was
+    made with other settings."""
+    saved = json.loads(path.read_text())
+    check_resume(saved.get("settings"), json.loads(json.dumps(settings)), str(path))
+    states = {}
+    for name, arm in arms.items():
+        s = saved["arms"][name]
+        state = ArmState(arm, chat_from_state(loaded.tokenizer, s["chat"]), list(s["history_ids"]),
+                         stopped=s["stopped"])
+        if not arm.stateless and state.history_ids:
+            state.store, state.sid = new_session(loaded, arm)
+            state.store.append(state.sid, state.history_ids)  # replay: same cache as before
+        elif not arm.stateless:
+            state.store, state.sid = new_session(loaded, arm)
+        states[name] = state
+    return Progress(rows=saved["rows"], next_turn=saved["next_turn"], wall_s=saved["wall_s"],
+                    plant_len=saved.get("plant_len", {}), states=states)
+
+
+def save_progress(path: Path, progress: Progress, settings: dict) -> None:
+    write_json_atomic(path, {
+        "settings": settings, "next_turn": progress.next_turn, "wall_s": progress.wall_s,
+        "plant_len": progress.plant_len, "rows": progress.rows,
+        "arms": {n: {"history_ids": s.history_ids, "chat": chat_to_state(s.chat), "stopped": s.stopped}
+                 for n, s in progress.states.items()},
+    })
+
+
+def start_over(out_dir: Path) -> None:
+    """Remove a previous run's outputs from ``out_dir`` (``--force-new``)."""
+    for name in OUTPUTS:
+        (out_dir / name).unlink(missing_ok=True)

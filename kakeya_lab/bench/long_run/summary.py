@@ -1,0 +1,50 @@
+"""Summaries of a long run: the aggregates of every arm, recall probes, the index headline."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pandas as pd
+
+from kakeya_lab.bench.aggregate import aggregate_arm
+from kakeya_lab.bench.long_run.arms import Arm
+
+
+def summarize_long_run(
+    table: pd.DataFrame, arms: Mapping[str, Arm], budget_bytes: Mapping[str, int | None],
+    *, turns_per_bucket: int = 50,
+) -> dict[str, dict]:
+    """:func:`~kakeya_lab.bench.aggregate.aggregate_arm` for every arm, plus quality probes.
+    ``budget_bytes``: the analytic KV budget per arm (None for caches that never evict)."""
+    out = {}
+    for name, arm in arms.items():
+        df = table[table["arm"] == name]
+        summary = aggregate_arm(df, budget_tokens=arm.config.budget, budget_bytes=budget_bytes[name],
+                                turns_per_bucket=turns_per_bucket)
+        summary["budget_bytes"] = budget_bytes[name]
+        if "probe_recalled" in df and df["probe_recalled"].notna().any():
+            probes = df[df["probe_recalled"].notna()]
+            summary["probes"] = [
+                {"turn": int(r.turn), "distance_tokens": int(r.probe_distance_tokens), "recalled": bool(r.probe_recalled)}
+                for r in probes.itertuples()
+            ]
+            summary["recall_rate"] = float(probes["probe_recalled"].astype(bool).mean())
+        out[name] = summary
+    return out
+
+
+def long_run_headline(summary: dict[str, dict]) -> dict[str, dict]:
+    """The few numbers per arm that the run index shows."""
+    out = {}
+    for arm, s in summary.items():
+        drift = s.get("latency_drift_p50_by_turns", {}).get("append_latency_s", {})
+        out[arm] = {
+            "turns": s.get("turns"),
+            "kv_bounded": s.get("kv_bounded"),
+            "prefill_bounded": s.get("prefill_bounded"),
+            "append_p50_drift_pct": drift.get("drift_pct"),
+            "append_last_over_first_bucket": s.get("append_latency_last_over_first_bucket"),
+            "rss_drift_pct": (s.get("rss_drift") or {}).get("drift_pct"),
+            "recall_rate": s.get("recall_rate"),
+        }
+    return out

@@ -1,0 +1,60 @@
+"""One turn of one arm: append the new user message, generate a greedy reply, record it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+
+import psutil
+
+from kakeya_lab.bench.aggregate import repetition_rate
+from kakeya_lab.bench.long_run.checkpoint import ArmState, new_session
+from kakeya_lab.bench.long_run.probe import FactProbe, probe_recall
+from kakeya_lab.bench.long_run.records import TurnRecord
+from kakeya_lab.session import Done, HistoryTruncated, Token
+
+
+def run_turn(
+    loaded, state: ArmState, text: str, turn: int, max_new_tokens: int, t0: float,
+    probe: FactProbe | None, plant_at: int, eos_ids: Collection[int],
+) -> TurnRecord:
+    """Run turn ``turn`` of one arm; ``t0`` is the run's wall-clock origin
+    (``time.perf_counter()``), ``plant_at`` the history length where the fact was planted."""
+    arm = state.arm
+    delta = state.chat.user(text)
+    if arm.stateless:  # a fresh session that re-prefills the whole conversation
+        state.store, state.sid = new_session(loaded, arm)
+        appended = state.store.append(state.sid, state.history_ids + delta)
+    else:
+        appended = state.store.append(state.sid, delta)
+    state.history_ids += delta
+    reply, done, truncated = [], None, appended.dropped > 0
+    for event in state.store.generate(state.sid, max_new_tokens):
+        if isinstance(event, Token):
+            reply.append(event.id)
+        elif isinstance(event, HistoryTruncated):
+            truncated = True
+        elif isinstance(event, Done):
+            done = event
+    state.history_ids += reply
+    reply_text = state.chat.generated(reply, eos_token_ids=eos_ids)
+    info = state.store.info(state.sid)
+    record = TurnRecord(
+        arm=arm.name, turn=turn, user_tokens=len(delta), append_latency_s=appended.latency_s,
+        first_token_s=appended.latency_s + (done.timings["first_token_s"] or 0.0),
+        generate_s=done.timings["total_s"],
+        decode_s_per_token=done.timings["total_s"] / max(1, done.counts["generated_tokens"]),
+        generated_tokens=done.counts["generated_tokens"], stop_reason=done.stop_reason,
+        kv_live_bytes=info.kv_live_bytes, cache_len=info.cache_len, history_len=info.history_len,
+        rss_bytes=psutil.Process().memory_info().rss, truncated=truncated,
+        dropped_total=info.history_len - info.cache_len, wall_s=time.perf_counter() - t0,
+        repetition=repetition_rate(reply), reply=reply_text,
+    )
+    if probe is not None and (turn + 1) % probe.every == 0:
+        answer = probe_recall(state.store, state.sid, state.chat, probe, eos_ids)
+        record.probe_reply = answer
+        record.probe_recalled = probe.answer in answer
+        record.probe_distance_tokens = info.history_len - plant_at
+    if arm.stateless:
+        state.store.close(state.sid)
+    return record

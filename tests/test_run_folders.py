@@ -1,0 +1,67 @@
+"""Every notebook, executed once into a run folder with CI-sized parameters, writes a run
+folder that identifies itself: ``metrics.json`` valid against the schema (model name and
+weight sha256 included), the executed notebook, and its figures sharing one plotly.js.
+
+nbval runs the notebooks with ``run_dir=None``; this is the test of their writing branch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kakeya_lab.experiments import build_index, run_notebook
+from kakeya_lab.results import PLOTLY_JS, validate_metrics
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+# Small enough that the whole file runs in a few minutes on 2 cores.
+CI_PARAMETERS: dict[str, dict] = {
+    "00_quickstart": {"turns": 5, "max_new_tokens": 6, "window": 60},
+    "10_sink_window_cache": {"n_tokens": 200, "window": 60, "chunk": 32, "stride": 32, "smooth": 8},
+    "20_long_run": {"turns": 6, "window": 40, "max_new_tokens": 6, "probe_every": 3,
+                    "checkpoint_every": 3, "turns_per_bucket": 3},
+    "30_speculative": {"proposers": ["ngram"], "ks": [2], "conversations": 1, "turns": 1,
+                       "max_new_tokens": 12},
+    "40_proposer_alignment": {"domains": ["chitchat"], "train_conversations": 2, "dev_conversations": 1,
+                              "capture_max_new_tokens": 12, "drafters": ["feature"],
+                              "steps": {"feature": 6}, "eval_max_new_tokens": 12, "ks": [4]},
+    "90_report": {},
+}
+
+
+def test_every_notebook_has_ci_parameters():
+    assert sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb")) == sorted(CI_PARAMETERS)
+
+
+@pytest.fixture(scope="module")
+def results_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("results")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CI_PARAMETERS))
+def test_notebook_run_folder_identifies_itself(name, results_root):
+    params = dict(CI_PARAMETERS[name])
+    if name == "90_report":
+        params["results_root"] = str(results_root)
+    run_dir = run_notebook(NOTEBOOKS / f"{name}.ipynb", params, results_root=results_root, progress=False)
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "completed" and record["parameters"] == params
+    assert (run_dir / "notebook.ipynb").stat().st_size > 0
+    assert not list(run_dir.glob(".*.tmp"))
+    if name == "90_report":  # reads the others' folders; writes no metrics of its own
+        index = build_index(results_root)
+        assert len(index) >= 1
+        return
+    doc = json.loads((run_dir / "metrics.json").read_text())
+    validate_metrics(doc)
+    assert doc["experiment"] == record["experiment"] and doc["run_id"] == record["run_id"]
+    assert doc["model"]["name"] == "smollm2-135m-instruct" and doc["model"]["random"] is False
+    figures = list(run_dir.glob("*.html"))
+    assert figures, f"{name} wrote no figures"
+    for html in figures:
+        assert f'src="../../{PLOTLY_JS}"' in html.read_text()
+    assert (results_root / PLOTLY_JS).is_file() and not list(run_dir.glob("*.js"))
