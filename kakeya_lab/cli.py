@@ -298,11 +298,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from kakeya_lab.chat import ChatTemplate
     from kakeya_lab.models import load_model
     from kakeya_lab.proposers import make_proposer
+    from kakeya_lab.sampling import SamplingConfig
     from kakeya_lab.session import Done, HistoryTruncated, SessionStore, Token
 
     config = _check_cache(args)
     _check_int("--max-new-tokens", args.max_new_tokens, 1)
-    _check_int("--k", args.k, 1)
+    _check_int("--draft-length", args.draft_length, 1)
     _check_positive("--temperature", args.temperature, allow_zero=True)
     _check_proposer(args.proposer)
     _check_model(args.model)
@@ -336,9 +337,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         shown = ""
         truncated = appended.dropped > 0
         print("bot> " if interactive else "", end="", flush=True)
+        sampling = SamplingConfig(temperature=args.temperature, seed=args.seed)
         for event in store.generate(
-            sid, args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-            proposer=proposer, k=args.k,
+            sid, args.max_new_tokens, sampling, proposer=proposer, draft_length=args.draft_length
         ):
             if isinstance(event, Token):
                 reply.append(event.id)
@@ -352,10 +353,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print()
         chat.generated(reply, eos_token_ids=store.eos_token_ids)
         info = store.info(sid)
-        tps = done.timings["tokens_per_s"] or 0.0
+        tps = done.timings.tokens_per_s or 0.0
         extra = ""
-        if proposer is not None and done.counts["tau"]:
-            extra = f" | tau {done.counts['tau']:.2f}"
+        if proposer is not None and done.counts.tau:
+            extra = f" | tau {done.counts.tau:.2f}"
         budget = config.budget if config.budget is not None else "inf"
         print(
             f"[history {info.history_len} | cached {info.cache_len}/{budget} | "
@@ -380,7 +381,7 @@ def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--proposer", default="none",
                    help="none | ngram | early-exit:LAYERS | draft:MODEL (speculative decoding)")
-    p.add_argument("--k", type=int, default=4, help="draft length for speculative decoding")
+    p.add_argument("--draft-length", type=int, default=4, help="tokens drafted per verifier forward (speculative decoding)")
     p.set_defaults(func=cmd_chat)
 
 

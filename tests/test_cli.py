@@ -46,7 +46,7 @@ MISUSES = [
     ("chat unknown proposer", [*CHAT, "--proposer", "oracle"], "unknown proposer 'oracle'"),
     ("chat early-exit not a number", [*CHAT, "--proposer", "early-exit:x"], "unknown proposer"),
     ("chat draft model unknown", [*CHAT, "--proposer", "draft:no-such-model"], "is not a registry model"),
-    ("chat k 0", [*CHAT, "--k", "0"], "--k must be >= 1"),
+    ("chat draft length 0", [*CHAT, "--draft-length", "0"], "--draft-length must be >= 1"),
     ("chat temperature -1", [*CHAT, "--temperature", "-1"], "--temperature must be a finite number >= 0"),
     ("chat max-new-tokens 0", [*CHAT, "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     ("chat unknown model", [*CHAT, "--model", "./nowhere"], "is not a registry model"),

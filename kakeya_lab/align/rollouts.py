@@ -38,7 +38,7 @@ from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.data import Conversation
 from kakeya_lab.results import now_iso, write_json_atomic
-from kakeya_lab.session import SessionStore, Token
+from kakeya_lab.session import SessionStore, collect_reply
 
 MANIFEST = "manifest.json"
 SCHEMA = 1
@@ -127,7 +127,7 @@ def capture_conversation(
                 reply = tok_template.assistant(answers[ti])
                 store.append(sid, reply)
             else:
-                reply = [e.id for e in store.generate(sid, options.max_new_tokens) if isinstance(e, Token)]
+                reply = collect_reply(store.generate(sid, options.max_new_tokens)).token_ids
                 tok_template.generated(reply, eos_token_ids=store.eos_token_ids)
             generated_at.extend(range(start, start + len(reply)))
             replies.append(reply)

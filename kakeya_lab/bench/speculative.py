@@ -30,8 +30,8 @@ from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.data import Conversation
 from kakeya_lab.proposers import Proposer
-from kakeya_lab.session import Done, SessionStore, Token
-from kakeya_lab.speculative import SpeculativeStep
+from kakeya_lab.sampling import SamplingConfig
+from kakeya_lab.session import SessionStore, collect_reply
 
 ProposerFactory = Callable[[], Proposer]
 
@@ -87,34 +87,30 @@ def run_speculative(
         for ti, text in enumerate(user_turns):
             for arm, (store, sid, chat, proposer, k) in sessions.items():
                 store.append(sid, chat.user(text))
-                reply, done = [], None
                 t0 = time.perf_counter()
-                for event in store.generate(
-                    sid, max_new_tokens, temperature=temperature, seed=seed + 1000 * ci + ti,
-                    proposer=proposer, k=max(k, 1),
-                ):
-                    if isinstance(event, Token):
-                        reply.append(event.id)
-                    elif isinstance(event, SpeculativeStep):
-                        step_rows.append({
-                            "arm": arm, "conversation": conv.id, "turn": ti, "k": event.k,
-                            "proposed": event.proposed, "accepted": event.accepted,
-                            "emitted": event.emitted, "proposer_s": event.proposer_s,
-                            "verifier_s": event.verifier_s,
-                        })
-                    elif isinstance(event, Done):
-                        done = event
+                sampling = SamplingConfig(temperature=temperature, seed=seed + 1000 * ci + ti)
+                result = collect_reply(store.generate(
+                    sid, max_new_tokens, sampling, proposer=proposer, draft_length=max(k, 1)
+                ))
                 seconds = time.perf_counter() - t0
-                chat.generated(reply, eos_token_ids=store.eos_token_ids)
+                for step in result.steps:
+                    step_rows.append({
+                        "arm": arm, "conversation": conv.id, "turn": ti, "k": step.draft_length,
+                        "proposed": step.proposed, "accepted": step.accepted,
+                        "emitted": step.emitted, "proposer_s": step.proposer_s,
+                        "verifier_s": step.verifier_s,
+                    })
+                done = result.done
+                chat.generated(result.token_ids, eos_token_ids=store.eos_token_ids)
                 turn_rows.append({
                     "arm": arm, "proposer": arm.split("@")[0], "k": k,
                     "conversation": conv.id, "turn": ti,
-                    "history_len": done.counts["history_len"],
-                    "generated_tokens": done.counts["generated_tokens"],
-                    "verifier_forwards": done.counts["verifier_forwards"],
-                    "proposed": done.counts["proposed"], "accepted": done.counts["accepted"],
-                    "seconds": seconds, "proposer_s": done.timings["proposer_s"],
-                    "verifier_s": done.timings["verifier_s"], "reply_ids": reply,
+                    "history_len": done.counts.history_len,
+                    "generated_tokens": done.counts.generated_tokens,
+                    "verifier_forwards": done.counts.verifier_forwards,
+                    "proposed": done.counts.proposed, "accepted": done.counts.accepted,
+                    "seconds": seconds, "proposer_s": done.timings.proposer_s,
+                    "verifier_s": done.timings.verifier_s, "reply_ids": result.token_ids,
                 })
                 bar.update(1)
     bar.close()

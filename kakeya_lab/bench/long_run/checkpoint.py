@@ -5,10 +5,6 @@ and their caches, generation settings, the turn script), the per-turn rows so fa
 each arm's committed history and chat state. Resuming replays each arm's history into a
 fresh session (which gives the same cache) — and only if the settings asked for now are
 the saved ones (:func:`~kakeya_lab.resume.check_resume` names every difference).
-
-Two seams stand in for APIs the session runtime provides: :func:`chat_to_state` (to
-become ``chat.to_state()``) and :func:`chat_from_state` (to become
-``ChatTemplate.from_state(tokenizer, state)``).
 """
 
 from __future__ import annotations
@@ -28,20 +24,6 @@ from kakeya_lab.session import SessionStore
 
 CHECKPOINT = "checkpoint.json"
 OUTPUTS = (CHECKPOINT, "turns.csv", "metrics.json")
-
-
-def chat_to_state(chat: ChatTemplate) -> dict:
-    """The chat's state as plain JSON. (Switch to ``chat.to_state()``.)"""
-    return {"messages": chat.messages, "rendered": chat.rendered, "awaiting_reply": chat.awaiting_reply}
-
-
-def chat_from_state(tokenizer, state: dict) -> ChatTemplate:
-    """A chat restored from :func:`chat_to_state`. (Switch to ``ChatTemplate.from_state``.)"""
-    chat = ChatTemplate(tokenizer)
-    chat.messages = list(state["messages"])
-    chat.rendered = state["rendered"]
-    chat.awaiting_reply = state["awaiting_reply"]
-    return chat
 
 
 def run_settings(
@@ -108,7 +90,7 @@ def load_progress(path: Path, loaded, arms: Mapping[str, Arm], settings: dict) -
     states = {}
     for name, arm in arms.items():
         s = saved["arms"][name]
-        state = ArmState(arm, chat_from_state(loaded.tokenizer, s["chat"]), list(s["history_ids"]),
+        state = ArmState(arm, ChatTemplate.from_state(loaded.tokenizer, s["chat"]), list(s["history_ids"]),
                          stopped=s["stopped"])
         if not arm.stateless and state.history_ids:
             state.store, state.sid = new_session(loaded, arm)
@@ -124,7 +106,7 @@ def save_progress(path: Path, progress: Progress, settings: dict) -> None:
     write_json_atomic(path, {
         "settings": settings, "next_turn": progress.next_turn, "wall_s": progress.wall_s,
         "plant_len": progress.plant_len, "rows": progress.rows,
-        "arms": {n: {"history_ids": s.history_ids, "chat": chat_to_state(s.chat), "stopped": s.stopped}
+        "arms": {n: {"history_ids": s.history_ids, "chat": s.chat.to_state(), "stopped": s.stopped}
                  for n, s in progress.states.items()},
     })
 

@@ -11,7 +11,7 @@ from kakeya_lab.bench.aggregate import repetition_rate
 from kakeya_lab.bench.long_run.checkpoint import ArmState, new_session
 from kakeya_lab.bench.long_run.probe import FactProbe, probe_recall
 from kakeya_lab.bench.long_run.records import TurnRecord
-from kakeya_lab.session import Done, HistoryTruncated, Token
+from kakeya_lab.session import collect_reply
 
 
 def run_turn(
@@ -28,23 +28,18 @@ def run_turn(
     else:
         appended = state.store.append(state.sid, delta)
     state.history_ids += delta
-    reply, done, truncated = [], None, appended.dropped > 0
-    for event in state.store.generate(state.sid, max_new_tokens):
-        if isinstance(event, Token):
-            reply.append(event.id)
-        elif isinstance(event, HistoryTruncated):
-            truncated = True
-        elif isinstance(event, Done):
-            done = event
+    result = collect_reply(state.store.generate(state.sid, max_new_tokens))
+    reply, done = result.token_ids, result.done
+    truncated = appended.dropped > 0 or result.truncated_dropped is not None
     state.history_ids += reply
     reply_text = state.chat.generated(reply, eos_token_ids=eos_ids)
     info = state.store.info(state.sid)
     record = TurnRecord(
         arm=arm.name, turn=turn, user_tokens=len(delta), append_latency_s=appended.latency_s,
-        first_token_s=appended.latency_s + (done.timings["first_token_s"] or 0.0),
-        generate_s=done.timings["total_s"],
-        decode_s_per_token=done.timings["total_s"] / max(1, done.counts["generated_tokens"]),
-        generated_tokens=done.counts["generated_tokens"], stop_reason=done.stop_reason,
+        first_token_s=appended.latency_s + (done.timings.first_token_s or 0.0),
+        generate_s=done.timings.total_s,
+        decode_s_per_token=done.timings.total_s / max(1, done.counts.generated_tokens),
+        generated_tokens=done.counts.generated_tokens, stop_reason=done.stop_reason,
         kv_live_bytes=info.kv_live_bytes, cache_len=info.cache_len, history_len=info.history_len,
         rss_bytes=psutil.Process().memory_info().rss, truncated=truncated,
         dropped_total=info.history_len - info.cache_len, wall_s=time.perf_counter() - t0,
