@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kakeya_lab import attention
-from kakeya_lab.cache import SinkWindowCache, SinkWindowConfig
+from kakeya_lab.cache import SinkWindowCache, SinkWindowConfig, interrupts_deferred
 
 
 def vocab_size_of(model: PreTrainedModel) -> int:
@@ -165,16 +165,30 @@ class Verifier:
         return out.logits[0].float()
 
     def append(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """Commit ``token_ids`` and return the next-token logits ``[vocab]`` after them."""
+        """Commit ``token_ids`` and return the next-token logits ``[vocab]`` after them.
+
+        All or nothing: the chunks of ``prefill_chunk`` tokens go through the cache as one
+        growing provisional block that is committed (and evicted) once at the end, so any
+        exception before that, ``KeyboardInterrupt`` included, rolls it back and leaves the
+        verifier exactly as before the call. The cost: the provisional K/V of the whole
+        append is held until the commit (``len(token_ids) × layers × kv_heads × head_dim ×
+        2 × dtype_bytes`` on top of the budget), and a later chunk's attention spans every
+        earlier chunk of the same append (masked to the window), so chunking bounds the
+        activations of one forward but not the K/V of one append.
+        """
         ids = check_token_ids(token_ids, self.vocab_size)
         if self._pending:
             raise RuntimeError("a provisional block is open: commit(n) or rollback() first")
         logits = None
-        for i in range(0, len(ids), self.prefill_chunk):
-            chunk = ids[i : i + self.prefill_chunk]
-            logits = self._forward(chunk, logits_to_keep=1)[-1]
-            self.cache.commit(len(chunk))
-            self._history.extend(chunk)
+        try:
+            for i in range(0, len(ids), self.prefill_chunk):
+                logits = self._forward(ids[i : i + self.prefill_chunk], logits_to_keep=1)[-1]
+        except BaseException:
+            self.cache.rollback()
+            raise
+        with interrupts_deferred():
+            self.cache.commit(len(ids))
+            self._history.extend(ids)
         return logits
 
     def forward_block(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
