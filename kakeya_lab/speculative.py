@@ -177,6 +177,7 @@ def speculative_decode(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     stops = frozenset(stop_token_ids)
     schedule = AdaptiveK(k) if adaptive else None
+    verifier.check_proposer(proposer)  # same backend (torch / mlx) or a clear error
     bind = getattr(proposer, "bind", None)
     if callable(bind):  # proposers that read the verifier's hidden states
         bind(verifier)
