@@ -472,3 +472,32 @@ def mlx_dense_logits(model: Any, token_ids: Sequence[int], config: SinkWindowCon
     logits = model(mx.array([ids]), cache=caches)[0]
     mx.eval(logits)
     return _to_torch(logits)
+
+
+def mlx_early_exit_model(model: Any, num_layers: int) -> Any:
+    """An mlx-lm model made of ``model``'s embedding, first ``num_layers`` layers, final norm
+    and head — sharing the weight arrays (no copy). The MLX counterpart of
+    :func:`kakeya_lab.proposers.early_exit_model`."""
+    import copy
+
+    from mlx.utils import tree_flatten
+
+    total = len(model.layers)
+    if not 1 <= num_layers < total:
+        raise ValueError(f"early exit needs 1 <= num_layers < {total}, got {num_layers}")
+    args = copy.deepcopy(model.args)
+    args.num_hidden_layers = num_layers
+    if getattr(args, "layer_types", None) is not None:
+        args.layer_types = list(args.layer_types)[:num_layers]
+    draft = type(model)(args)
+    kept = []
+    for name, array in tree_flatten(model.parameters()):
+        parts = name.split(".")
+        if "layers" in parts:
+            index = int(parts[parts.index("layers") + 1])
+            if index >= num_layers:
+                continue
+        kept.append((name, array))
+    draft.load_weights(kept, strict=True)
+    draft.eval()
+    return draft
