@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("mlx_lm")
 
 from kakeya_lab import SinkWindowConfig, Verifier, reference  # noqa: E402
-from kakeya_lab.mlx_backend import load_mlx_model, mlx_dense_logits  # noqa: E402
+from kakeya_lab.mlx_backend import load_mlx_model, mlx_dense_logits, mlx_early_exit_model  # noqa: E402
 from kakeya_lab.models import DEFAULT_MODEL, model_dir, tiny_random_model  # noqa: E402
 from kakeya_lab.proposers import DraftModelProposer, NgramProposer  # noqa: E402
 from kakeya_lab.session import SessionStore, Token  # noqa: E402
@@ -236,7 +236,9 @@ def _plain(store, prompt, n):
 
 @pytest.mark.parametrize("mode", ["global", "rolling"])
 @pytest.mark.parametrize(
-    "proposer_kind", ["ngram", pytest.param("draft_model", marks=pytest.mark.slow)]
+    "proposer_kind",
+    ["ngram", pytest.param("draft_model", marks=pytest.mark.slow),
+     pytest.param("early_exit", marks=pytest.mark.slow)],
 )
 def test_mlx_greedy_speculative_equals_plain_past_eviction(tiny, proposer_kind, mode):
     """Through the unchanged SessionStore / speculative_decode on MLX. The prompt holds the
@@ -253,8 +255,10 @@ def test_mlx_greedy_speculative_equals_plain_past_eviction(tiny, proposer_kind, 
     for k in (1, 4, 8):
         if proposer_kind == "ngram":
             proposer = NgramProposer()
-        else:
+        elif proposer_kind == "draft_model":
             proposer = DraftModelProposer(draft_model, config, label="tiny-random-qwen3 (mlx)")
+        else:  # self-speculation: the verifier's first layer drafts (MLX early exit)
+            proposer = DraftModelProposer(mlx_early_exit_model(verifier_model, 1), config, label="early-exit-1")
         sid = store.create()
         store.append(sid, prompt)
         got = [e.id for e in store.generate(sid, 40, proposer=proposer, k=k) if isinstance(e, Token)]
