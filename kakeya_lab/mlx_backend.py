@@ -128,31 +128,56 @@ def visibility(query_positions: np.ndarray, key_positions: np.ndarray, sink: int
 
 
 class MLXSlotTable:
-    """Which absolute position each slot holds, shared by one model's layer caches.
+    """Which absolute position each slot holds (``-1``: free), shared by one model's layer caches.
 
-    ``used`` committed entries in slots ``[0, used)``; ``pending_len`` provisional entries
-    after them; ``history_len`` committed tokens so far. ``block`` is the open forward's
-    ``(start, stop, copy_columns, copy_shifts)`` once layer 0 has stored it.
+    Unlike the torch table, committed entries need not be a dense prefix: eviction only
+    frees slots (no data moves, which would copy whole MLX arrays), and a new block is
+    written into free slots, lowest first. A provisional entry never takes a committed
+    entry's slot, so rollback works after the window has wrapped. ``used`` committed
+    entries; ``pending_slots`` the open block's slots in position order; ``block`` the
+    open forward's ``(slots, columns, copy_columns, copy_shifts)`` once layer 0 stored it.
     """
 
     def __init__(self, config: SinkWindowConfig, num_layers: int, inv_freq: np.ndarray | None):
         self.config = config
         self.num_layers = num_layers
         self.inv_freq = inv_freq
+        self.reset()
+
+    def reset(self) -> None:
         self.positions = np.full(0, -1, dtype=np.int64)
-        self.used = self.pending_len = self.history_len = 0
-        self.block: tuple[int, int, np.ndarray | None, np.ndarray | None] | None = None
+        self.used = self.history_len = 0
+        self.pending_slots = np.zeros(0, dtype=np.int64)
+        self.block: tuple[np.ndarray, int, np.ndarray | None, np.ndarray | None] | None = None
         self.layers_done = 0
+
+    @property
+    def pending_len(self) -> int:
+        return self.pending_slots.size
 
     @property
     def next_position(self) -> int:
         return self.history_len + self.pending_len
 
+    def _plan(self, n: int) -> tuple[np.ndarray, int, np.ndarray]:
+        """Slots for the next n entries, the key columns ``[0, columns)`` the forward returns,
+        and the position of every column."""
+        free = np.nonzero(self.positions == -1)[0][:n]
+        if free.size < n:
+            free = np.concatenate([free, np.arange(self.positions.size, self.positions.size + n - free.size)])
+        occupied = np.nonzero(self.positions >= 0)[0]
+        columns = int(max(free.max(), occupied.max() if occupied.size else -1)) + 1
+        keys = np.full(columns, -1, dtype=np.int64)
+        held = min(columns, self.positions.size)
+        keys[:held] = self.positions[:held]
+        keys[free] = np.arange(self.next_position, self.next_position + n)
+        return free, columns, keys
+
     def layout(self, n: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """``(visible [n, columns], copy source columns, copy shifts)`` of the next n-token forward."""
         c = self.config
+        _, _, keys = self._plan(n)
         queries = np.arange(self.next_position, self.next_position + n, dtype=np.int64)
-        keys = np.concatenate([self.positions[: self.used + self.pending_len], queries])
         visible = visibility(queries, keys, c.sink, c.window)
         if c.positions != "rolling" or c.window is None:
             return visible, None, None
@@ -167,45 +192,34 @@ class MLXSlotTable:
         visible[np.ix_(rows, cols)] = False
         return np.concatenate([visible, copies], axis=1), cols, shift[rows]
 
-    def open(self, n: int) -> tuple[int, int, np.ndarray | None, np.ndarray | None]:
+    def open(self, n: int) -> tuple[np.ndarray, int, np.ndarray | None, np.ndarray | None]:
         _, cols, shifts = self.layout(n)
-        start = self.used + self.pending_len
-        stop = start + n
-        needed = stop + (0 if cols is None else cols.size * shifts.size)
+        slots, columns, _ = self._plan(n)
+        needed = columns + (0 if cols is None else cols.size * shifts.size)
         if needed > self.positions.size:
             grown = np.full(max(needed, 2 * self.positions.size, 16), -1, dtype=np.int64)
-            grown[:start] = self.positions[:start]
+            grown[: self.positions.size] = self.positions
             self.positions = grown
-        self.positions[start:stop] = np.arange(self.next_position, self.next_position + n)
-        self.pending_len += n
-        self.block = (start, stop, cols, shifts)
+        self.positions[slots] = np.arange(self.next_position, self.next_position + n)
+        self.pending_slots = np.concatenate([self.pending_slots, slots])
+        self.block = (slots, columns, cols, shifts)
         self.layers_done = 0
         return self.block
 
-    def commit(self, n: int) -> tuple[np.ndarray, np.ndarray] | None:
-        start = self.used
-        self.positions[start + n : start + self.pending_len] = -1
-        self.pending_len = 0
+    def commit(self, n: int) -> None:
+        self.positions[self.pending_slots[n:]] = -1
+        self.pending_slots = np.zeros(0, dtype=np.int64)
         self.history_len += n
-        self.used = start + n
         self.block = None
-        if not self.config.evicts:
-            return None
-        pos = self.positions[: self.used]
-        keep = (pos < self.config.sink) | (pos >= self.history_len - self.config.window)
-        kept = int(keep.sum())
-        if kept == self.used:
-            return None
-        holes = np.nonzero(~keep[:kept])[0]
-        movers = np.nonzero(keep[kept:])[0] + kept
-        self.positions[holes] = self.positions[movers]
-        self.positions[kept : self.used] = -1
-        self.used = kept
-        return movers, holes
+        if self.config.evicts:
+            pos = self.positions
+            evicted = (pos >= self.config.sink) & (pos < self.history_len - self.config.window)
+            pos[evicted] = -1
+        self.used = int((self.positions >= 0).sum())
 
     def drop_provisional(self, keep: int = 0) -> None:
-        self.positions[self.used + keep : self.used + self.pending_len] = -1
-        self.pending_len = min(self.pending_len, keep)
+        self.positions[self.pending_slots[keep:]] = -1
+        self.pending_slots = self.pending_slots[:keep]
         self.block = None
 
 
@@ -233,34 +247,40 @@ class SinkWindowKVCache:
             if t.block is not None and t.layers_done != t.num_layers:
                 raise RuntimeError("the previous forward stopped midway; roll back first")
             t.open(n)
-        elif t.block is None or t.layers_done != self.index or t.block[1] - t.block[0] != n:
+        elif t.block is None or t.layers_done != self.index or t.block[0].size != n:
             raise RuntimeError(f"layer {self.index} updated out of order")
-        start, stop, cols, shifts = t.block
+        slots, end, cols, shifts = t.block
         if self.keys is None or self.keys.shape[2] < t.positions.size:
-            self._grow(keys, values, t.positions.size, keep=start)
-        self.keys[..., start:stop, :] = keys
-        self.values[..., start:stop, :] = values
-        end = stop
+            self._grow(keys, values, t.positions.size)
+        first = int(slots[0])
+        if n == 1 or int(slots[-1]) - first == n - 1:  # contiguous: a slice write
+            self.keys[..., first : first + n, :] = keys
+            self.values[..., first : first + n, :] = values
+        else:
+            idx = mx_index(slots)
+            self.keys[:, :, idx] = keys
+            self.values[:, :, idx] = values
         if cols is not None:
             m, s = shifts.size, cols.size
-            idx = mx.array(cols)
+            idx = mx_index(cols)
             sink_keys = mx.tile(self.keys[:, :, idx], (1, 1, m, 1))
-            self.keys[..., stop : stop + m * s, :] = _rotate(sink_keys, np.repeat(shifts, s), t.inv_freq)
-            self.values[..., stop : stop + m * s, :] = mx.tile(self.values[:, :, idx], (1, 1, m, 1))
+            self.keys[..., end : end + m * s, :] = _rotate(sink_keys, np.repeat(shifts, s), t.inv_freq)
+            self.values[..., end : end + m * s, :] = mx.tile(self.values[:, :, idx], (1, 1, m, 1))
             end += m * s
         self.offset += n
         t.layers_done = self.index + 1
         return self.keys[..., :end, :], self.values[..., :end, :]
 
-    def _grow(self, keys: Any, values: Any, capacity: int, keep: int) -> None:
+    def _grow(self, keys: Any, values: Any, capacity: int) -> None:
         import mlx.core as mx
 
         capacity = self.step * -(-capacity // self.step)
         new_k = mx.zeros((1, keys.shape[1], capacity, keys.shape[3]), keys.dtype)
         new_v = mx.zeros((1, values.shape[1], capacity, values.shape[3]), values.dtype)
-        if self.keys is not None and keep:
-            new_k[..., :keep, :] = self.keys[..., :keep, :]
-            new_v[..., :keep, :] = self.values[..., :keep, :]
+        if self.keys is not None:
+            held = self.keys.shape[2]
+            new_k[..., :held, :] = self.keys
+            new_v[..., :held, :] = self.values
         self.keys, self.values = new_k, new_v
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
@@ -272,17 +292,12 @@ class SinkWindowKVCache:
         visible, _, _ = self.table.layout(N)
         return mx.array(visible)
 
-    def move(self, sources: np.ndarray, destinations: np.ndarray) -> None:
-        if self.keys is not None:
-            src, dst = mx_index(sources), mx_index(destinations)
-            self.keys[:, :, dst] = self.keys[:, :, src]
-            self.values[:, :, dst] = self.values[:, :, src]
-
     def live_nbytes(self) -> int:
+        """Bytes of this layer's committed K and V entries (slot size read from the arrays)."""
         if self.keys is None:
             return 0
-        used = self.table.used
-        return self.keys[..., :used, :].nbytes + self.values[..., :used, :].nbytes
+        slots = self.keys.shape[2]
+        return (self.keys.nbytes // slots + self.values.nbytes // slots) * self.table.used
 
     @property
     def state(self) -> tuple[Any, Any]:
@@ -340,10 +355,7 @@ class MLXSinkWindowCache:
         if self.table.block is not None and self.table.layers_done != self.table.num_layers:
             raise RuntimeError("the last forward stopped midway; only rollback() is possible")
         with interrupts_deferred():
-            moves = self.table.commit(n)
-            if moves is not None:
-                for layer in self.layers:
-                    layer.move(*moves)  # lazy: evaluated with the next forward
+            self.table.commit(n)  # eviction frees slots; no data moves
             self._sync_offsets()
 
     def rollback(self, keep: int = 0) -> None:
@@ -354,13 +366,13 @@ class MLXSinkWindowCache:
     def reset(self) -> None:
         for layer in self.layers:
             layer.keys = layer.values = None
-        self.table.positions = np.full(0, -1, dtype=np.int64)
-        self.table.used = self.table.pending_len = self.table.history_len = 0
-        self.table.block = None
+        self.table.reset()
         self._sync_offsets()
 
     def cached_positions(self) -> list[int]:
-        return sorted(self.table.positions[: self.table.used].tolist())
+        pos = self.table.positions
+        committed = pos[(pos >= 0) & ~np.isin(np.arange(pos.size), self.table.pending_slots)]
+        return sorted(committed.tolist())
 
     def kv_live_bytes(self) -> int:
         return sum(layer.live_nbytes() for layer in self.layers)
