@@ -1,26 +1,34 @@
-"""Sink-window attention: the one place where the oracle's visibility rule is applied.
-
-transformers calls ``past_key_values.update(k, v, layer_idx)`` and then the registered
-attention function, in that order, inside every attention module. Our cache's ``update``
-publishes a :class:`KeyLayout` (absolute position of every key column it returns, and the
-positions of the new queries); :func:`sink_window_attention` consumes it and builds the
-per-query mask of DESIGN.md from positions alone:
+"""Sink-window visibility: where the oracle's rule becomes an attention mask.
 
     query at p sees key j  iff  0 <= j <= p  and  (j < sink  or  p - j < window)
 
-In ``rolling`` mode the sink columns are scored with the query rotated to
-``min(p, sink + window - 1)``, so that each query sees the sinks at the StreamingLLM
-distance ``sink + window - 1 - j`` while window keys keep their true distance. That makes
-multi-token blocks exact in one forward (no token-by-token fallback).
+How the rule reaches each layer's attention (transformers 5.x, Llama/Qwen-style models): a
+forward calls ``create_causal_mask(..., past_key_values=cache)`` once, before any layer.
+That asks the cache ``get_mask_sizes(query_length, layer_idx)`` and passes the answer to the
+mask function registered for the model's attention implementation. A
+:class:`~kakeya_lab.cache.SinkWindowCache` answers with a :class:`KeyLayout` — the absolute
+position of every key column its layers will return in this forward and the positions of
+the new queries — in the ``kv_offset`` slot (for a position-ordered cache that slot holds
+"the position of the first key column"; ours holds the position of *each* column).
+:func:`sink_window_mask`, registered as the mask function of ``"kakeya_sink_window"``,
+returns ``layout.mask``; every layer then runs transformers' stock SDPA attention with it.
+Nothing is handed over outside those return values. Without a sink-window cache (no cache,
+a ``DynamicCache``, or an explicit 4-D mask such as the dense reference's) the model gets
+transformers' own SDPA mask, so ordinary forwards are unchanged.
 
-When no layout is published (a forward without a :class:`~kakeya_lab.cache.SinkWindowCache`,
-e.g. the dense reference) the function defers to transformers' own SDPA attention with
-whatever mask the model built, so the oracle does not run through this code.
+``rolling`` positions: each query at ``p > sink + window - 1`` must see sink ``j`` at the
+StreamingLLM distance ``sink + window - 1 - j`` while window keys keep their true distance.
+One rotation of the cached keys cannot serve several queries, so the cache's layers append
+*per-query copies* of the sink keys, rotated forward by ``p - (sink + window - 1)``, as
+extra key columns (:class:`SinkCopies`); the mask lets query ``p`` see only its own copies
+and hides the original sink columns from it. Cost: ``sink`` extra key columns per such query
+(``n * sink`` for an ``n``-token block, e.g. 4 for single-token decoding with 4 sinks), held
+in scratch slots after the block and never counted as live. Exact in one forward; no
+token-by-token fallback.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,62 +36,50 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTN_IMPLEMENTATION = "kakeya_sink_window"
 
-_local = threading.local()
 
+@dataclass(frozen=True)
+class SinkCopies:
+    """Rolling mode: per-query rotated copies of the sink keys, appended as key columns.
 
-@dataclass
-class KeyLayout:
-    """What one ``update`` call returned, in terms of positions.
-
-    ``key_positions[c]`` is the absolute position held in key column ``c`` (``-1`` for an
-    empty slot); ``query_positions`` are the absolute positions of the new tokens.
-    ``visible`` is the oracle mask ``[queries, keys]`` (see :func:`visibility`).
-    ``sink_query_shift[i]`` (rolling mode only) is how far query ``i`` is rotated before
-    scoring the sink columns; ``None`` in global mode.
+    ``source_columns`` ``[s]``: the key columns holding the sinks; ``shifts`` ``[m]``: for each
+    query that needs copies, by how many positions its ``s`` copies are rotated forward.
+    The copies occupy ``m * s`` columns after the regular ones, query-major.
     """
 
-    layer_idx: int
+    source_columns: torch.Tensor
+    shifts: torch.Tensor
+
+    @property
+    def num_columns(self) -> int:
+        return self.source_columns.numel() * self.shifts.numel()
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """The key columns of one forward through a sink-window cache, in positions.
+
+    ``key_positions[c]``: absolute position held by regular key column ``c`` (``-1``: empty);
+    ``query_positions``: the new tokens' positions; ``visible``: ``[queries, columns]``
+    (regular columns, then the rolling-mode sink copies, if any).
+    """
+
     key_positions: torch.Tensor
     query_positions: torch.Tensor
-    sink: int
-    window: int | None
     visible: torch.Tensor
-    sink_query_shift: torch.Tensor | None
-    inv_freq: torch.Tensor | None
+    copies: SinkCopies | None
 
+    @property
+    def num_columns(self) -> int:
+        return self.visible.shape[1]
 
-def publish(layout: KeyLayout) -> None:
-    """Hand the layout of the keys just returned by a cache to the next attention call."""
-    pending = getattr(_local, "layout", None)
-    if pending is not None:
-        _local.layout = None
-        raise RuntimeError(
-            "the previous sink-window key layout was never consumed: the model is not using "
-            f"the {ATTN_IMPLEMENTATION!r} attention. Load it with kakeya_lab.load_model or call "
-            "kakeya_lab.attention.enable_sink_window_attention(model) first."
-        )
-    _local.layout = layout
-
-
-def take(layer_idx: int) -> KeyLayout | None:
-    """Take the published layout (if any) for ``layer_idx``; clears it."""
-    layout = getattr(_local, "layout", None)
-    if layout is None:
-        return None
-    _local.layout = None
-    if layout.layer_idx != layer_idx:
-        raise RuntimeError(
-            f"sink-window layout for layer {layout.layer_idx} consumed by layer {layer_idx}"
-        )
-    return layout
-
-
-def discard() -> None:
-    """Forget an unconsumed layout (after an exception inside a forward)."""
-    _local.layout = None
+    @property
+    def mask(self) -> torch.Tensor:
+        """The 4-D boolean attention mask ``[1, 1, queries, columns]`` (True = attend)."""
+        return self.visible[None, None]
 
 
 def rotate(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -113,68 +109,64 @@ def visibility(
     return visible
 
 
-def sink_window_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
+def key_layout(
+    key_positions: torch.Tensor,
+    query_positions: torch.Tensor,
+    sink: int,
+    window: int | None,
+    rolling: bool,
+) -> KeyLayout:
+    """The layout of a forward whose regular key columns hold ``key_positions``.
+
+    With ``rolling`` (and a window), queries past ``sink + window - 1`` get their own
+    rotated sink copies (see the module docstring).
+    """
+    visible = visibility(query_positions, key_positions, sink, window)
+    copies = None
+    if rolling and window is not None:
+        shift = torch.clamp(query_positions - (sink + window - 1), min=0)
+        rows = torch.nonzero(shift > 0).flatten()
+        sink_cols = torch.nonzero((key_positions >= 0) & (key_positions < sink)).flatten()
+        if rows.numel() and sink_cols.numel():
+            s, m = sink_cols.numel(), rows.numel()
+            copy_visible = torch.zeros(
+                (query_positions.numel(), m * s), dtype=torch.bool, device=visible.device
+            )
+            copy_visible[rows.repeat_interleave(s), torch.arange(m * s, device=visible.device)] = (
+                visible[rows][:, sink_cols].reshape(-1)
+            )
+            visible[rows[:, None], sink_cols[None, :]] = False
+            visible = torch.cat([visible, copy_visible], dim=1)
+            copies = SinkCopies(source_columns=sink_cols, shifts=shift[rows])
+    return KeyLayout(key_positions, query_positions, visible, copies)
+
+
+def sink_window_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int | KeyLayout = 0,
     **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """Attention function registered as ``"kakeya_sink_window"`` (see module docstring)."""
-    layout = take(module.layer_idx)
-    if layout is None:
-        q_len, kv_len = query.shape[2], key.shape[2]
-        if attention_mask is None and q_len > 1 and kv_len > q_len:
-            # No mask was built for this implementation: causal, aligned to the last key
-            # (SDPA's own is_causal would align queries to the first key).
-            offset = kv_len - q_len
-            attention_mask = (
-                torch.arange(kv_len, device=query.device)[None, :]
-                <= torch.arange(q_len, device=query.device)[:, None] + offset
-            )[None, None]
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    position_ids = kwargs.get("position_ids")
-    if position_ids is not None and not torch.equal(
-        position_ids.reshape(-1).to(layout.query_positions.device), layout.query_positions
-    ):
-        raise RuntimeError(
-            "position_ids passed to the model do not match the sink-window cache's positions "
-            f"({position_ids.reshape(-1)[:4].tolist()}... vs {layout.query_positions[:4].tolist()}...)"
-        )
-    bsz, n_heads, q_len, head_dim = query.shape
-    if bsz != 1:
-        raise ValueError("the sink-window cache holds one sequence (batch size 1)")
-    n_kv = key.shape[1]
-    groups = n_heads // n_kv
-    scale = scaling if scaling is not None else head_dim**-0.5
-    # Grouped-query attention without copying keys: fold the query groups into rows.
-    q = query.reshape(n_kv, groups * q_len, head_dim)
-    k = key[0]
-    v = value[0]
-    scores = torch.matmul(q, k.transpose(1, 2)).reshape(n_kv, groups, q_len, -1)
-    if layout.sink_query_shift is not None:
-        sink_cols = torch.nonzero(
-            (layout.key_positions >= 0) & (layout.key_positions < layout.sink)
-        ).flatten()
-        if sink_cols.numel() and bool((layout.sink_query_shift != 0).any()):
-            q_sink = rotate(query[0], layout.sink_query_shift, layout.inv_freq)
-            q_sink = q_sink.reshape(n_kv, groups * q_len, head_dim)
-            sink_scores = torch.matmul(q_sink, k[:, sink_cols].transpose(1, 2))
-            scores[..., sink_cols] = sink_scores.reshape(n_kv, groups, q_len, -1)
-    scores = scores * scale
-    scores = scores.masked_fill(~layout.visible, float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    out = torch.matmul(weights.reshape(n_kv, groups * q_len, -1), v)
-    out = out.reshape(n_kv, groups, q_len, head_dim).reshape(1, n_heads, q_len, head_dim)
-    return out.transpose(1, 2).contiguous(), None
+) -> torch.Tensor | None:
+    """Mask function of ``"kakeya_sink_window"``: ``layout.mask`` for a sink-window cache,
+    transformers' SDPA mask for anything else."""
+    if isinstance(kv_offset, KeyLayout):
+        layout = kv_offset
+        if batch_size != 1 or layout.visible.shape != (q_length, kv_length):
+            raise RuntimeError(
+                f"sink-window layout {tuple(layout.visible.shape)} does not fit a forward of "
+                f"{batch_size} x {q_length} tokens over {kv_length} key columns"
+            )
+        return layout.mask
+    return sdpa_mask(
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+        q_offset=q_offset, kv_offset=kv_offset, **kwargs,
+    )
 
 
-AttentionInterface.register(ATTN_IMPLEMENTATION, sink_window_attention)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sink_window_mask)
+AttentionInterface.register(ATTN_IMPLEMENTATION, sdpa_attention_forward)
 
 
 @contextmanager
@@ -190,10 +182,11 @@ def standard_attention(model: PreTrainedModel, implementation: str = "sdpa") -> 
 
 
 def enable_sink_window_attention(model: PreTrainedModel) -> PreTrainedModel:
-    """Switch ``model`` to the sink-window attention function (idempotent).
+    """Switch ``model`` to the ``"kakeya_sink_window"`` implementation (idempotent).
 
-    Without a :class:`~kakeya_lab.cache.SinkWindowCache` the function behaves like SDPA, so
-    the model stays usable for ordinary forwards and dense references.
+    The attention itself is transformers' SDPA; only the mask differs, and only when the
+    forward runs over a :class:`~kakeya_lab.cache.SinkWindowCache`, so the model stays
+    usable for ordinary forwards and dense references.
     """
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -1,26 +1,35 @@
 """The sink-window KV cache (transformers v5 cache API).
 
 Budget ``B = sink + window``: the first ``sink`` tokens plus the ``window`` most recent
-committed tokens are held (DESIGN.md "Sink-window cache"). Storage is a pool of slots per
-layer; ``slot_positions`` says which absolute position each slot holds. Committed
-entries occupy the dense prefix ``[0, used)``; a provisional block is written after it, so
-it never overwrites a committed entry and can be dropped at any time, also after the window
-has wrapped. Eviction happens only in :meth:`SinkWindowCache.commit`: evicted slots are
-refilled by moving the newest committed entries into them (no full copy per token).
+committed tokens are held (docs/design.md "Sink-window cache"). Storage is a pool of slots
+per layer; a :class:`SlotTable` shared by the layers says which absolute position each slot
+holds. Committed entries occupy the dense prefix ``[0, used)``; a provisional block is
+written after it, so it never overwrites a committed entry and can be dropped at any time,
+also after the window has wrapped. Eviction happens only in :meth:`SinkWindowCache.commit`:
+evicted slots are refilled by moving the newest committed entries into them (no full copy
+per token).
+
+Layer per behaviour, as in transformers: a :class:`SinkWindowLayer` stores its block's K/V,
+adds the rolling-mode sink copies, moves slots on eviction and answers the
+``CacheLayerMixin`` questions (``get_seq_length``, ``get_mask_sizes``, ...) from the table.
+The mask reaches the attention through ``get_mask_sizes`` (see :mod:`kakeya_lab.attention`),
+so the model must use the ``"kakeya_sink_window"`` implementation (``load_model`` arranges
+it; :func:`kakeya_lab.attention.enable_sink_window_attention` otherwise).
 
 Two ways to drive it:
 
 * the :class:`~kakeya_lab.verifier.Verifier` sets ``auto_commit=False`` and calls
-  :meth:`commit` / :meth:`rollback` itself;
+  :meth:`SinkWindowCache.commit` / :meth:`SinkWindowCache.rollback` itself;
 * ``model.generate(past_key_values=cache)`` leaves ``auto_commit=True``: each forward's
   tokens are committed when the next forward starts (generation never rolls back).
-
-Visibility is applied by :mod:`kakeya_lab.attention` from the positions published here, so
-the model must use the ``"kakeya_sink_window"`` attention (``load_model`` arranges it).
 """
 
 from __future__ import annotations
 
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,7 +37,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kakeya_lab import attention
+from kakeya_lab.attention import KeyLayout, SinkCopies, key_layout, rotate
 
 PositionMode = Literal["global", "rolling"]
 
@@ -96,22 +105,143 @@ def analytic_kv_budget_bytes(model: PreTrainedModel, config: SinkWindowConfig) -
     return config.budget * n_layers * n_kv * head_dim * dtype_bytes * 2
 
 
+@contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold a SIGINT (``KeyboardInterrupt``, a notebook's Stop button) until the block has
+    run, then raise it. A no-op outside the main thread, where Python never delivers
+    ``KeyboardInterrupt`` asynchronously."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[tuple[int, object]] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            if callable(previous):
+                previous(*received[0])
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt
+
+
+@dataclass(frozen=True)
+class Block:
+    """Where one forward's entries go: slots ``[start, stop)``; rolling-mode sink copies
+    (if any) follow in scratch slots after ``stop``."""
+
+    start: int
+    stop: int
+    copies: SinkCopies | None
+
+
+class SlotTable:
+    """Which absolute position each storage slot holds; shared by a cache's layers.
+
+    Counters: ``history_len`` committed tokens so far; ``used`` committed entries held
+    (slots ``[0, used)``); ``pending_len`` provisional entries (slots ``[used, used + pending_len)``).
+    """
+
+    SHRINK_SLACK = 2048  # reserved-but-unused slots tolerated before storage shrinks
+
+    def __init__(self, config: SinkWindowConfig, device: torch.device, inv_freq: torch.Tensor | None):
+        self.config = config
+        self.device = device
+        self.inv_freq = inv_freq
+        self.positions = torch.full((0,), -1, dtype=torch.long, device=device)
+        self.used = 0
+        self.pending_len = 0
+        self.history_len = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.positions.numel()
+
+    @property
+    def next_position(self) -> int:
+        """Absolute position of the next token fed to the model."""
+        return self.history_len + self.pending_len
+
+    def layout(self, query_length: int) -> KeyLayout:
+        """The key layout of the next forward of ``query_length`` tokens (changes nothing)."""
+        queries = torch.arange(
+            self.next_position, self.next_position + query_length, dtype=torch.long, device=self.device
+        )
+        keys = torch.cat([self.positions[: self.used + self.pending_len], queries])
+        c = self.config
+        return key_layout(keys, queries, c.sink, c.window, rolling=c.positions == "rolling")
+
+    def open(self, query_length: int) -> Block:
+        """Append ``query_length`` provisional positions; where the layers write them."""
+        layout = self.layout(query_length)
+        start = self.used + self.pending_len
+        stop = start + query_length
+        needed = stop + (layout.copies.num_columns if layout.copies is not None else 0)
+        if needed > self.capacity:
+            grown = torch.full((max(needed, 2 * self.capacity, 16),), -1, dtype=torch.long, device=self.device)
+            grown[:start] = self.positions[:start]
+            self.positions = grown
+        self.positions[start:stop] = layout.query_positions
+        self.pending_len += query_length
+        return Block(start, stop, layout.copies)
+
+    def commit(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Keep ``n`` provisional entries, drop the rest, evict; returns the slot moves
+        ``(sources, destinations)`` the layers must make, or None."""
+        start = self.used
+        self.positions[start + n : start + self.pending_len] = -1
+        self.pending_len = 0
+        self.history_len += n
+        self.used = start + n
+        if not self.config.evicts:
+            return None
+        pos = self.positions[: self.used]
+        keep = (pos < self.config.sink) | (pos >= self.history_len - self.config.window)
+        kept = int(keep.sum())
+        if kept == self.used:
+            return None
+        holes = torch.nonzero(~keep[:kept]).flatten()
+        movers = torch.nonzero(keep[kept:]).flatten() + kept
+        self.positions[holes] = self.positions[movers]
+        self.positions[kept : self.used] = -1
+        self.used = kept
+        return movers, holes
+
+    def shrunk_capacity(self) -> int | None:
+        """A smaller capacity once far more slots are reserved than used (else None)."""
+        if self.capacity - self.used <= self.SHRINK_SLACK:
+            return None
+        capacity = self.used + self.SHRINK_SLACK // 8
+        self.positions = self.positions[:capacity].clone()
+        return capacity
+
+    def drop_provisional(self, keep: int = 0) -> None:
+        """Keep the first ``keep`` provisional entries, forget the others."""
+        self.positions[self.used + keep : self.used + self.pending_len] = -1
+        self.pending_len = min(self.pending_len, keep)
+
+    def reset(self) -> None:
+        self.positions = torch.full((0,), -1, dtype=torch.long, device=self.device)
+        self.used = self.pending_len = self.history_len = 0
+
+
 class SinkWindowLayer(CacheLayerMixin):
-    """Slot storage of one layer: ``keys``/``values`` of shape ``[1, kv_heads, capacity, head_dim]``."""
+    """Slot storage of one layer: ``keys``/``values`` of shape ``[1, kv_heads, capacity, head_dim]``,
+    slot meaning given by the shared :class:`SlotTable`."""
 
     is_sliding = False
     is_compileable = False
     is_croppable = True
 
+    def __init__(self, table: SlotTable):
+        super().__init__()
+        self.table = table
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        shape = (1, key_states.shape[1], 0, key_states.shape[-1])
-        self.keys = torch.empty(shape, dtype=key_states.dtype, device=self.device)
-        self.values = torch.empty(
-            (1, value_states.shape[1], 0, value_states.shape[-1]),
-            dtype=value_states.dtype,
-            device=self.device,
-        )
+        self.keys = key_states.new_empty((1, key_states.shape[1], 0, key_states.shape[-1]))
+        self.values = value_states.new_empty((1, value_states.shape[1], 0, value_states.shape[-1]))
         self.is_initialized = True
 
     def reserve(self, capacity: int, keep: int) -> None:
@@ -124,35 +254,59 @@ class SinkWindowLayer(CacheLayerMixin):
             new[:, :, :keep] = old[:, :, :keep]
             setattr(self, name, new)
 
-    def write(self, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        end = start + key_states.shape[2]
-        self.keys[:, :, start:end] = key_states
-        self.values[:, :, start:end] = value_states
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, block: Block, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a block's K/V in its slots and return every key/value column of the forward
+        (committed, provisional, then the rolling-mode sink copies)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.reserve(self.table.capacity, block.start)
+        self.keys[:, :, block.start : block.stop] = key_states
+        self.values[:, :, block.start : block.stop] = value_states
+        stop = block.stop
+        if block.copies is not None:
+            cols, shifts = block.copies.source_columns, block.copies.shifts
+            s, m = cols.numel(), shifts.numel()
+            sink_keys = self.keys[:, :, cols].repeat(1, 1, m, 1)
+            self.keys[:, :, stop : stop + m * s] = rotate(
+                sink_keys, shifts.repeat_interleave(s), self.table.inv_freq
+            )
+            self.values[:, :, stop : stop + m * s] = self.values[:, :, cols].repeat(1, 1, m, 1)
+            stop += m * s
+        return self.keys[:, :, :stop], self.values[:, :, :stop]
 
-    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.keys[:, :, dst] = self.keys[:, :, src]
-        self.values[:, :, dst] = self.values[:, :, src]
+    def move(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
+        """Eviction: copy the entries in slots ``sources`` into slots ``destinations``."""
+        if self.is_initialized:
+            self.keys[:, :, destinations] = self.keys[:, :, sources]
+            self.values[:, :, destinations] = self.values[:, :, sources]
 
-    def live_bytes(self, used: int) -> int:
+    def live_bytes(self) -> int:
+        """Bytes of this layer's committed K and V entries."""
         if not self.is_initialized:
             return 0
+        used = self.table.used
         return self.keys[:, :, :used].nbytes + self.values[:, :, :used].nbytes
 
-    def reserved_bytes(self) -> int:
-        return 0 if not self.is_initialized else self.keys.nbytes + self.values.nbytes
+    def get_mask_sizes(self, query_length: int) -> tuple[int, KeyLayout]:
+        """``(key columns, layout)`` of the next forward: the layout rides in the ``kv_offset``
+        slot to the ``"kakeya_sink_window"`` mask function (:mod:`kakeya_lab.attention`)."""
+        layout = self.table.layout(query_length)
+        return layout.num_columns, layout
 
-    # The CacheLayerMixin interface; the owning SinkWindowCache answers these.
-    def update(self, key_states, value_states, *args, **kwargs):  # pragma: no cover - not used
-        raise RuntimeError("SinkWindowLayer is updated through SinkWindowCache.update")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # pragma: no cover
-        raise RuntimeError("SinkWindowLayer is sized through SinkWindowCache")
-
-    def get_seq_length(self) -> int:  # pragma: no cover
-        raise RuntimeError("SinkWindowLayer is sized through SinkWindowCache")
+    def get_seq_length(self) -> int:
+        """Tokens seen so far (committed + provisional): the next token's position."""
+        return self.table.next_position
 
     def get_max_length(self) -> int:
-        return -1
+        budget = self.table.config.budget
+        return -1 if budget is None else budget
+
+    def reset(self) -> None:
+        """Release the storage."""
+        self.keys = self.values = None
+        self.is_initialized = False
 
 
 class SinkWindowCache(Cache):
@@ -162,54 +316,49 @@ class SinkWindowCache(Cache):
     held (``<= sink + window``); ``pending_len`` provisional entries of the current block.
     """
 
-    SHRINK_SLACK = 2048  # reserved-but-unused slots tolerated before storage shrinks
-
     def __init__(self, model: PreTrainedModel, config: SinkWindowConfig, *, auto_commit: bool = True):
         self.config = config
         n_layers, self.num_kv_heads, self.head_dim = _model_dims(model)
-        super().__init__(layers=[SinkWindowLayer() for _ in range(n_layers)])
-        self.auto_commit = auto_commit
-        self.inv_freq = None
+        inv_freq = None
         if config.positions == "rolling" and config.evicts:
-            self.inv_freq = rope_inv_freq(model)
-            if 2 * self.inv_freq.numel() != self.head_dim:
+            inv_freq = rope_inv_freq(model)
+            if 2 * inv_freq.numel() != self.head_dim:
                 raise ValueError(
                     "rolling positions need full-width rotary embeddings (partial RoPE is not supported)"
                 )
-        param = next(model.parameters())
-        self.device = param.device
-        self.slot_positions = torch.full((0,), -1, dtype=torch.long, device=self.device)
-        self.used = 0
-        self.pending_len = 0
-        self.history_len = 0
-        self._block_start = 0
-        self._block_positions = torch.zeros(0, dtype=torch.long, device=self.device)
-        self._visible: torch.Tensor | None = None
-        self._sink_shift: torch.Tensor | None = None
+        self.device = next(model.parameters()).device
+        self.table = SlotTable(config, self.device, None if inv_freq is None else inv_freq.to(self.device))
+        super().__init__(layers=[SinkWindowLayer(self.table) for _ in range(n_layers)])
+        self.auto_commit = auto_commit
         self._next_layer = 0
+        self._block: Block | None = None
 
     # ------------------------------------------------------------------ state
     @property
+    def history_len(self) -> int:
+        return self.table.history_len
+
+    @property
+    def pending_len(self) -> int:
+        return self.table.pending_len
+
+    @property
     def cache_len(self) -> int:
         """Committed entries currently held."""
-        return self.used
+        return self.table.used
 
     @property
     def next_position(self) -> int:
         """Absolute position of the next token fed to the model."""
-        return self.history_len + self.pending_len
+        return self.table.next_position
 
     def cached_positions(self) -> torch.Tensor:
         """Absolute positions of the committed entries held, ascending."""
-        return torch.sort(self.slot_positions[: self.used]).values
+        return torch.sort(self.table.positions[: self.table.used]).values
 
     def kv_live_bytes(self) -> int:
         """Bytes of the committed K and V entries held, summed over layers (from the tensors)."""
-        return sum(layer.live_bytes(self.used) for layer in self.layers)
-
-    def kv_reserved_bytes(self) -> int:
-        """Bytes allocated for K/V storage, including room for a provisional block."""
-        return sum(layer.reserved_bytes() for layer in self.layers)
+        return sum(layer.live_bytes() for layer in self.layers)
 
     def kv_budget_bytes(self, dtype_bytes: int | None = None) -> int | None:
         """The analytic budget ``B × layers × kv_heads × head_dim × dtype_bytes × 2``."""
@@ -223,124 +372,32 @@ class SinkWindowCache(Cache):
         return self.config.budget * len(self.layers) * self.num_kv_heads * self.head_dim * dtype_bytes * 2
 
     # --------------------------------------------------------- Cache interface
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, KeyLayout]:
+        """A forward starts: commit the previous one first when ``auto_commit``."""
+        if self.auto_commit and self.pending_len and self._next_layer in (0, len(self.layers)):
+            self.commit(self.pending_len)
+        return self.layers[layer_idx].get_mask_sizes(query_length)
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a block's K/V after the committed entries and return every key column.
 
-        Layer 0 opens a forward (committing the previous one first when ``auto_commit``);
+        Layer 0 opens the block (committing the previous one first when ``auto_commit``);
         the other layers must follow in order.
         """
         if key_states.shape[0] != 1:
             raise ValueError("SinkWindowCache holds a single sequence (batch size 1)")
         n = key_states.shape[2]
         if layer_idx == 0:
-            if self._next_layer not in (0, len(self.layers)):
-                raise RuntimeError(
-                    f"a forward stopped at layer {self._next_layer}; call rollback() before reusing the cache"
-                )
-            self._open_block(n)
-        elif layer_idx != self._next_layer or n != self._block_positions.numel():
+            self._check_forward_complete()
+            if self.auto_commit and self.pending_len:
+                self.commit(self.pending_len)
+            self._block = self.table.open(n)
+        elif layer_idx != self._next_layer or self._block is None or n != self._block.stop - self._block.start:
             raise RuntimeError(f"layer {layer_idx} updated out of order (expected {self._next_layer})")
         self._next_layer = layer_idx + 1
-        layer = self.layers[layer_idx]
-        if not layer.is_initialized:
-            layer.lazy_initialization(key_states, value_states)
-        layer.reserve(self.slot_positions.numel(), self._block_start)
-        layer.write(self._block_start, key_states, value_states)
-        end = self.used + self.pending_len
-        attention.publish(
-            attention.KeyLayout(
-                layer_idx=layer_idx,
-                key_positions=self.slot_positions[:end],
-                query_positions=self._block_positions,
-                sink=self.config.sink,
-                window=self.config.window,
-                visible=self._visible,
-                sink_query_shift=self._sink_shift,
-                inv_freq=self.inv_freq,
-            )
-        )
-        return layer.keys[:, :, :end], layer.values[:, :, :end]
-
-    def _open_block(self, n: int) -> None:
-        if self.auto_commit and self.pending_len:
-            self.commit(self.pending_len)
-        start = self.used + self.pending_len
-        positions = torch.arange(
-            self.next_position, self.next_position + n, dtype=torch.long, device=self.device
-        )
-        needed = start + n
-        if needed > self.slot_positions.numel():
-            capacity = max(needed, 2 * self.slot_positions.numel(), 16)
-            grown = torch.full((capacity,), -1, dtype=torch.long, device=self.device)
-            grown[:start] = self.slot_positions[:start]
-            self.slot_positions = grown
-        self.slot_positions[start:needed] = positions
-        self._block_start = start
-        self._block_positions = positions
-        self.pending_len += n
-        key_positions = self.slot_positions[:needed]
-        self._visible = attention.visibility(
-            positions, key_positions, self.config.sink, self.config.window
-        )
-        self._sink_shift = None
-        if self.inv_freq is not None:
-            last = self.config.budget - 1
-            self._sink_shift = torch.clamp(last - positions, max=0)
-
-    @torch.inference_mode()
-    def commit(self, n: int) -> None:
-        """Keep the first ``n`` provisional entries, drop the rest, then evict.
-
-        Eviction keeps the sinks and the ``window`` most recent committed tokens; freed
-        slots are refilled from the end of the committed prefix.
-        """
-        if not 0 <= n <= self.pending_len:
-            raise ValueError(f"commit({n}) with {self.pending_len} provisional entries")
-        self._check_forward_complete()
-        start = self.used
-        self.slot_positions[start + n : start + self.pending_len] = -1
-        self.pending_len = 0
-        self.history_len += n
-        self.used = start + n
-        if self.config.evicts:
-            self._evict()
-        self._maybe_shrink()
-
-    @torch.inference_mode()
-    def rollback(self) -> None:
-        """Drop every provisional entry; committed entries are untouched."""
-        self.slot_positions[self.used : self.used + self.pending_len] = -1
-        self.pending_len = 0
-        self._next_layer = 0
-        attention.discard()
-
-    def _evict(self) -> None:
-        pos = self.slot_positions[: self.used]
-        keep = (pos < self.config.sink) | (pos >= self.history_len - self.config.window)
-        kept = int(keep.sum())
-        if kept == self.used:
-            return
-        holes = torch.nonzero(~keep[:kept]).flatten()
-        movers = torch.nonzero(keep[kept:]).flatten() + kept
-        if holes.numel():
-            for layer in self.layers:
-                if layer.is_initialized:
-                    layer.move(movers, holes)
-            self.slot_positions[holes] = self.slot_positions[movers]
-        self.slot_positions[kept : self.used] = -1
-        self.used = kept
-
-    def _maybe_shrink(self) -> None:
-        capacity = self.slot_positions.numel()
-        if capacity - self.used <= self.SHRINK_SLACK:
-            return
-        new_capacity = self.used + self.SHRINK_SLACK // 8
-        self.slot_positions = self.slot_positions[:new_capacity].clone()
-        for layer in self.layers:
-            if layer.is_initialized:
-                layer.reserve(new_capacity, self.used)
+        return self.layers[layer_idx].update(key_states, value_states, self._block)
 
     def _check_forward_complete(self) -> None:
         if self._next_layer not in (0, len(self.layers)):
@@ -348,15 +405,39 @@ class SinkWindowCache(Cache):
                 f"the last forward stopped at layer {self._next_layer}; only rollback() is possible"
             )
 
+    @torch.inference_mode()
+    def commit(self, n: int) -> None:
+        """Keep the first ``n`` provisional entries, drop the rest, then evict.
+
+        Eviction keeps the sinks and the ``window`` most recent committed tokens; freed
+        slots are refilled from the end of the committed prefix. The whole step runs with
+        SIGINT held, so an interrupt cannot leave the layers half-moved.
+        """
+        if not 0 <= n <= self.pending_len:
+            raise ValueError(f"commit({n}) with {self.pending_len} provisional entries")
+        self._check_forward_complete()
+        with interrupts_deferred():
+            moves = self.table.commit(n)
+            if moves is not None:
+                for layer in self.layers:
+                    layer.move(*moves)
+            capacity = self.table.shrunk_capacity()
+            if capacity is not None:
+                for layer in self.layers:
+                    if layer.is_initialized:
+                        layer.reserve(capacity, self.table.used)
+            self._next_layer = 0
+
+    @torch.inference_mode()
+    def rollback(self) -> None:
+        """Drop every provisional entry (also a forward that stopped midway); committed
+        entries are untouched."""
+        self.table.drop_provisional(0)
+        self._next_layer = 0
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen so far (committed + provisional): the next token's position."""
-        return self.next_position
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.used + self.pending_len + query_length, 0
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1 if self.config.budget is None else self.config.budget
+        return self.table.next_position
 
     @torch.inference_mode()
     def crop(self, max_length: int) -> None:
@@ -367,21 +448,15 @@ class SinkWindowCache(Cache):
                 f"cannot crop to {target} tokens: {self.history_len} are committed (only the "
                 "provisional block can be dropped)"
             )
-        keep = target - self.history_len
         self._next_layer = 0
-        attention.discard()
-        if keep < self.pending_len:
-            self.slot_positions[self.used + keep : self.used + self.pending_len] = -1
-            self.pending_len = keep
+        self.table.drop_provisional(target - self.history_len)
 
     @torch.inference_mode()
     def reset(self) -> None:
         """Forget everything (storage is released)."""
         for layer in self.layers:
-            layer.keys = layer.values = None
-            layer.is_initialized = False
-        self.slot_positions = torch.full((0,), -1, dtype=torch.long, device=self.device)
-        self.used = self.pending_len = self.history_len = 0
+            layer.reset()
+        self.table.reset()
         self._next_layer = 0
 
     @property

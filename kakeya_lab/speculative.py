@@ -147,6 +147,7 @@ class Decoder:
         self._drafted = False
         self._last: int | None = None
         if proposer is not None:
+            verifier.check_proposer(proposer)  # same backend (torch / mlx) or a clear error
             bind = getattr(proposer, "bind", None)
             if callable(bind):  # proposers that read the verifier's hidden states
                 bind(verifier)

@@ -10,12 +10,14 @@ chunked append and token-by-token decoding agree.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from kakeya_lab import attention
-from kakeya_lab.cache import SinkWindowCache, SinkWindowConfig
+from kakeya_lab import inputs
+from kakeya_lab.backend import check_same_backend, final_norm, make_backend  # noqa: F401 (final_norm: re-export)
+from kakeya_lab.cache import SinkWindowConfig, interrupts_deferred
 
 
 def vocab_size_of(model: PreTrainedModel) -> int:
@@ -29,14 +31,6 @@ def check_token_ids(token_ids: Sequence[int] | torch.Tensor, vocab_size: int) ->
     from kakeya_lab import inputs
 
     return inputs.token_ids(token_ids, vocab_size)
-
-
-def final_norm(model: PreTrainedModel) -> torch.nn.Module:
-    """The module whose output feeds the lm_head (the final norm of the decoder stack)."""
-    norm = getattr(model.base_model, "norm", None)
-    if norm is None:
-        raise ValueError(f"{type(model).__name__} has no final norm at model.base_model.norm")
-    return norm
 
 
 class HiddenTrace:
@@ -91,81 +85,99 @@ class HiddenTrace:
 
 
 class Verifier:
-    """Scores tokens for one sequence through a :class:`SinkWindowCache`.
+    """Scores tokens for one sequence through a sink-window cache on a :mod:`backend <kakeya_lab.backend>`.
 
-    ``prefill_chunk`` bounds how many tokens go through one forward in :meth:`append`
-    (chunking does not change the result; it bounds the memory of a long prefill).
+    ``model`` is a transformers ``PreTrainedModel`` (PyTorch backend) or an mlx-lm model
+    (MLX backend, :func:`kakeya_lab.mlx_backend.load_mlx_model`); everything here is the
+    same on both. ``prefill_chunk`` bounds how many tokens go through one forward in
+    :meth:`append` (chunking does not change the result).
     """
 
     def __init__(
         self,
-        model: PreTrainedModel,
+        model: Any,
         config: SinkWindowConfig,
         *,
         prefill_chunk: int = 512,
     ):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        attention.enable_sink_window_attention(model)
+        self.backend = make_backend(model, config)
         self.model = model
         self.config = config
         self.prefill_chunk = prefill_chunk
-        self.vocab_size = vocab_size_of(model)
-        self.device = next(model.parameters()).device
-        self.cache = SinkWindowCache(model, config, auto_commit=False)
+        self.vocab_size = self.backend.vocab_size
         self._history: list[int] = []
         self._pending: list[int] = []
         self.trace: HiddenTrace | None = None  # set to record final hidden states
 
+    @property
+    def backend_name(self) -> str:
+        """``"torch"`` or ``"mlx"``."""
+        return self.backend.name
+
+    @property
+    def cache(self) -> Any:
+        """The backend's cache object (read its state; mutate through the verifier)."""
+        return self.backend.cache
+
+    def check_proposer(self, proposer: Any) -> None:
+        """Raise ValueError if ``proposer`` runs on another backend than this verifier."""
+        check_same_backend(self.backend_name, proposer)
+
+    def release(self) -> None:
+        """Free the cache's storage and forget the history (a closed session)."""
+        self.backend.reset()
+        self._history, self._pending = [], []
+
     def trace_hidden(self, capacity: int | None = 64) -> HiddenTrace:
-        """Start recording final hidden states (kept if already on with enough capacity)."""
+        """Start recording final hidden states (kept if already on with enough capacity).
+
+        PyTorch backend only: the MLX backend raises NotImplementedError (a hidden-state
+        drafter cannot be bound to an MLX verifier)."""
+        if self.backend_name != "torch":
+            raise NotImplementedError(
+                f"hidden-state traces are only implemented on the torch backend (this verifier runs "
+                f"on {self.backend_name}): use an n-gram or draft-model proposer, or a torch verifier"
+            )
         t = self.trace
         if t is None or (t.capacity is not None and (capacity is None or t.capacity < capacity)):
             self.trace = t = HiddenTrace(capacity)
         return t
 
     # ---------------------------------------------------------------- forwards
-    def _forward(self, ids: list[int], logits_to_keep: int) -> torch.Tensor:
-        start = self.cache.next_position
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + len(ids), device=self.device)[None]
-        captured: list[torch.Tensor] = []
-        hook = None
-        if self.trace is not None:
-            hook = final_norm(self.model).register_forward_hook(
-                lambda _m, _i, out: captured.append(out[0].detach().float())
-            )
-        try:
-            with torch.inference_mode():
-                out = self.model(
-                    input_ids=input_ids,
-                    position_ids=positions,
-                    past_key_values=self.cache,
-                    use_cache=True,
-                    logits_to_keep=logits_to_keep,
-                )
-        except BaseException:
-            # Drop this forward's partial block; earlier provisional tokens survive.
-            self.cache.crop(start)
-            raise
-        finally:
-            if hook is not None:
-                hook.remove()
-        if captured:
-            self.trace.record(start, ids, captured[-1])
-        return out.logits[0].float()
+    def _forward(self, ids: list[int], all_rows: bool) -> torch.Tensor:
+        start = self.backend.next_position
+        out = self.backend.forward(ids, all_rows=all_rows, hidden=self.trace is not None)
+        if self.trace is not None and out.hidden is not None:
+            self.trace.record(start, ids, out.hidden)
+        return out.logits
 
     def append(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """Commit ``token_ids`` and return the next-token logits ``[vocab]`` after them."""
+        """Commit ``token_ids`` and return the next-token logits ``[vocab]`` after them.
+
+        All or nothing: the chunks of ``prefill_chunk`` tokens go through the cache as one
+        growing provisional block that is committed (and evicted) once at the end, so any
+        exception before that, ``KeyboardInterrupt`` included, rolls it back and leaves the
+        verifier exactly as before the call. The cost: the provisional K/V of the whole
+        append is held until the commit (``len(token_ids) × layers × kv_heads × head_dim ×
+        2 × dtype_bytes`` on top of the budget), and a later chunk's attention spans every
+        earlier chunk of the same append (masked to the window), so chunking bounds the
+        activations of one forward but not the K/V of one append.
+        """
         ids = check_token_ids(token_ids, self.vocab_size)
         if self._pending:
             raise RuntimeError("a provisional block is open: commit(n) or rollback() first")
         logits = None
-        for i in range(0, len(ids), self.prefill_chunk):
-            chunk = ids[i : i + self.prefill_chunk]
-            logits = self._forward(chunk, logits_to_keep=1)[-1]
-            self.cache.commit(len(chunk))
-            self._history.extend(chunk)
+        try:
+            for i in range(0, len(ids), self.prefill_chunk):
+                logits = self._forward(ids[i : i + self.prefill_chunk], all_rows=False)[-1]
+        except BaseException:
+            self.backend.rollback()
+            raise
+        with interrupts_deferred():
+            self.backend.commit(len(ids))
+            self._history.extend(ids)
         return logits
 
     def forward_block(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -174,32 +186,36 @@ class Verifier:
         Nothing is committed or evicted; a second call extends the open block.
         """
         ids = check_token_ids(token_ids, self.vocab_size)
-        logits = self._forward(ids, logits_to_keep=0)
+        logits = self._forward(ids, all_rows=True)
         self._pending.extend(ids)
         return logits
 
     def commit(self, n: int) -> None:
         """Keep the first ``n`` tokens of the open block, drop the rest (then evict)."""
-        if not 0 <= n <= len(self._pending):
-            raise ValueError(f"commit({n}) but the open block has {len(self._pending)} tokens")
-        self.cache.commit(n)
-        self._history.extend(self._pending[:n])
-        self._pending = []
+        n = inputs.count(n, "commit n", minimum=0, maximum=len(self._pending), hint="tokens of the open block to keep")
+        with interrupts_deferred():
+            self.backend.commit(n)
+            self._history.extend(self._pending[:n])
+            self._pending = []
 
     def rollback(self) -> None:
         """Drop the open block; the committed history and cache are unchanged."""
-        self.cache.rollback()
+        self.backend.rollback()
         self._pending = []
 
     # ------------------------------------------------------------------- state
     @property
     def kv_live_bytes(self) -> int:
-        return self.cache.kv_live_bytes()
+        return self.backend.kv_live_bytes()
+
+    def kv_budget_bytes(self) -> int | None:
+        """The analytic budget ``B × layers × kv_heads × head_dim × dtype_bytes × 2`` (None: full cache)."""
+        return self.backend.kv_budget_bytes()
 
     @property
     def cache_len(self) -> int:
         """Committed entries held by the cache (``<= sink + window``)."""
-        return self.cache.cache_len
+        return self.backend.cache_len
 
     @property
     def history_len(self) -> int:
@@ -217,7 +233,7 @@ class Verifier:
     @property
     def cached_token_ids(self) -> list[int]:
         """Ids of the committed entries the cache holds, in position order."""
-        return [self._history[p] for p in self.cache.cached_positions().tolist()]
+        return [self._history[p] for p in self.backend.cached_positions()]
 
     def cached_positions(self) -> list[int]:
-        return self.cache.cached_positions().tolist()
+        return self.backend.cached_positions()

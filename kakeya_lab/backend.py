@@ -1,0 +1,213 @@
+"""The backend seam: what the :class:`~kakeya_lab.verifier.Verifier` needs from a model
+runtime, and the PyTorch implementation.
+
+A backend owns one model and one sink-window cache for one sequence. It feeds blocks of
+token ids at the next positions, keeps them provisional until :meth:`Backend.commit`
+(eviction happens there and nowhere else) or drops them with :meth:`Backend.rollback`, and
+reports the cache's state. Logits always come back as float32 ``torch`` tensors, so
+everything above the verifier (sessions, proposers, speculative decoding, benches) is the
+same code on every backend.
+
+* :class:`TorchBackend` — transformers model + :class:`~kakeya_lab.cache.SinkWindowCache`.
+* :class:`kakeya_lab.mlx_backend.MLXBackend` — mlx-lm model + its MLX sink-window cache.
+
+:func:`make_backend` picks one from the model's type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from kakeya_lab.cache import SinkWindowCache, SinkWindowConfig
+
+BACKENDS = ("torch", "mlx")
+
+
+@dataclass
+class Forward:
+    """What one forward returns: ``logits`` float32 ``[rows, vocab]`` (the last row only,
+    or one row per token) and, when asked for, the final hidden states (the lm_head's input)
+    float32 ``[len(token_ids), hidden]`` (every row)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One model + one sink-window cache for one sequence.
+
+    ``forward(ids, all_rows=..., hidden=...)`` appends ``ids`` at positions
+    ``next_position, next_position + 1, ...`` as provisional entries; if it raises, the
+    backend is as it was before the call (earlier provisional entries included).
+    ``commit(n)`` keeps the first ``n`` provisional entries and evicts; ``rollback()``
+    drops them all.
+    """
+
+    name: str
+    config: SinkWindowConfig
+    vocab_size: int
+
+    def forward(self, token_ids: Sequence[int], *, all_rows: bool, hidden: bool = False) -> Forward: ...
+
+    def commit(self, n: int) -> None: ...
+
+    def rollback(self) -> None: ...
+
+    def reset(self) -> None: ...
+
+    @property
+    def cache_len(self) -> int: ...
+
+    @property
+    def pending_len(self) -> int: ...
+
+    @property
+    def next_position(self) -> int: ...
+
+    def cached_positions(self) -> list[int]: ...
+
+    def kv_live_bytes(self) -> int: ...
+
+    def kv_budget_bytes(self) -> int | None: ...
+
+
+def backend_name_of(model: Any) -> str:
+    """``"torch"`` for a torch module, ``"mlx"`` for an mlx module; ValueError otherwise."""
+    if isinstance(model, torch.nn.Module):
+        return "torch"
+    module = type(model).__module__
+    try:
+        import mlx.nn
+    except ImportError:
+        mlx_module = None
+    else:
+        mlx_module = mlx.nn.Module
+    if mlx_module is not None and isinstance(model, mlx_module):
+        return "mlx"
+    raise ValueError(
+        f"cannot tell the backend of a {type(model).__name__} (from {module}): pass a transformers "
+        "PreTrainedModel (kakeya_lab.load_model) or an mlx-lm model (kakeya_lab.mlx_backend.load_mlx_model)"
+    )
+
+
+def proposer_backend(proposer: Any) -> str | None:
+    """The backend a proposer computes on (``None``: no model, e.g. n-gram lookup).
+
+    Read from ``proposer.backend`` when it says; else from the verifier a draft-model
+    proposer drafts with, or the drafter module a hidden-state proposer runs."""
+    named = getattr(proposer, "backend", None)
+    if isinstance(named, str):
+        return named
+    draft_verifier = getattr(proposer, "verifier", None)
+    if draft_verifier is not None and isinstance(getattr(draft_verifier, "backend_name", None), str):
+        return draft_verifier.backend_name
+    drafter = getattr(proposer, "drafter", None)
+    if drafter is not None:
+        return backend_name_of(drafter)
+    return None
+
+
+def check_same_backend(verifier_backend: str, proposer: Any) -> None:
+    """Raise ValueError if ``proposer`` computes on another backend than the verifier."""
+    theirs = proposer_backend(proposer)
+    if theirs is not None and theirs != verifier_backend:
+        raise ValueError(
+            f"the proposer {getattr(proposer, 'name', type(proposer).__name__)!r} runs on {theirs} but the "
+            f"verifier on {verifier_backend}: load the draft model (or drafter) on the same backend"
+        )
+
+
+def make_backend(model: Any, config: SinkWindowConfig) -> Backend:
+    """The backend for ``model``: :class:`TorchBackend` or :class:`~kakeya_lab.mlx_backend.MLXBackend`."""
+    if backend_name_of(model) == "torch":
+        return TorchBackend(model, config)
+    from kakeya_lab.mlx_backend import MLXBackend
+
+    return MLXBackend(model, config)
+
+
+def final_norm(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose output feeds the lm_head (the final norm of the decoder stack)."""
+    norm = getattr(model.base_model, "norm", None)
+    if norm is None:
+        raise ValueError(f"{type(model).__name__} has no final norm at model.base_model.norm")
+    return norm
+
+
+class TorchBackend:
+    """A transformers causal LM over a :class:`SinkWindowCache` (``auto_commit=False``)."""
+
+    name = "torch"
+
+    def __init__(self, model: torch.nn.Module, config: SinkWindowConfig):
+        from kakeya_lab.attention import enable_sink_window_attention
+
+        enable_sink_window_attention(model)
+        self.model = model
+        self.config = config
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.device = next(model.parameters()).device
+        self.cache = SinkWindowCache(model, config, auto_commit=False)
+
+    def forward(self, token_ids: Sequence[int], *, all_rows: bool, hidden: bool = False) -> Forward:
+        ids = list(token_ids)
+        start = self.cache.next_position
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(ids), device=self.device)[None]
+        captured: list[torch.Tensor] = []
+        hook = None
+        if hidden:
+            hook = final_norm(self.model).register_forward_hook(
+                lambda _m, _i, out: captured.append(out[0].detach().float())
+            )
+        try:
+            with torch.inference_mode():
+                out = self.model(
+                    input_ids=input_ids,
+                    position_ids=positions,
+                    past_key_values=self.cache,
+                    use_cache=True,
+                    logits_to_keep=0 if all_rows else 1,
+                )
+        except BaseException:
+            self.cache.crop(start)  # drop this forward's partial block only
+            raise
+        finally:
+            if hook is not None:
+                hook.remove()
+        return Forward(out.logits[0].float(), captured[-1] if captured else None)
+
+    def commit(self, n: int) -> None:
+        self.cache.commit(n)
+
+    def rollback(self) -> None:
+        self.cache.rollback()
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    @property
+    def cache_len(self) -> int:
+        return self.cache.cache_len
+
+    @property
+    def pending_len(self) -> int:
+        return self.cache.pending_len
+
+    @property
+    def next_position(self) -> int:
+        return self.cache.next_position
+
+    def cached_positions(self) -> list[int]:
+        return self.cache.cached_positions().tolist()
+
+    def kv_live_bytes(self) -> int:
+        return self.cache.kv_live_bytes()
+
+    def kv_budget_bytes(self) -> int | None:
+        return self.cache.kv_budget_bytes()

@@ -1,0 +1,331 @@
+"""The MLX backend against the oracles (MLX dense masked forward and the torch references).
+
+Same matrix as tests/test_oracle.py and tests/test_rollback.py, on mlx[cpu]: token by token,
+chunked appends, blocks + rollback, random interleavings across many wraps, both position
+modes; speculative decoding through the unchanged SessionStore; torch vs MLX greedy streams.
+Tolerances (fp32): tiny random models 1e-4, SmolLM2 1e-3.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("mlx_lm")
+
+from kakeya_lab import SinkWindowConfig, Verifier, reference  # noqa: E402
+from kakeya_lab.mlx_backend import load_mlx_model, mlx_dense_logits, mlx_early_exit_model  # noqa: E402
+from kakeya_lab.models import DEFAULT_MODEL, model_dir, tiny_random_model  # noqa: E402
+from kakeya_lab.proposers import DraftModelProposer, NgramProposer  # noqa: E402
+from kakeya_lab.session import SessionStore, Token  # noqa: E402
+
+TINY_TOL = 1e-4
+REAL_TOL = 1e-3
+CONFIG = dict(sink=4, window=28)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Tiny random models, each on both backends: {arch: (torch_model, mlx_model)}."""
+    pairs = {}
+    for arch in ("llama", "qwen3"):
+        loaded = tiny_random_model(arch, seed=0)
+        folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+        loaded.model.save_pretrained(folder, safe_serialization=True)
+        pairs[arch] = (loaded.model, load_mlx_model(folder))
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def mlx_default():
+    return load_mlx_model(model_dir(DEFAULT_MODEL))
+
+
+def torch_oracle(model, ids, config):
+    if config.positions == "global":
+        return reference.dense_logits(model, ids, config)
+    return reference.rolling_logits(model, ids, config)
+
+
+def token_by_token(model, ids, config):
+    v = Verifier(model, config)
+    return torch.stack([v.append([t]) for t in ids]), v
+
+
+def chunked(model, ids, config, rng):
+    v = Verifier(model, config, prefill_chunk=rng.randint(3, 9))
+    rows, i = [], 0
+    while i < len(ids):
+        chunk = ids[i : i + rng.randint(1, 13)]
+        rows.append(v.forward_block(chunk))
+        v.commit(len(chunk))
+        i += len(chunk)
+    last = Verifier(model, config, prefill_chunk=rng.randint(3, 9)).append(ids)  # multi-chunk append
+    return torch.cat(rows), last, v
+
+
+def blocks_with_rollback(model, ids, config, rng):
+    v = Verifier(model, config)
+    rows = [v.append(ids[:1])]
+    i = 1
+    while i < len(ids):
+        good = ids[i : i + rng.randint(1, 8)]
+        keep = rng.randint(0, len(good))
+        wrong = good[:keep] + [(t + 7) % v.vocab_size for t in good[keep:]]
+        logits = v.forward_block(wrong)
+        if rng.random() < 0.3:
+            v.rollback()
+            continue
+        v.commit(keep)
+        rows[i : i + keep] = list(logits[:keep])
+        i += keep
+        if keep == 0:
+            rows.append(v.append([ids[i]]))
+            i += 1
+    return torch.stack(rows), v
+
+
+def _check(name, got, want, tol, record_tolerance):
+    diff = (got - want).abs().max().item()
+    record_tolerance(name, diff)
+    assert diff <= tol, f"{name}: max |Δlogit| {diff:.3e} > {tol}"
+
+
+def _matrix(name, torch_model, mlx_model, ids, config, tol, record_tolerance):
+    want = torch_oracle(torch_model, ids, config)
+    if config.positions == "global":
+        mlx_want = mlx_dense_logits(mlx_model, ids, config)
+    else:  # the dense mask is the rolling oracle only up to the budget
+        mlx_want = mlx_dense_logits(mlx_model, ids[: config.budget], config)
+    _check(f"{name}/mlx dense vs torch oracle", mlx_want, want[: len(mlx_want)], tol, record_tolerance)
+    rng = random.Random(0)
+
+    got, v = token_by_token(mlx_model, ids, config)
+    _check(f"{name}/token-by-token vs torch oracle", got, want, tol, record_tolerance)
+    _check(f"{name}/token-by-token vs mlx dense", got[: len(mlx_want)], mlx_want, tol, record_tolerance)
+    assert v.cache_len == config.budget and v.history_len == len(ids)
+    assert v.kv_live_bytes == v.kv_budget_bytes() > 0
+
+    got, last, _ = chunked(mlx_model, ids, config, rng)
+    _check(f"{name}/chunked vs torch oracle", got, want, tol, record_tolerance)
+    _check(f"{name}/chunked append vs torch oracle", last, want[-1], tol, record_tolerance)
+
+    got, v = blocks_with_rollback(mlx_model, ids, config, rng)
+    assert v.history_token_ids == ids
+    _check(f"{name}/blocks+rollback vs torch oracle", got, want, tol, record_tolerance)
+
+
+@pytest.mark.parametrize("mode", ["global", "rolling"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tiny_mlx_paths_match_oracles(tiny, arch, mode, record_tolerance):
+    torch_model, mlx_model = tiny[arch]
+    config = SinkWindowConfig(**CONFIG, positions=mode)
+    ids = [random.Random(3).randrange(1000, 40000) for _ in range(4 * config.budget)]
+    _matrix(f"tiny-{arch}/{mode}", torch_model, mlx_model, ids, config, TINY_TOL, record_tolerance)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["global", "rolling"])
+def test_smollm2_mlx_paths_match_oracles(default_model, mlx_default, text_ids, mode, record_tolerance):
+    config = SinkWindowConfig(**CONFIG, positions=mode)
+    ids = text_ids[: 3 * config.budget]
+    _matrix(f"smollm2/{mode}", default_model.model, mlx_default, ids, config, REAL_TOL, record_tolerance)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["global", "rolling"])
+def test_mlx_random_interleavings_across_many_wraps(tiny, mode, record_tolerance):
+    """A few hundred random append / forward_block / commit / rollback operations on the MLX
+    backend, every forward checked against the torch single-token reference (kept
+    incrementally: committed tokens once, each open block on a fork), and the final history
+    against the torch dense oracle in global mode."""
+    torch_model, mlx_model = tiny["qwen3"]
+    config = SinkWindowConfig(sink=2, window=10, positions=mode)
+    rng = random.Random(1234 if mode == "global" else 99)
+    v = Verifier(mlx_model, config, prefill_chunk=4)
+    vocab = v.vocab_size
+    committed_ref = reference.RollingReference(torch_model, config)
+    open_ref, pending, worst, checks = None, [], 0.0, 0
+    for _ in range(300):
+        op = rng.random()
+        if not pending and (v.history_len == 0 or op < 0.25):
+            ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 9))]
+            got = v.append(ids)[None]
+            rolling_rows = committed_ref.extend(ids)[-1:]
+        elif op < 0.65:
+            ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
+            got = v.forward_block(ids)
+            open_ref = open_ref or committed_ref.copy()
+            rolling_rows = open_ref.extend(ids)
+            pending += ids
+        elif op < 0.85 and pending:
+            n = rng.randint(0, len(pending))
+            v.commit(n)
+            if n:
+                committed_ref.extend(pending[:n])
+            pending, open_ref = [], None
+            continue
+        else:
+            v.rollback()
+            pending, open_ref = [], None
+            continue
+        want = rolling_rows  # the single-token reference (global mode: equal to the dense forward)
+        worst = max(worst, (got - want).abs().max().item())
+        checks += 1
+        assert v.cache_len <= config.budget
+    assert v.history_len > 5 * config.budget, "the run must wrap the window many times"
+    record_tolerance(f"tiny-qwen3/{mode}/mlx random interleavings ({checks} checks)", worst)
+    assert worst <= TINY_TOL
+    v.rollback()
+    if mode == "global":
+        dense = reference.dense_logits(torch_model, v.history_token_ids, config)[-1]
+        assert (v.forward_block([v.history_token_ids[-1]])[0] - dense).abs().max().item() > 0  # a real probe
+        v.rollback()
+    fresh = Verifier(mlx_model, config)
+    fresh.append(v.history_token_ids)
+    assert fresh.cached_positions() == v.cached_positions()
+    assert fresh.cached_token_ids == v.cached_token_ids
+
+
+def test_mlx_rollback_after_wrap_keeps_every_committed_entry(tiny):
+    import numpy as np
+
+    _, mlx_model = tiny["llama"]
+    config = SinkWindowConfig(sink=3, window=8)
+    v = Verifier(mlx_model, config)
+    rng = random.Random(5)
+    v.append([rng.randrange(v.vocab_size) for _ in range(50)])
+    def committed_keys():
+        pos = v.cache.table.positions
+        slots = np.nonzero(pos >= 0)[0]
+        order = slots[np.argsort(pos[slots])]
+        return [np.array(layer.keys)[:, :, order] for layer in v.cache.layers]
+
+    before = committed_keys()
+    cached = v.cached_token_ids
+    probe = [rng.randrange(v.vocab_size) for _ in range(3)]
+    want = v.forward_block(probe)
+    v.rollback()
+    v.forward_block([rng.randrange(v.vocab_size) for _ in range(20)])  # longer than the window
+    v.rollback()
+    assert v.cached_token_ids == cached
+    for now, then in zip(committed_keys(), before):
+        assert np.array_equal(now, then)
+    assert (v.forward_block(probe) - want).abs().max().item() == 0.0
+
+
+def test_mlx_kv_live_bytes_grows_then_equals_the_analytic_budget(tiny):
+    torch_model, mlx_model = tiny["qwen3"]
+    cfg = torch_model.config
+    config = SinkWindowConfig(sink=4, window=20)
+    budget = config.budget * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * 2
+    v = Verifier(mlx_model, config)
+    series = []
+    for i in range(0, 64, 4):
+        v.append(list(range(100 + i, 104 + i)))
+        series.append(v.kv_live_bytes)
+    grow = [b for b, n in zip(series, range(4, 65, 4)) if n < config.budget]
+    full = series[len(grow) :]
+    assert all(0 < a < b for a, b in zip(grow, grow[1:])) and grow[-1] < budget
+    assert full and all(b == budget for b in full), (full, budget)
+    assert v.kv_budget_bytes() == budget
+
+
+def _plain(store, prompt, n):
+    sid = store.create()
+    store.append(sid, prompt)
+    return [e.id for e in store.generate(sid, n) if isinstance(e, Token)]
+
+
+@pytest.mark.parametrize("mode", ["global", "rolling"])
+@pytest.mark.parametrize(
+    "proposer_kind",
+    ["ngram", pytest.param("draft_model", marks=pytest.mark.slow),
+     pytest.param("early_exit", marks=pytest.mark.slow)],
+)
+def test_mlx_greedy_speculative_equals_plain_past_eviction(tiny, proposer_kind, mode):
+    """Through the unchanged SessionStore / speculative_decode on MLX. The prompt holds the
+    verifier's own earlier continuation (P + plain(P) + P), so the n-gram proposer has real
+    matches to draft (a random model rarely repeats itself otherwise)."""
+    _, verifier_model = tiny["llama"]
+    _, draft_model = tiny["qwen3"]
+    config = SinkWindowConfig(sink=4, window=20, positions=mode)
+    rng = random.Random(11)
+    first = [rng.randrange(1000, 5000) for _ in range(40)]
+    store = SessionStore(verifier_model, config, capacity=8, eos_token_ids=[])
+    prompt = first + _plain(store, first, 30) + first
+    plain = _plain(store, prompt, 40)
+    for k in (1, 4, 8):
+        if proposer_kind == "ngram":
+            proposer = NgramProposer()
+        elif proposer_kind == "draft_model":
+            proposer = DraftModelProposer(draft_model, config, label="tiny-random-qwen3 (mlx)")
+        else:  # self-speculation: the verifier's first layer drafts (MLX early exit)
+            proposer = DraftModelProposer(mlx_early_exit_model(verifier_model, 1), config, label="early-exit-1")
+        sid = store.create()
+        store.append(sid, prompt)
+        got = [e.id for e in store.generate(sid, 40, proposer=proposer, k=k) if isinstance(e, Token)]
+        assert got == plain, f"{proposer_kind} k={k}: speculative stream differs from plain decoding"
+        info = store.info(sid)
+        assert info.history_len > config.budget == info.cache_len
+        assert info.speculative["proposed"] > 0
+        store.close(sid)
+
+
+@pytest.mark.slow
+def test_torch_and_mlx_greedy_streams_over_200_tokens(default_model, mlx_default, text_ids):
+    config = SinkWindowConfig(**CONFIG)
+    prompt = text_ids[:40]
+    streams = {}
+    rows = {}
+    for name, model in (("torch", default_model.model), ("mlx", mlx_default)):
+        v = Verifier(model, config)
+        logits = v.append(prompt)
+        out, seen = [], []
+        for _ in range(200):
+            t = int(logits.argmax())
+            out.append(t)
+            seen.append(logits)
+            logits = v.append([t])
+        streams[name], rows[name] = out, seen
+        assert v.history_len > 5 * config.budget
+    if streams["torch"] != streams["mlx"]:
+        i = next(j for j, (a, b) in enumerate(zip(streams["torch"], streams["mlx"])) if a != b)
+        top2 = torch.topk(rows["torch"][i], 2)
+        margin = (top2.values[0] - top2.values[1]).item()
+        assert margin <= 2 * REAL_TOL, (
+            f"streams diverge at token {i} (torch {streams['torch'][i]}, mlx {streams['mlx'][i]}) "
+            f"with a torch top-2 margin of {margin:.3e}: not a near-tie"
+        )
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    save_file({"w": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="llama, qwen2, qwen3"):
+        load_mlx_model(tmp_path)
+
+
+def test_mixing_backends_is_a_clear_error(tiny):
+    torch_model, mlx_model = tiny["qwen3"]
+    config = SinkWindowConfig(sink=2, window=10)
+    store = SessionStore(mlx_model, config, eos_token_ids=[])
+    sid = store.create()
+    store.append(sid, [5, 6, 7, 8])
+    torch_draft = DraftModelProposer(torch_model, config)
+    with pytest.raises(ValueError, match="runs on torch but the verifier on mlx"):
+        list(store.generate(sid, 4, proposer=torch_draft, k=2))
+    assert store.verifier(sid).history_token_ids == [5, 6, 7, 8]
+    mlx_draft = DraftModelProposer(mlx_model, config, label="mlx draft")
+    torch_store = SessionStore(torch_model, config, eos_token_ids=[])
+    tid = torch_store.create()
+    torch_store.append(tid, [5, 6, 7, 8])
+    with pytest.raises(ValueError, match="runs on mlx but the verifier on torch"):
+        list(torch_store.generate(tid, 4, proposer=mlx_draft, k=2))
+    with pytest.raises(NotImplementedError, match="torch backend"):
+        store.verifier(sid).trace_hidden()
