@@ -2,7 +2,8 @@
 driven by real clients (grpcio stubs, the official ``openai`` client, httpx for /metrics).
 
 Two servers per module, started in parallel: ``main`` (capacity 10, reject, a small window
-so every conversation here evicts) and ``queued`` (capacity 1, queue admission). Replies are
+so every conversation here evicts) and ``queued`` (capacity 2, queue admission; stopped
+by the SIGTERM test, then restarted on the same ports). Replies are
 checked against in-process :class:`SessionStore` greedy decoding of the same token ids (the
 oracle) with the same cache configuration.
 """
@@ -108,7 +109,7 @@ def servers():
     """Both servers, started in parallel; always stopped (SIGTERM, then kill)."""
     with ThreadPoolExecutor(2) as pool:
         main = pool.submit(_start, "--capacity", "10", "--admission", "reject")
-        queued = pool.submit(_start, "--capacity", "1", "--admission", "queue", "--max-wait-s", "3")
+        queued = pool.submit(_start, "--capacity", "2", "--admission", "queue", "--max-wait-s", "3")
         started = []
         try:
             for future in (main, queued):
@@ -432,6 +433,7 @@ def test_concurrent_sessions_with_faults_equal_a_clean_run(main_server, default_
             client.close_session(sid)
             return replies
 
+    before = main_server.metrics()
     stop = threading.Event()
     faults: list[str] = []
 
@@ -463,14 +465,17 @@ def test_concurrent_sessions_with_faults_equal_a_clean_run(main_server, default_
     assert faults and set(faults) <= {"INVALID_ARGUMENT", "NOT_FOUND"}
     for turns, replies in zip(conversations, served):
         assert replies == oracle(turns, 4)
-    m = main_server.metrics()
-    assert m["kakeya_streams_total{end=cancelled}"] >= 1
+    after = main_server.metrics()
+    assert after["kakeya_streams_total{end=cancelled}"] > before.get("kakeya_streams_total{end=cancelled}", 0)
+    # nothing leaks: no session left open (idle HTTP sessions may have been evicted for room)
+    assert after["kakeya_sessions_open"] <= before["kakeya_sessions_open"]
+    assert after["kakeya_kv_live_bytes"] <= before["kakeya_kv_live_bytes"]
 
 
 def test_queue_admission_waits_for_a_slot_then_gives_up(servers):
     queued = servers["queued"]
     with queued.client() as client:
-        holder = client.create()
+        other, holder = client.create(), client.create()  # both slots taken
         result: dict = {}
 
         def wait_for_slot() -> None:
@@ -493,13 +498,32 @@ def test_queue_admission_waits_for_a_slot_then_gives_up(servers):
             queued.openai().chat.completions.create(model=DEFAULT_MODEL, max_tokens=2,
                                                     messages=[{"role": "user", "content": "hi"}])
         client.close_session(result["sid"])
+        client.close_session(other)
 
 
-def test_sigterm_ends_active_streams_with_a_clear_status(servers):
+def test_sigterm_ends_active_streams_then_restart_reports_sessions_gone(servers):
+    """SIGTERM while a gRPC stream and an HTTP stream are active: the gRPC call ends
+    UNAVAILABLE, the SSE stream with an in-band 503 error event, and the process exits 0.
+    A server restarted on the same ports reports the old session unknown."""
     queued = servers["queued"]
+    chunks: list[dict] = []
+    http_started = threading.Event()
+
+    def http_stream() -> None:
+        body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 500,
+                "stream": True}
+        with httpx.stream("POST", f"{queued.http_base}/v1/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    http_started.set()
+
     with queued.client() as client:
         sid = client.create()
         client.append_ids(sid, [1, 2, 3, 4])
+        reader = threading.Thread(target=http_stream)
+        reader.start()
+        assert http_started.wait(timeout=60)
         call = client.stream(sid, 500)
         received = 0
         with pytest.raises(grpc.RpcError) as info:
@@ -507,11 +531,27 @@ def test_sigterm_ends_active_streams_with_a_clear_status(servers):
                 received += event.WhichOneof("event") == "token"
                 if received == 2:
                     queued.proc.send_signal(signal.SIGTERM)
-        assert info.value.code() is grpc.StatusCode.UNAVAILABLE
-        assert "shutting down" in info.value.details()
-        assert received < 500
+        reader.join(timeout=30)
+    assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert "shutting down" in info.value.details() and received < 500
+    assert chunks[-1].get("error", {}).get("code") == 503, chunks[-1]
+    assert "shutting down" in chunks[-1]["error"]["message"]
     assert queued.proc.wait(timeout=30) == 0
     assert any("stopped" in line for line in queued.stderr)
+
+    # restarted on the same ports, the server reports the old session id unknown (never a
+    # silently reset session)
+    grpc_port = queued.grpc_target.rsplit(":", 1)[1]
+    http_port = queued.http_base.rsplit(":", 1)[1]
+    restarted = _start("--capacity", "2", "--grpc-port", grpc_port, "--http-port", http_port)
+    try:
+        assert restarted.grpc_target == queued.grpc_target
+        with restarted.client() as client:
+            code, msg = _code(lambda: client.info(sid))
+            assert code is grpc.StatusCode.NOT_FOUND and "unknown session" in msg
+        assert httpx.get(f"{restarted.http_base}/v1/sessions/{sid}", timeout=30).status_code == 404
+    finally:
+        restarted.stop()
 
 
 def test_cli_refuses_bad_arguments_before_loading_the_model(tmp_path, monkeypatch, capsys):

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+)
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -21,6 +28,7 @@ class ServeMetrics:
         disable_created_metrics()  # no *_created series: they only add noise to scrapes
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, open fds, cpu seconds
         Gauge("kakeya_sessions_open", "Open sessions", registry=r).set_function(open_sessions)
         Gauge("kakeya_kv_live_bytes", "Bytes of K and V held by all sessions' caches",
               registry=r).set_function(kv_live_bytes)
