@@ -470,6 +470,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kakeya_lab.models import load_model
 
     cache, options = _serve_options(args)
+    print(f"{PROG} serve: loading {args.model} ({args.backend})", file=sys.stderr, flush=True)
     loaded = load_model(args.model, backend=args.backend, progress=False)
     from kakeya_lab.serve.server import run_server
 

@@ -567,3 +567,25 @@ def test_cli_refuses_bad_arguments_before_loading_the_model(tmp_path, monkeypatc
         out, err = capsys.readouterr()
         assert out == "" and len(err.strip().splitlines()) == 1 and needle in err, (args, err)
     assert not any(tmp_path.iterdir())
+
+
+def test_served_long_run_arms(main_server):
+    """The three client-driven arms over the same turns: session-bound gRPC and reusing HTTP
+    prefill only each turn's new tokens; stateless HTTP re-prefills a growing history."""
+    from kakeya_lab.bench.aggregate import aggregate_arm
+    from kakeya_lab.serve.served_long_run import run_served_long_run
+
+    turns = ["Hi! What is your name?", "Tell me about the sea.", "And about mountains?"]
+    df = run_served_long_run(main_server.grpc_target, main_server.http_base, turns, max_new_tokens=6)
+    by = {arm: g.sort_values("turn") for arm, g in df.groupby("arm")}
+    grpc_s, reuse, stateless = by["grpc_session"], by["http_reuse"], by["http_stateless"]
+    assert (stateless["cached_tokens"] == 0).all()
+    assert stateless["appended_tokens"].is_monotonic_increasing  # the whole history, every turn
+    assert (reuse["cached_tokens"].iloc[1:] > 0).all()
+    assert (reuse["appended_tokens"].iloc[1:].values < stateless["appended_tokens"].iloc[1:].values).all()
+    assert (grpc_s["appended_tokens"].iloc[1:].values < stateless["appended_tokens"].iloc[1:].values).all()
+    assert list(reuse["reply"]) == list(stateless["reply"])  # same prompt ids, same greedy reply
+    assert (df["kv_live_bytes"] > 0).all() and (df["rss_bytes"] > 0).all()
+    for g in by.values():
+        summary = aggregate_arm(g, budget_tokens=SINK + WINDOW, budget_bytes=None, turns_per_bucket=1)
+        assert summary["turns"] == len(turns)
