@@ -98,9 +98,10 @@ def _start(*extra: str) -> Server:
     reader.start()
     reader.join(timeout=START_TIMEOUT_S)
     if not found:
+        how = f"exited with {proc.poll()}" if proc.poll() is not None else f"not ready in {START_TIMEOUT_S}s"
         proc.kill()
         proc.wait(timeout=10)
-        raise RuntimeError(f"server did not get ready in {START_TIMEOUT_S}s: {''.join(stderr)[-2000:]}")
+        raise RuntimeError(f"server {how}: {''.join(stderr)[-2000:]}")
     return Server(proc, found[0].group(1), found[0].group(2), stderr)
 
 

@@ -83,7 +83,7 @@ def run_server(loaded, cache: SinkWindowConfig, options: ServeOptions, *, prog: 
 
     d = loaded.description
     budget = cache.budget if cache.budget is not None else "unbounded"
-    print(f"{prog}: ready: model {d.name} (weights sha256 {d.weight_sha256[:16]}, {d.backend}, {d.dtype}); "
+    print(f"{prog}: ready: model {d.name} (weights sha256 {d.weight_sha256[:16]}, {getattr(d, 'backend', 'torch')}, {d.dtype}); "
           f"cache sink {cache.sink} window {cache.window} ({budget} tokens, {cache.positions} positions); "
           f"capacity {options.capacity} ({options.admission}); "
           f"gRPC {options.host}:{grpc_port}; HTTP http://{options.host}:{http_port}/v1",
