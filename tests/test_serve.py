@@ -370,6 +370,13 @@ def test_http_errors(main_server):
         r = http.post("/v1/chat/completions", json=body)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["message"]
+    open_before = main_server.metrics()["kakeya_sessions_open"]
+    too_many_tokens = http.post("/v1/chat/completions",
+                                json={"messages": [{"role": "user", "content": "word " * 9000}]})
+    assert too_many_tokens.status_code == 400 and "limit" in too_many_tokens.json()["error"]["message"]
+    huge = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 9_000_000}]})
+    assert huge.status_code == 413 and "limit" in huge.json()["error"]["message"]
+    assert main_server.metrics()["kakeya_sessions_open"] == open_before  # nothing left behind
     with pytest.raises(openai.NotFoundError):
         oc.chat.completions.create(model=DEFAULT_MODEL, messages=user, max_tokens=2,
                                    extra_body={"session_id": "0123456789abcdef"})

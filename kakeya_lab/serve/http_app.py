@@ -13,7 +13,7 @@ reply carries ``session_id`` and ``usage.prompt_tokens_details.cached_tokens`` (
 tokens not prefilled again), plus a ``kakeya`` object (appended tokens, prefill seconds).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "code"}}`` with 400 (bad input),
-404 (unknown session), 409 (session busy), 429 (no free slot), 503 (shutting down) and
+413 (body too large), 404 (unknown session), 409 (session busy), 429 (no free slot), 503 (shutting down) and
 500 (engine error). A client that disconnects mid-stream stops generation; its session
 keeps exactly the tokens sent.
 """
@@ -106,8 +106,9 @@ def _error_body(exc: BaseException) -> tuple[int, dict]:
     return status, {"error": {"message": message, "type": kind, "code": status}}
 
 
-def create_app(served: ServedSessions) -> FastAPI:
-    """The ASGI app serving ``served`` (see the module docstring)."""
+def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> FastAPI:
+    """The ASGI app serving ``served`` (see the module docstring); request bodies larger
+    than ``max_body_bytes`` are refused with 413."""
     app = FastAPI(title="kakeya_lab", docs_url=None, redoc_url=None)
     metrics = served.metrics
     tok = served.tokenizer
@@ -116,6 +117,18 @@ def create_app(served: ServedSessions) -> FastAPI:
         status, body = _error_body(exc)
         metrics.errors.labels(str(status)).inc()
         return JSONResponse(body, status_code=status)
+
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+            status, body = 413, {"error": {
+                "message": f"request body of {int(length)} bytes is larger than this server's limit "
+                           f"{max_body_bytes}: send a shorter conversation (or continue a session)",
+                "type": "request_too_large", "code": 413}}
+            metrics.errors.labels(str(status)).inc()
+            return JSONResponse(body, status_code=status)
+        return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -315,7 +315,8 @@ class ServedSessions:
         try:
             appended = self._append(served, self._check_size(new)) if new else None
         except BaseException:
-            self.detach(served)
+            # a session opened for this request and left empty is closed, not leaked
+            self.detach(served, close=served.implicit and served.appended_tokens == 0)
             raise
         return Attached(served, reused_tokens=reused, prompt_tokens=len(prompt_ids),
                         appended=appended, queued_s=queued_s)
