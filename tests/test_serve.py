@@ -396,6 +396,7 @@ def test_http_disconnect_mid_stream_stops_generation(main_server):
     http = httpx.Client(base_url=main_server.http_base, timeout=60)
     body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 200,
             "stream": True}
+    cancelled_before = main_server.metrics().get("kakeya_streams_total{end=cancelled}", 0)
     sid, pieces = None, 0
     with http.stream("POST", "/v1/chat/completions", json=body) as response:
         for line in response.iter_lines():
@@ -406,13 +407,15 @@ def test_http_disconnect_mid_stream_stops_generation(main_server):
             pieces += bool(chunk["choices"][0]["delta"].get("content"))
             if pieces == 3:
                 break  # leaving the block closes the connection
+    # the server notices the disconnect and closes the stream (its tokens are then committed)
     deadline = time.monotonic() + 15
-    while True:  # the server notices the disconnect, closes the stream and frees the session
-        info = http.get(f"/v1/sessions/{sid}").json()
-        time.sleep(0.5)
-        again = http.get(f"/v1/sessions/{sid}").json()
-        if info["history_len"] == again["history_len"] or time.monotonic() > deadline:
-            break
+    while main_server.metrics().get("kakeya_streams_total{end=cancelled}", 0) == cancelled_before:
+        assert time.monotonic() < deadline, "the server kept generating after the client left"
+        time.sleep(0.1)
+    info = http.get(f"/v1/sessions/{sid}").json()
+    time.sleep(0.5)
+    again = http.get(f"/v1/sessions/{sid}").json()
+    assert again["history_len"] == info["history_len"]  # generation has stopped
     generated = again["generated_tokens"]
     assert 3 <= generated < 200 and again["history_len"] == again["appended_tokens"] + generated
     assert http.delete(f"/v1/sessions/{sid}").status_code == 200

@@ -118,18 +118,6 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
         metrics.errors.labels(str(status)).inc()
         return JSONResponse(body, status_code=status)
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            status, body = 413, {"error": {
-                "message": f"request body of {int(length)} bytes is larger than this server's limit "
-                           f"{max_body_bytes}: send a shorter conversation (or continue a session)",
-                "type": "request_too_large", "code": 413}}
-            metrics.errors.labels(str(status)).inc()
-            return JSONResponse(body, status_code=status)
-        return await call_next(request)
-
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
@@ -302,4 +290,28 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes, on_refuse=lambda: metrics.errors.labels("413").inc())
     return app
+
+
+class BodyLimit:
+    """Pure ASGI middleware: refuse a request whose Content-Length exceeds ``max_body_bytes``
+    with 413 (a pure ASGI layer keeps streaming responses and disconnects untouched)."""
+
+    def __init__(self, app, *, max_body_bytes: int, on_refuse=lambda: None):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.on_refuse = on_refuse
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            length = dict(scope["headers"]).get(b"content-length", b"")
+            if length.isdigit() and int(length) > self.max_body_bytes:
+                self.on_refuse()
+                body = {"error": {
+                    "message": f"request body of {int(length)} bytes is larger than this server's limit "
+                               f"{self.max_body_bytes}: send a shorter conversation (or continue a session)",
+                    "type": "request_too_large", "code": 413}}
+                await JSONResponse(body, status_code=413)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
