@@ -1,0 +1,187 @@
+"""The gRPC session service (``proto/session.proto``) over :class:`ServedSessions`.
+
+Status mapping (every error leaves other sessions untouched):
+
+==========================================  =====================
+unknown, closed or evicted session          ``NOT_FOUND``
+bad input (ids, sizes, options, text mode)  ``INVALID_ARGUMENT``
+no free slot (reject / queue timeout)       ``RESOURCE_EXHAUSTED``
+session busy (stream open, empty session)   ``FAILED_PRECONDITION``
+server stopping                             ``UNAVAILABLE``
+engine error                                ``INTERNAL``
+==========================================  =====================
+
+``Generate`` streams events; when the client cancels, generation stops before the next
+token and the session keeps exactly the tokens the server sent (a client may not have
+read the last ones still in flight when it cancelled).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+
+import grpc
+
+from kakeya_lab.sampling import SamplingConfig
+from kakeya_lab.serve.admission import AdmissionRejected
+from kakeya_lab.serve.proto import session_pb2 as pb
+from kakeya_lab.serve.proto import session_pb2_grpc as pb_grpc
+from kakeya_lab.serve.sessions import (
+    GenerateOptions,
+    ServedSessions,
+    ServerShuttingDown,
+    SessionInUse,
+    _as_dict,
+)
+from kakeya_lab.session import (
+    Done,
+    HistoryTruncated,
+    SessionBusy,
+    SessionClosed,
+    SessionError,
+    Token,
+    UnknownSession,
+)
+from kakeya_lab.speculative import SpeculativeStep
+
+
+def status_of(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC status for an exception raised by the serving layer or the store."""
+    if isinstance(exc, (UnknownSession, SessionClosed)):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, AdmissionRejected):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, (SessionBusy, SessionInUse)):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, ServerShuttingDown):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, ValueError):  # InputTypeError included; a TypeError is a bug
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, SessionError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return grpc.StatusCode.INTERNAL
+
+
+class SessionService(pb_grpc.SessionServiceServicer):
+    """Servicer: each method maps one request onto :class:`ServedSessions`."""
+
+    def __init__(self, served: ServedSessions):
+        self.served = served
+        self._decode = served.tokenizer.decode
+
+    def _fail(self, context: grpc.ServicerContext, exc: BaseException, method: str):
+        code = status_of(exc)
+        self.served.metrics.errors.labels(code.name).inc()
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        if code is grpc.StatusCode.INTERNAL:
+            message = f"engine error in {method} ({type(exc).__name__}): {message}"
+        context.abort(code, message)
+
+    def _call(self, context, method: str, fn: Callable):
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        except Exception as exc:  # mapped to a status; the server keeps running
+            self._fail(context, exc, method)
+        finally:
+            self.served.metrics.request_latency.labels(f"grpc:{method}").observe(time.perf_counter() - t0)
+
+    def CreateSession(self, request, context):
+        def run():
+            system = request.system_prompt if request.HasField("system_prompt") else None
+            served, queued_s = self.served.create(origin="grpc", system_prompt=system)
+            return pb.CreateSessionReply(session_id=served.id, queued_s=queued_s)
+        return self._call(context, "CreateSession", run)
+
+    def AppendTokens(self, request, context):
+        def run():
+            which = request.WhichOneof("input")
+            if which == "token_ids":
+                result = self.served.append_ids(request.session_id, list(request.token_ids.ids))
+            elif which in ("user_text", "assistant_text"):
+                role = "user" if which == "user_text" else "assistant"
+                result = self.served.append_text(request.session_id, role, getattr(request, which))
+            else:
+                raise ValueError("AppendTokens needs token_ids, user_text or assistant_text")
+            return pb.AppendReply(appended_tokens=result.appended, dropped_tokens=result.dropped,
+                                  latency_s=result.latency_s, history_len=result.history_len,
+                                  cache_len=result.cache_len)
+        return self._call(context, "AppendTokens", run)
+
+    def Generate(self, request, context) -> Iterator[pb.GenerateEvent]:
+        t0 = time.perf_counter()
+        stop = threading.Event()
+        context.add_callback(stop.set)  # runs when the RPC ends, cancellation included
+        try:
+            s = request.sampling
+            sampling = SamplingConfig(
+                temperature=s.temperature,
+                top_k=s.top_k if s.HasField("top_k") else None,
+                top_p=s.top_p if s.HasField("top_p") else None,
+                seed=s.seed if s.HasField("seed") else None,
+            )
+            options = GenerateOptions(
+                max_new_tokens=request.max_new_tokens, sampling=sampling,
+                stop_token_ids=tuple(request.stop_token_ids), proposer=request.proposer or "none",
+                draft_length=request.draft_length or 4,
+                adaptive_draft_length=request.adaptive_draft_length,
+            )
+            events = self.served.generate(request.session_id, options, cancelled=stop.is_set)
+        except Exception as exc:
+            self._fail(context, exc, "Generate")
+            return
+        try:
+            for event in events:
+                yield self._event(event)
+        except Exception as exc:
+            self._fail(context, exc, "Generate")
+        finally:
+            events.close()
+            self.served.metrics.request_latency.labels("grpc:Generate").observe(time.perf_counter() - t0)
+
+    def _event(self, event) -> pb.GenerateEvent:
+        if isinstance(event, Token):
+            return pb.GenerateEvent(token=pb.TokenEvent(id=event.id, text=self._decode([event.id])))
+        if isinstance(event, HistoryTruncated):
+            return pb.GenerateEvent(truncated=pb.HistoryTruncatedEvent(dropped=event.dropped))
+        if isinstance(event, SpeculativeStep):
+            return pb.GenerateEvent(step=pb.SpeculativeStepEvent(
+                draft_length=event.draft_length, proposed=event.proposed, accepted=event.accepted,
+                emitted=event.emitted, proposer_s=event.proposer_s, verifier_s=event.verifier_s))
+        if isinstance(event, Done):
+            c, t = _as_dict(event.counts), _as_dict(event.timings)
+            return pb.GenerateEvent(done=pb.DoneEvent(
+                stop_reason=event.stop_reason, generated_tokens=c["generated_tokens"],
+                verifier_forwards=c["verifier_forwards"], proposed=c["proposed"], accepted=c["accepted"],
+                history_len=c["history_len"], cache_len=c["cache_len"], kv_live_bytes=c["kv_live_bytes"],
+                total_s=t["total_s"], first_token_s=t["first_token_s"] or 0.0,
+                tokens_per_s=t["tokens_per_s"] or 0.0))
+        raise TypeError(f"unknown event {type(event).__name__}")
+
+    def GetSessionInfo(self, request, context):
+        def run():
+            info = self.served.info(request.session_id)
+            if not request.include_history:
+                info["history"] = []
+            return pb.SessionInfo(**info)
+        return self._call(context, "GetSessionInfo", run)
+
+    def CloseSession(self, request, context):
+        def run():
+            self.served.close(request.session_id)
+            return pb.CloseReply()
+        return self._call(context, "CloseSession", run)
+
+
+def start_grpc_server(served: ServedSessions, host: str, port: int, *, max_workers: int = 32) -> tuple[grpc.Server, int]:
+    """Start the service on ``host:port`` (0: a free port); returns the server and its port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"))
+    pb_grpc.add_SessionServiceServicer_to_server(SessionService(served), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the gRPC port {host}:{port} (in use?)")
+    server.start()
+    return server, bound

@@ -1,0 +1,100 @@
+"""Run the gRPC service and the HTTP endpoint in one process over one store.
+
+:func:`run_server` starts both on loopback (by default), prints one progress line when
+ready, waits for SIGTERM/SIGINT, then shuts down: new work is refused, active streams end
+with a clear status (gRPC ``UNAVAILABLE``, an in-band HTTP error event), both servers
+stop and the process exits 0. Sessions live in memory only: after a restart every old
+session id is reported unknown (``NOT_FOUND`` / 404), never silently reset.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import uvicorn
+
+from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.serve.admission import Admission
+from kakeya_lab.serve.grpc_service import start_grpc_server
+from kakeya_lab.serve.http_app import create_app
+from kakeya_lab.serve.sessions import ServedSessions, ServeLimits
+from kakeya_lab.session import SessionStore
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Where and how to serve. Port 0 picks a free port (printed in the progress line).
+
+    ``admission``: ``reject`` / ``queue`` (wait up to ``max_wait_s``) when all ``capacity``
+    slots are used, or ``evict_lru`` (the store closes the least recently used session)."""
+
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_port: int = 8000
+    capacity: int = 8
+    admission: str = "reject"
+    max_wait_s: float = 10.0
+    idle_ttl_s: float | None = None
+    limits: ServeLimits = ServeLimits()
+    shutdown_grace_s: float = 5.0
+
+
+def build_served(loaded, cache: SinkWindowConfig, options: ServeOptions) -> ServedSessions:
+    """The serving layer over a fresh store for ``loaded`` (a :class:`LoadedModel`)."""
+    store_policy = "evict_lru" if options.admission == "evict_lru" else "reject"
+    store = SessionStore(loaded.model, cache, capacity=options.capacity, policy=store_policy,
+                         idle_ttl_s=options.idle_ttl_s)
+    admission = Admission("queue" if options.admission == "queue" else "reject", options.max_wait_s)
+    return ServedSessions(store, loaded.tokenizer, admission, options.limits,
+                          model_name=loaded.description.name)
+
+
+def run_server(loaded, cache: SinkWindowConfig, options: ServeOptions, *, prog: str = "kakeya-lab serve") -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit status (0 after a clean shutdown)."""
+    served = build_served(loaded, cache, options)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    grpc_server, grpc_port = start_grpc_server(served, options.host, options.grpc_port)
+    sock = socket.socket(socket.AF_INET6 if ":" in options.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((options.host, options.http_port))
+    except OSError as exc:
+        grpc_server.stop(0)
+        raise OSError(f"cannot bind the HTTP port {options.host}:{options.http_port}: {exc}") from exc
+    http_port = sock.getsockname()[1]
+    http = uvicorn.Server(uvicorn.Config(create_app(served), log_level="warning", lifespan="off",
+                                         timeout_graceful_shutdown=options.shutdown_grace_s))
+    http_thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="http", daemon=True)
+    http_thread.start()
+    deadline = time.monotonic() + 30
+    while not http.started and http_thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not http.started:
+        grpc_server.stop(0)
+        raise RuntimeError("the HTTP server did not start (see the log above)")
+
+    d = loaded.description
+    budget = cache.budget if cache.budget is not None else "unbounded"
+    print(f"{prog}: ready: model {d.name} (weights sha256 {d.weight_sha256[:16]}, {getattr(d, 'backend', 'torch')}, {d.dtype}); "
+          f"cache sink {cache.sink} window {cache.window} ({budget} tokens, {cache.positions} positions); "
+          f"capacity {options.capacity} ({options.admission}); "
+          f"gRPC {options.host}:{grpc_port}; HTTP http://{options.host}:{http_port}/v1",
+          flush=True)
+
+    stop.wait()
+    print(f"{prog}: stopping: ending active streams", file=sys.stderr, flush=True)
+    served.shutting_down.set()
+    grpc_server.stop(grace=options.shutdown_grace_s).wait()
+    http.should_exit = True
+    http_thread.join(timeout=options.shutdown_grace_s + 5)
+    left = len(served.store)
+    print(f"{prog}: stopped ({left} session(s) dropped with the process)", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,442 @@
+"""Served sessions: a :class:`~kakeya_lab.session.SessionStore` plus what serving adds.
+
+Both front ends (gRPC and HTTP) go through :class:`ServedSessions`:
+
+* admission (:mod:`kakeya_lab.serve.admission`) when the store is full; sessions that HTTP
+  opened implicitly (for stateless requests) are evicted least-recently-used first;
+* a :class:`~kakeya_lab.chat.ChatTemplate` per session for text appends (a session that
+  receives raw token ids is in *token mode* afterwards and refuses text);
+* :meth:`ServedSessions.attach` — prefix reuse: the token ids of a rendered conversation
+  are matched against open HTTP sessions' histories, so only the new tokens are prefilled;
+* :meth:`ServedSessions.generate` — the store's stream with cancellation, shutdown and
+  metrics; it closes the store stream on every exit, so the session keeps exactly the
+  tokens this generator yielded;
+* limits on request sizes, checked before any state changes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from kakeya_lab import inputs
+from kakeya_lab.chat import ChatTemplate
+from kakeya_lab.proposers import make_proposer
+from kakeya_lab.sampling import SamplingConfig
+from kakeya_lab.serve.admission import Admission
+from kakeya_lab.serve.metrics import ServeMetrics
+from kakeya_lab.session import (
+    AppendResult,
+    CapacityExceeded,
+    Done,
+    Event,
+    SessionError,
+    SessionStore,
+    Token,
+    UnknownSession,
+)
+
+
+class ServerShuttingDown(Exception):
+    """The server is stopping: streams end, new work is refused."""
+
+
+class SessionInUse(SessionError):
+    """Another request is using the session right now."""
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """Per-request bounds (oversized requests are refused before any state changes)."""
+
+    max_append_tokens: int = 8192
+    max_new_tokens: int = 2048
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """One generation request. ``proposer`` is ``none`` or ``ngram[:SIZES]``."""
+
+    max_new_tokens: int
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_token_ids: tuple[int, ...] = ()
+    proposer: str = "none"
+    draft_length: int = 4
+    adaptive_draft_length: bool = False
+
+
+@dataclass(eq=False)
+class ServedSession:
+    """Serving-side state of one store session."""
+
+    id: str
+    origin: str  # "grpc" | "http"
+    implicit: bool  # opened by HTTP for a stateless request (evictable when full)
+    chat: ChatTemplate | None  # None: token mode (raw ids were appended)
+    in_use: bool = False
+    appended_tokens: int = 0
+    prefill_s: float = 0.0
+    generations: int = 0
+    last_used_s: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class Attached:
+    """A session bound to an HTTP request: ``reused_tokens`` of the conversation were already
+    in it; ``appended`` says what was prefilled (None when nothing was new)."""
+
+    session: ServedSession
+    reused_tokens: int
+    prompt_tokens: int
+    appended: AppendResult | None
+    queued_s: float
+
+
+def _as_dict(value: object) -> dict:
+    """A store result field as a dict (plain dicts today, dataclasses with ``to_dict`` soon)."""
+    to_dict = getattr(value, "to_dict", None)
+    return to_dict() if callable(to_dict) else dict(value)  # type: ignore[call-overload]
+
+
+class ServedSessions:
+    """Thread-safe serving layer over one store (see the module docstring)."""
+
+    def __init__(self, store: SessionStore, tokenizer, admission: Admission,
+                 limits: ServeLimits = ServeLimits(), model_name: str = "model"):
+        self.store = store
+        self.tokenizer = tokenizer
+        self.admission = admission
+        self.limits = limits
+        self.model_name = model_name
+        self._sessions: dict[str, ServedSession] = {}
+        self._lock = threading.Lock()  # guards _sessions and in_use flags only
+        self.shutting_down = threading.Event()
+        self.metrics = ServeMetrics(open_sessions=lambda: len(self.store), kv_live_bytes=self._kv_live_bytes)
+        self._sampling_arg = "sampling" in inspect.signature(store.generate).parameters
+
+    # ---------------------------------------------------------------- helpers
+    def _kv_live_bytes(self) -> float:
+        total = 0
+        for sid in self.store.ids():
+            try:
+                total += self.store.info(sid).kv_live_bytes
+            except SessionError:
+                pass
+        return float(total)
+
+    def check_running(self) -> None:
+        if self.shutting_down.is_set():
+            raise ServerShuttingDown("the server is shutting down; no new work is accepted")
+
+    def get(self, session_id: str) -> ServedSession:
+        """The served session, or :class:`UnknownSession` (also if the store dropped it)."""
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError("session_id must be a non-empty string (what CreateSession returned)")
+        with self._lock:
+            served = self._sessions.get(session_id)
+        if served is None or session_id not in self.store.ids():
+            with self._lock:
+                self._sessions.pop(session_id, None)
+            self.store.info(session_id)  # raises UnknownSession with the store's reason
+            raise UnknownSession(f"unknown session id {session_id!r}")
+        return served
+
+    # -------------------------------------------------------------- lifecycle
+    def create(self, *, origin: str, implicit: bool = False,
+               system_prompt: str | None = None) -> tuple[ServedSession, float]:
+        """Admit and open a session; returns it and the seconds spent queued."""
+        self.check_running()
+        chat = ChatTemplate(self.tokenizer, system=system_prompt) if origin == "grpc" else None
+
+        def take_slot() -> str:
+            try:
+                return self.store.create()
+            except CapacityExceeded:
+                if not self._evict_implicit():
+                    raise
+                return self.store.create()
+
+        try:
+            sid, queued_s = self.admission.admit(take_slot)
+        except Exception:
+            self.metrics.admission.labels("rejected").inc()
+            raise
+        self.metrics.admission.labels("queued" if queued_s > 0.001 else "admitted").inc()
+        served = ServedSession(sid, origin=origin, implicit=implicit, chat=chat)
+        with self._lock:
+            self._sessions[sid] = served
+        self.metrics.sessions_created.labels(origin).inc()
+        return served, queued_s
+
+    def _evict_implicit(self) -> bool:
+        """Close the least recently used idle implicit session; False if there is none."""
+        with self._lock:
+            idle = [s for s in self._sessions.values() if s.implicit and not s.in_use]
+            victim = min(idle, key=lambda s: s.last_used_s) if idle else None
+            if victim is not None:
+                victim.in_use = True
+                del self._sessions[victim.id]
+        if victim is None:
+            return False
+        try:
+            self.store.close(victim.id)
+        except UnknownSession:
+            pass
+        self.metrics.sessions_closed.labels("evicted_implicit").inc()
+        return True
+
+    def close(self, session_id: str) -> None:
+        self.get(session_id)
+        self.store.close(session_id)  # an open stream ends with SessionClosed
+        with self._lock:
+            self._sessions.pop(session_id, None)
+        self.metrics.sessions_closed.labels("closed").inc()
+        self.admission.released()
+
+    # ----------------------------------------------------------------- append
+    def _check_size(self, ids: Sequence[int]) -> list[int]:
+        ids = inputs.token_ids(ids, self.store.vocab_size)
+        if len(ids) > self.limits.max_append_tokens:
+            raise ValueError(
+                f"{len(ids)} tokens in one append is more than this server's limit "
+                f"{self.limits.max_append_tokens}: split it into smaller appends"
+            )
+        return ids
+
+    def append_ids(self, session_id: str, token_ids: Sequence[int]) -> AppendResult:
+        """Commit raw token ids (the session is in token mode afterwards)."""
+        self.check_running()
+        served = self.get(session_id)
+        ids = self._check_size(token_ids)
+        result = self._append(served, ids)
+        served.chat = None
+        return result
+
+    def append_text(self, session_id: str, role: str, text: str) -> AppendResult:
+        """Render a user or assistant message through the session's chat template and commit
+        its ids; the template is unchanged if anything fails."""
+        self.check_running()
+        served = self.get(session_id)
+        if not isinstance(text, str):
+            raise inputs.InputTypeError(f"message text must be a string, got {type(text).__name__}")
+        chat = served.chat
+        if chat is None:
+            raise ValueError(
+                f"session {session_id!r} is in token mode (raw token ids were appended): "
+                "keep appending token ids, or create a new session for text"
+            )
+        saved = (list(chat.messages), chat.rendered, chat.awaiting_reply)
+        try:
+            ids = chat.user(text) if role == "user" else chat.assistant(text)
+            ids = self._check_size(ids)
+            return self._append(served, ids)
+        except BaseException:
+            chat.messages, chat.rendered, chat.awaiting_reply = saved
+            raise
+
+    def _append(self, served: ServedSession, ids: list[int]) -> AppendResult:
+        result = self.store.append(served.id, ids)
+        served.appended_tokens += result.appended
+        served.prefill_s += result.latency_s
+        served.last_used_s = time.monotonic()
+        self.metrics.appended_tokens.inc(result.appended)
+        self.metrics.append_latency.observe(result.latency_s)
+        return result
+
+    # ------------------------------------------------------------ HTTP reuse
+    def render_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template, ending with
+        the assistant generation prompt."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def attach(self, prompt_ids: list[int], *, session_id: str | None, reuse: bool) -> Attached:
+        """Bind a session to an HTTP request whose conversation renders to ``prompt_ids``.
+
+        ``session_id``: that session, whose history must be a prefix of ``prompt_ids``.
+        Else, with ``reuse``, the open HTTP session with the longest history that is a
+        prefix (then only the remainder is prefilled); else a new implicit session. The
+        session is marked in use until :meth:`detach`.
+        """
+        self.check_running()
+        inputs.token_ids(prompt_ids, self.store.vocab_size, "prompt")
+        if session_id is not None:
+            served = self.get(session_id)
+            with self._lock:
+                if served.in_use:
+                    raise SessionInUse(f"session {session_id!r} is serving another request; retry after it")
+                served.in_use = True
+            history = self.store.verifier(session_id).history_token_ids
+            if prompt_ids[: len(history)] != history:
+                self.detach(served)
+                raise ValueError(
+                    f"the messages do not extend session {session_id!r}'s history "
+                    f"({len(history)} tokens): send the whole conversation so far plus the new turn"
+                )
+            served.chat = None
+            return self._attach_append(served, prompt_ids, len(history), 0.0)
+        served = self._claim_prefix(prompt_ids) if reuse else None
+        if served is not None:
+            reused = len(self.store.verifier(served.id).history_token_ids)
+            self.metrics.prefix_reuse.labels("hit").inc()
+            self.metrics.reused_tokens.inc(reused)
+            return self._attach_append(served, prompt_ids, reused, 0.0)
+        self.metrics.prefix_reuse.labels("miss" if reuse else "disabled").inc()
+        served, queued_s = self.create(origin="http", implicit=True)
+        with self._lock:
+            served.in_use = True
+        return self._attach_append(served, prompt_ids, 0, queued_s)
+
+    def _claim_prefix(self, prompt_ids: list[int]) -> ServedSession | None:
+        with self._lock:
+            candidates = [s for s in self._sessions.values() if s.origin == "http" and not s.in_use]
+            for s in candidates:
+                s.in_use = True
+        best, best_len = None, -1
+        for s in candidates:
+            try:
+                history = self.store.verifier(s.id).history_token_ids
+            except SessionError:
+                continue
+            if best_len < len(history) <= len(prompt_ids) and prompt_ids[: len(history)] == history:
+                best, best_len = s, len(history)
+        with self._lock:
+            for s in candidates:
+                if s is not best:
+                    s.in_use = False
+        return best
+
+    def _attach_append(self, served: ServedSession, prompt_ids: list[int], reused: int,
+                       queued_s: float) -> Attached:
+        new = prompt_ids[reused:]
+        try:
+            appended = self._append(served, self._check_size(new)) if new else None
+        except BaseException:
+            # a session opened for this request and left empty is closed, not leaked
+            self.detach(served, close=served.implicit and served.appended_tokens == 0)
+            raise
+        return Attached(served, reused_tokens=reused, prompt_tokens=len(prompt_ids),
+                        appended=appended, queued_s=queued_s)
+
+    def detach(self, served: ServedSession, *, close: bool = False) -> None:
+        """Release a session bound by :meth:`attach` (closing it for stateless requests)."""
+        with self._lock:
+            served.in_use = False
+            served.last_used_s = time.monotonic()
+        if close:
+            try:
+                self.close(served.id)
+            except UnknownSession:
+                pass
+
+    # --------------------------------------------------------------- generate
+    def check_options(self, options: GenerateOptions) -> None:
+        """Validate a generation request before any state changes."""
+        inputs.count(options.max_new_tokens, "max_new_tokens", minimum=1,
+                     maximum=self.limits.max_new_tokens,
+                     hint=f"this server's limit is {self.limits.max_new_tokens}")
+        inputs.count(options.draft_length, "draft_length", minimum=1, maximum=64)
+        if options.stop_token_ids:
+            inputs.stop_token_ids(list(options.stop_token_ids), self.store.vocab_size)
+        kind = (options.proposer or "none").partition(":")[0]
+        if kind not in ("none", "ngram"):
+            raise ValueError(f"proposer {options.proposer!r} is not served: use none or ngram[:SIZES]")
+
+    def generate(self, session_id: str, options: GenerateOptions,
+                 cancelled: Callable[[], bool] = lambda: False) -> Iterator[Event]:
+        """The session's events for one generation (arguments checked before the first event).
+
+        Stops before computing the next token once ``cancelled()`` is true; raises
+        :class:`ServerShuttingDown` between tokens when the server stops. On every exit the
+        store stream is closed: the session keeps exactly the tokens yielded here; a text
+        session's chat template records them as the assistant reply.
+        """
+        self.check_running()
+        self.check_options(options)
+        served = self.get(session_id)
+        proposer = make_proposer(options.proposer or "none", self.store.model, self.store.config, self.tokenizer)
+        if self._sampling_arg:
+            stream = self.store.generate(
+                session_id, options.max_new_tokens, options.sampling,
+                stop_token_ids=list(options.stop_token_ids) or None, proposer=proposer,
+                draft_length=options.draft_length, adaptive_draft_length=options.adaptive_draft_length,
+            )
+        else:  # the store's older keyword form
+            s = options.sampling
+            stream = self.store.generate(
+                session_id, options.max_new_tokens, s.temperature, s.seed, top_k=s.top_k, top_p=s.top_p,
+                stop_token_ids=list(options.stop_token_ids) or None, proposer=proposer,
+                k=options.draft_length, adaptive_k=options.adaptive_draft_length,
+            )
+        return self._events(served, stream, cancelled)
+
+    def _events(self, served: ServedSession, stream, cancelled: Callable[[], bool]) -> Iterator[Event]:
+        delivered: list[int] = []
+        end = "error"
+        t0 = last = time.perf_counter()
+        served.generations += 1
+        try:
+            for event in stream:
+                if isinstance(event, Token):
+                    now = time.perf_counter()
+                    if delivered:
+                        self.metrics.token_latency.observe(now - last)
+                    else:
+                        self.metrics.first_token_latency.observe(now - t0)
+                    last = now
+                    delivered.append(event.id)
+                    self.metrics.generated_tokens.inc()
+                elif isinstance(event, Done):
+                    end = "done"
+                yield event
+                if end == "done":
+                    break
+                if cancelled():
+                    end = "cancelled"
+                    break
+                if self.shutting_down.is_set():
+                    end = "shutdown"
+                    raise ServerShuttingDown(
+                        f"the server is shutting down: the stream ended after {len(delivered)} tokens "
+                        "(the session keeps them until the server exits)"
+                    )
+        except GeneratorExit:
+            end = "cancelled"
+            raise
+        finally:
+            stream.close()
+            served.last_used_s = time.monotonic()
+            self.metrics.streams_ended.labels(end).inc()
+            if served.chat is not None and served.chat.awaiting_reply:
+                served.chat.generated(delivered, eos_token_ids=self.store.eos_token_ids)
+
+    # ------------------------------------------------------------------ info
+    def info(self, session_id: str) -> dict:
+        """What GetSessionInfo returns (a plain dict; ``history`` is the committed ids)."""
+        served = self.get(session_id)
+        info = self.store.info(session_id)
+        cfg = self.store.config
+        verifier = self.store.verifier(session_id)
+        budget_bytes = verifier.cache.kv_budget_bytes() if cfg.budget is not None else None
+        spec = _as_dict(info.speculative)
+        return {
+            "session_id": session_id,
+            "history_len": info.history_len,
+            "cache_len": info.cache_len,
+            "kv_live_bytes": info.kv_live_bytes,
+            "budget_tokens": cfg.budget or 0,
+            "kv_budget_bytes": budget_bytes or 0,
+            "turns": info.turns,
+            "generated_tokens": info.generated_tokens,
+            "appended_tokens": served.appended_tokens,
+            "generations": served.generations,
+            "prefill_s": served.prefill_s,
+            "sink": cfg.sink,
+            "positions": cfg.positions,
+            "proposed": spec.get("proposed", 0),
+            "accepted": spec.get("accepted", 0),
+            "history": verifier.history_token_ids,
+        }
