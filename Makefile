@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 MODEL ?= smollm2-135m-instruct
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: install quickstart test lint notebooks clean-venv
+.PHONY: install quickstart test lint notebooks clean-venv lab
 
 install: $(VENV)/.installed
 
@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	# CPU build of PyTorch (a bare `torch` would pull a multi-GB CUDA build)
 	$(BIN)/python -m pip install -q "torch==2.13.*"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m ipykernel install --sys-prefix --name kakeya_lab --display-name kakeya_lab
 	touch $@
 
 quickstart: install
@@ -36,3 +37,10 @@ notebooks: install
 
 clean-venv:
 	rm -rf $(VENV)
+
+# JupyterLab on the notebooks, in this project's .venv, with the project's kernel
+# (`kakeya_lab`, which every committed notebook names). Local only: bound to 127.0.0.1.
+lab: install
+	$(BIN)/python -m pip install -q -e ".[lab]"
+	$(BIN)/python -m ipykernel install --sys-prefix --name kakeya_lab --display-name kakeya_lab
+	$(BIN)/jupyter lab --ip=127.0.0.1 --ServerApp.root_dir=notebooks $(LAB_ARGS)
