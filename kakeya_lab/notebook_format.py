@@ -6,7 +6,8 @@ nbformat (``indent=1``, sorted keys, non-ASCII kept, a trailing newline). Paperm
 nbclient write integral floats as ``12.0`` and no trailing newline, so a freshly executed
 notebook differs from its saved self. :func:`jupyterlab_text` gives the saved form, and
 every committed notebook names the project's kernel (:data:`KERNEL_NAME`), whose display
-name JupyterLab would otherwise rewrite.
+name JupyterLab would otherwise rewrite. Widget state that nbclient saves in the metadata is
+dropped: it is a frozen snapshot no static view can use (JupyterLab leaves it absent).
 
 ``python -m kakeya_lab.notebook_format notebooks/*.ipynb`` rewrites notebooks in place;
 ``--check`` only reports the ones that differ (exit code 1).
@@ -43,12 +44,13 @@ def _as_javascript_number(value: Any) -> Any:
 def jupyterlab_text(notebook: dict | nbformat.NotebookNode, *, set_kernel: bool = True) -> str:
     """The exact text JupyterLab 4 writes for ``notebook`` (after a browser round trip).
 
-    ``set_kernel`` names the project's kernel in the metadata (what a committed notebook
-    must carry).
+    ``set_kernel`` names the project's kernel in the metadata and drops saved widget state
+    (what a committed notebook must carry).
     """
     data = _as_javascript_number(json.loads(json.dumps(notebook)))
     if set_kernel:
         data.setdefault("metadata", {})["kernelspec"] = dict(KERNELSPEC)
+        data["metadata"].pop("widgets", None)
     text = nbformat.writes(nbformat.from_dict(data), version=nbformat.NO_CONVERT)
     return text if text.endswith("\n") else text + "\n"
 
