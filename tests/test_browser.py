@@ -140,37 +140,53 @@ def _wait_kernel_idle(page) -> None:
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
 
 
+def _run_cell(page, index: int) -> None:
+    """Run cell ``index`` (Shift+Enter in its editor) and wait until the kernel took it: a
+    key press right after the kernel reports idle can be lost, so it is retried."""
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
+    prompt = cell.locator(".jp-InputPrompt").first
+    for _ in range(5):
+        cell.locator(".jp-InputArea-editor").click()
+        page.keyboard.press("Shift+Enter")
+        try:
+            page.wait_for_function(r"e => /\[(\*|\d+)\]/.test(e.textContent)", arg=prompt.element_handle(),
+                                   timeout=5_000)
+            return
+        except Exception:
+            continue
+    raise AssertionError(f"cell {index} never started running")
+
+
 def test_chat_panel_streams_and_stop_leaves_the_session_holding_the_text_shown(browser, lab):
     page = _open(browser, lab, "05_chat.ipynb")
     try:
         _wait_kernel_idle(page)
-        # run the parameters cell and the panel cell (cells 1 and 2)
-        page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".jp-InputArea-editor").click()
-        page.keyboard.press("Shift+Enter")
-        page.keyboard.press("Shift+Enter")
+        _run_cell(page, 1)  # parameters
+        _run_cell(page, 2)  # the panel
         page.wait_for_selector(".kl-chat-panel", timeout=120_000)
         _shot(page, "chat-panel-ready")
         page.locator(".kl-message input").fill("Tell me a long story about a dragon who guards a library.")
         page.locator("button.kl-send").click()
-        last_tokens = "() => { const r = [...document.querySelectorAll('.kl-reply')].pop(); return r ? +r.dataset.tokens : -1 }"
+        last_tokens = "() => { const r = [...document.querySelectorAll('.kl-chat-panel .kl-reply')].pop(); return r ? +r.dataset.tokens : -1 }"
         page.wait_for_function(f"({last_tokens})() >= 2", timeout=60_000)
         first_seen = page.evaluate(f"({last_tokens})()")
         page.wait_for_function(f"({last_tokens})() >= {first_seen + 2}", timeout=30_000)  # it streams
         _shot(page, "chat-streaming")
         page.locator("button.kl-stop").click()
-        page.wait_for_selector(".kl-status[data-state='done']", timeout=30_000)
+        page.wait_for_selector(".kl-chat-panel .kl-status[data-state='done']", timeout=30_000)
         _shot(page, "chat-stopped")
-        status = page.locator(".kl-status")
+        status = page.locator(".kl-chat-panel .kl-status")
         assert status.get_attribute("data-stop-reason") == "stopped"
         assert status.get_attribute("data-undelivered") == "0"
-        reply = page.locator(".kl-reply").last
+        reply = page.locator(".kl-chat-panel .kl-reply").last
         shown = reply.evaluate("e => e.textContent")
         shown_tokens = int(reply.get_attribute("data-tokens"))
         assert shown_tokens < 48 and shown.strip(), "the reply was not stopped mid-stream"
         # ask the kernel what the session holds, in a new cell
+        page.locator(".jp-Notebook .jp-Cell").nth(3).locator(".jp-InputPrompt").first.click()  # select, command mode
         page.keyboard.press("Escape")
-        page.keyboard.press("b")
-        page.keyboard.press("Enter")
+        page.keyboard.press("b")  # a new code cell below, selected
+        page.locator(".jp-Notebook .jp-Cell").nth(4).locator(".jp-InputArea-editor").click()
         page.keyboard.insert_text(
             "import json\n"
             "held = panel.chat.session_reply_ids()\n"
@@ -184,6 +200,9 @@ def test_chat_panel_streams_and_stop_leaves_the_session_holding_the_text_shown(b
         _shot(page, "chat-session-check")
         assert session["tokens"] == shown_tokens
         assert session["text"] == shown
+    except Exception:
+        _shot(page, "chat-failure")
+        raise
     finally:
         page.close()
 
@@ -218,6 +237,9 @@ def test_cache_explorer_moves_with_no_kernel_running(browser, lab):
         _shot(page, "cache-explorer-moved")
         assert after != before and "evicted" in after
         assert _api(base, token, "/api/kernels") == [], "a kernel started: the explorer must not need one"
+    except Exception:
+        _shot(page, "cache-explorer-failure")
+        raise
     finally:
         page.close()
 
