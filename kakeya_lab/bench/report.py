@@ -38,12 +38,19 @@ def completed(index: pd.DataFrame, experiments: tuple[str, ...]) -> pd.DataFrame
     return index[(index["status"] == "completed") & index["experiment"].isin(experiments)]
 
 
-def long_run_latency_p50(index: pd.DataFrame, buckets: int = 10) -> pd.DataFrame:
+def run_folder(run, results_root: str | Path) -> Path:
+    """The folder of an index row: ``<results_root>/<experiment>/<run_id>`` (the index's
+    ``run_dir`` is relative to wherever the index was built)."""
+    folder = Path(results_root) / str(run.experiment) / str(run.run_id)
+    return folder if folder.is_dir() else Path(run.run_dir)
+
+
+def long_run_latency_p50(index: pd.DataFrame, results_root: str | Path, buckets: int = 10) -> pd.DataFrame:
     """Rows ``run, experiment, arm, turn, append_p50_s, kv_live_bytes`` per bucket of turns
     (about ``buckets`` buckets per run) for every completed long run with a ``turns.csv``."""
     rows = []
     for run in completed(index, LONG_RUN_EXPERIMENTS).itertuples():
-        turns_csv = Path(run.run_dir) / "turns.csv"
+        turns_csv = run_folder(run, results_root) / "turns.csv"
         if not turns_csv.is_file():
             continue
         turns = pd.read_csv(turns_csv)
@@ -59,11 +66,11 @@ def long_run_latency_p50(index: pd.DataFrame, buckets: int = 10) -> pd.DataFrame
     return pd.DataFrame(rows, columns=["run", "experiment", "arm", "turn", "append_p50_s", "kv_live_bytes"])
 
 
-def speculative_arms(index: pd.DataFrame) -> pd.DataFrame:
+def speculative_arms(index: pd.DataFrame, results_root: str | Path) -> pd.DataFrame:
     """One row per arm of every completed speculative run (from its ``metrics.json``)."""
     rows = []
     for run in completed(index, ("speculative",)).itertuples():
-        doc = json.loads((Path(run.run_dir) / "metrics.json").read_text())
+        doc = json.loads((run_folder(run, results_root) / "metrics.json").read_text())
         for arm in doc["metrics"]["arms"]:
             rows.append({"run": run.run_id, "model": (doc.get("model") or {}).get("name"),
                          "arm": arm["arm"], "tau": arm.get("tau"), "speedup": arm.get("speedup"),
