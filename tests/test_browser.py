@@ -131,13 +131,31 @@ def _open(browser, lab, name: str, block_kernels: bool = False):
     if block_kernels:
         page.route("**/api/sessions**", lambda route: route.abort() if route.request.method == "POST" else route.continue_())
         page.route("**/api/kernels**", lambda route: route.abort() if route.request.method == "POST" else route.continue_())
-    page.goto(f"{base}/lab/tree/notebooks/{name}?token={token}")
+    page.goto(f"{base}/lab/tree/notebooks/{name}?reset&token={token}")  # only this notebook open
     page.wait_for_selector(".jp-Notebook .jp-Cell")
     return page
 
 
+def _close(page, lab) -> None:
+    """Close the page and shut down every kernel it started (sessions and all)."""
+    base, token, _ = lab
+    page.close()
+    for session in _api(base, token, "/api/sessions"):
+        _api(base, token, f"/api/sessions/{session['id']}", method="DELETE")
+
+
+def _accept_kernel_dialog(page) -> None:
+    """JupyterLab sometimes asks which kernel to start even though the notebook names one:
+    accept its choice (the notebook's kernel)."""
+    dialog = page.locator(".jp-Dialog", has_text="Select Kernel")
+    if dialog.count():
+        dialog.first.locator("button.jp-mod-accept").click()
+        dialog.first.wait_for(state="detached", timeout=10_000)
+
+
 def _wait_kernel_idle(page) -> None:
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+    _accept_kernel_dialog(page)
 
 
 def _run_cell(page, index: int) -> None:
@@ -146,7 +164,8 @@ def _run_cell(page, index: int) -> None:
     cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
     prompt = cell.locator(".jp-InputPrompt").first
     for _ in range(5):
-        cell.locator(".jp-InputArea-editor").click()
+        _accept_kernel_dialog(page)
+        cell.locator(".jp-InputArea-editor").click(timeout=10_000)
         page.keyboard.press("Shift+Enter")
         try:
             page.wait_for_function(r"e => /\[(\*|\d+)\]/.test(e.textContent)", arg=prompt.element_handle(),
@@ -204,7 +223,7 @@ def test_chat_panel_streams_and_stop_leaves_the_session_holding_the_text_shown(b
         _shot(page, "chat-failure")
         raise
     finally:
-        page.close()
+        _close(page, lab)
 
 
 def test_cache_explorer_moves_with_no_kernel_running(browser, lab):
@@ -241,7 +260,7 @@ def test_cache_explorer_moves_with_no_kernel_running(browser, lab):
         _shot(page, "cache-explorer-failure")
         raise
     finally:
-        page.close()
+        _close(page, lab)
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb")))
@@ -253,7 +272,7 @@ def test_open_and_save_leaves_the_notebook_unchanged(browser, lab, name):
     page = _open(browser, lab, name)
     try:
         _wait_kernel_idle(page)
-        page.locator(".jp-Notebook").first.click()
+        page.locator(".jp-Notebook:visible .jp-Cell").first.click()
         page.keyboard.press("Control+s")
         deadline = time.monotonic() + 30
         while path.stat().st_mtime_ns == before:
@@ -263,4 +282,4 @@ def test_open_and_save_leaves_the_notebook_unchanged(browser, lab, name):
         _shot(page, f"saved-{Path(name).stem}")
         assert path.read_bytes() == original, f"open-and-save changed {name}"
     finally:
-        page.close()
+        _close(page, lab)
