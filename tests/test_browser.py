@@ -283,3 +283,33 @@ def test_open_and_save_leaves_the_notebook_unchanged(browser, lab, name):
         assert path.read_bytes() == original, f"open-and-save changed {name}"
     finally:
         _close(page, lab)
+
+
+def test_html_export_shows_the_figures_offline(browser, tmp_path):
+    """``jupyter nbconvert --to html`` of a committed notebook, opened with every network
+    request refused: the figures draw and the cache explorer's slider moves."""
+    jupyter = Path(sys.executable).parent / "jupyter"
+    subprocess.run([str(jupyter), "nbconvert", "--to", "html", "--output-dir", str(tmp_path),
+                    str(REPO / "notebooks" / "10_sink_window_cache.ipynb")], check=True, capture_output=True,
+                   timeout=120)
+    html = tmp_path / "10_sink_window_cache.html"
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file:") else route.abort())
+        page.goto(html.as_uri())
+        plots = page.locator(".js-plotly-plot")
+        plots.first.wait_for(timeout=30_000)
+        assert plots.count() == 2  # the NLL curves and the cache explorer
+        explorer = page.locator(".js-plotly-plot", has_text="Cache explorer").first
+        explorer.scroll_into_view_if_needed()
+        title = explorer.locator(".gtitle")
+        before = title.text_content()
+        rail = explorer.locator(".slider-rail-rect").first
+        box = rail.bounding_box()
+        page.mouse.click(box["x"] + 0.5 * box["width"], box["y"] + box["height"] / 2)
+        page.wait_for_function("([e, t]) => e.textContent !== t", arg=[title.element_handle(), before],
+                               timeout=10_000)
+        _shot(page, "html-export-explorer")
+        assert "step 23" in before and "step 23" not in title.text_content()
+    finally:
+        page.close()
