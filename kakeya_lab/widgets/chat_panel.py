@@ -194,7 +194,7 @@ class ChatPanel:
         )
         self.latency_view = w.HTML(sparkline_html([], []))
         self.status = w.HTML(status_html(None, False))
-        self.transcript = w.VBox(layout=w.Layout(max_height="420px", overflow_y="auto"))
+        self.transcript = w.VBox(layout=w.Layout(max_height="420px", overflow="auto"))
         self._reply_view: w.HTML | None = None
         self._w = w
         self.send_button.on_click(lambda _: self.send())
