@@ -157,9 +157,8 @@ class LiveChat:
         if spec in ("", "none", None):
             return None
         if spec not in self._proposers:
-            loaded_tokenizer = self.tokenizer
             self._proposers[spec] = make_proposer(
-                spec, self.store.model, self.store.config, loaded_tokenizer
+                spec, self.store.model, self.store.config, self.tokenizer
             )
         return self._proposers[spec]
 
