@@ -29,8 +29,16 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 ARTIFACTS = Path(os.environ.get("KAKEYA_LAB_ARTIFACTS", REPO / "tests" / "artifacts"))
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 STARTUP_S = 60
@@ -75,26 +83,59 @@ def lab(tmp_path_factory):
         _missing(f"{jupyter} is missing (pip install -e .[lab])")
     work = tmp_path_factory.mktemp("lab")
     root = work / "root"
-    shutil.copytree(REPO / "notebooks", root / "notebooks", ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    shutil.copytree(
+        REPO / "notebooks", root / "notebooks", ignore=shutil.ignore_patterns(".ipynb_checkpoints")
+    )
     (root / "data").symlink_to(REPO / "data")
-    subprocess.run([sys.executable, "-m", "ipykernel", "install", "--prefix", str(work / "kernels"),
-                    "--name", KERNEL_NAME, "--display-name", KERNEL_NAME], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ipykernel",
+            "install",
+            "--prefix",
+            str(work / "kernels"),
+            "--name",
+            KERNEL_NAME,
+            "--display-name",
+            KERNEL_NAME,
+        ],
+        check=True,
+        capture_output=True,
+    )
     settings = work / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
-    (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
-    env = dict(os.environ,
-               JUPYTER_PATH=str(work / "kernels" / "share" / "jupyter"),
-               JUPYTER_CONFIG_DIR=str(work / "config"), JUPYTER_RUNTIME_DIR=str(work / "runtime"),
-               JUPYTERLAB_SETTINGS_DIR=str(work / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(work / "workspaces"),
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    (settings / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False})
+    )
+    env = dict(
+        os.environ,
+        JUPYTER_PATH=str(work / "kernels" / "share" / "jupyter"),
+        JUPYTER_CONFIG_DIR=str(work / "config"),
+        JUPYTER_RUNTIME_DIR=str(work / "runtime"),
+        JUPYTERLAB_SETTINGS_DIR=str(work / "settings"),
+        JUPYTERLAB_WORKSPACES_DIR=str(work / "workspaces"),
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        ),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    )
     port, token = _free_port(), secrets.token_hex(16)
-    args = [str(jupyter), "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}"]
+    args = [
+        str(jupyter),
+        "lab",
+        "--no-browser",
+        "--ip=127.0.0.1",
+        f"--port={port}",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}",
+    ]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         args.append("--allow-root")
     log = open(work / "lab.log", "w")
-    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_S
@@ -104,7 +145,9 @@ def lab(tmp_path_factory):
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"JupyterLab did not start; see {work / 'lab.log'}") from None
+                    raise RuntimeError(
+                        f"JupyterLab did not start; see {work / 'lab.log'}"
+                    ) from None
                 time.sleep(0.5)
         yield base, token, root
     finally:
@@ -118,7 +161,9 @@ def lab(tmp_path_factory):
 
 
 def _api(base: str, token: str, path: str, method: str = "GET"):
-    req = urllib.request.Request(f"{base}{path}", method=method, headers={"Authorization": f"token {token}"})
+    req = urllib.request.Request(
+        f"{base}{path}", method=method, headers={"Authorization": f"token {token}"}
+    )
     with urllib.request.urlopen(req, timeout=10) as resp:
         body = resp.read()
     return json.loads(body) if body else None
@@ -129,8 +174,14 @@ def _open(browser, lab, name: str, block_kernels: bool = False):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(60_000)
     if block_kernels:
-        page.route("**/api/sessions**", lambda route: route.abort() if route.request.method == "POST" else route.continue_())
-        page.route("**/api/kernels**", lambda route: route.abort() if route.request.method == "POST" else route.continue_())
+        page.route(
+            "**/api/sessions**",
+            lambda route: route.abort() if route.request.method == "POST" else route.continue_(),
+        )
+        page.route(
+            "**/api/kernels**",
+            lambda route: route.abort() if route.request.method == "POST" else route.continue_(),
+        )
     page.goto(f"{base}/lab/tree/notebooks/{name}?reset&token={token}")  # only this notebook open
     page.wait_for_selector(".jp-Notebook .jp-Cell")
     return page
@@ -168,8 +219,11 @@ def _run_cell(page, index: int) -> None:
         cell.locator(".jp-InputArea-editor").click(timeout=10_000)
         page.keyboard.press("Shift+Enter")
         try:
-            page.wait_for_function(r"e => /\[(\*|\d+)\]/.test(e.textContent)", arg=prompt.element_handle(),
-                                   timeout=5_000)
+            page.wait_for_function(
+                r"e => /\[(\*|\d+)\]/.test(e.textContent)",
+                arg=prompt.element_handle(),
+                timeout=5_000,
+            )
             return
         except Exception:
             continue
@@ -184,12 +238,16 @@ def test_chat_panel_streams_and_stop_leaves_the_session_holding_the_text_shown(b
         _run_cell(page, 2)  # the panel
         page.wait_for_selector(".kl-chat-panel", timeout=120_000)
         _shot(page, "chat-panel-ready")
-        page.locator(".kl-message input").fill("Tell me a long story about a dragon who guards a library.")
+        page.locator(".kl-message input").fill(
+            "Tell me a long story about a dragon who guards a library."
+        )
         page.locator("button.kl-send").click()
         last_tokens = "() => { const r = [...document.querySelectorAll('.kl-chat-panel .kl-reply')].pop(); return r ? +r.dataset.tokens : -1 }"
         page.wait_for_function(f"({last_tokens})() >= 2", timeout=60_000)
         first_seen = page.evaluate(f"({last_tokens})()")
-        page.wait_for_function(f"({last_tokens})() >= {first_seen + 2}", timeout=30_000)  # it streams
+        page.wait_for_function(
+            f"({last_tokens})() >= {first_seen + 2}", timeout=30_000
+        )  # it streams
         _shot(page, "chat-streaming")
         page.locator("button.kl-stop").click()
         page.wait_for_selector(".kl-chat-panel .kl-status[data-state='done']", timeout=30_000)
@@ -202,7 +260,9 @@ def test_chat_panel_streams_and_stop_leaves_the_session_holding_the_text_shown(b
         shown_tokens = int(reply.get_attribute("data-tokens"))
         assert shown_tokens < 48 and shown.strip(), "the reply was not stopped mid-stream"
         # ask the kernel what the session holds, in a new cell
-        page.locator(".jp-Notebook .jp-Cell").nth(3).locator(".jp-InputPrompt").first.click()  # select, command mode
+        page.locator(".jp-Notebook .jp-Cell").nth(3).locator(
+            ".jp-InputPrompt"
+        ).first.click()  # select, command mode
         page.keyboard.press("Escape")
         page.keyboard.press("b")  # a new code cell below, selected
         page.locator(".jp-Notebook .jp-Cell").nth(4).locator(".jp-InputArea-editor").click()
@@ -255,7 +315,9 @@ def test_cache_explorer_moves_with_no_kernel_running(browser, lab):
         after = title.text_content()
         _shot(page, "cache-explorer-moved")
         assert after != before and "evicted" in after
-        assert _api(base, token, "/api/kernels") == [], "a kernel started: the explorer must not need one"
+        assert _api(base, token, "/api/kernels") == [], (
+            "a kernel started: the explorer must not need one"
+        )
     except Exception:
         _shot(page, "cache-explorer-failure")
         raise
@@ -289,13 +351,29 @@ def test_html_export_shows_the_figures_offline(browser, tmp_path):
     """``jupyter nbconvert --to html`` of a committed notebook, opened with every network
     request refused: the figures draw and the cache explorer's slider moves."""
     jupyter = Path(sys.executable).parent / "jupyter"
-    subprocess.run([str(jupyter), "nbconvert", "--to", "html", "--output-dir", str(tmp_path),
-                    str(REPO / "notebooks" / "10_sink_window_cache.ipynb")], check=True, capture_output=True,
-                   timeout=120)
+    subprocess.run(
+        [
+            str(jupyter),
+            "nbconvert",
+            "--to",
+            "html",
+            "--output-dir",
+            str(tmp_path),
+            str(REPO / "notebooks" / "10_sink_window_cache.ipynb"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     html = tmp_path / "10_sink_window_cache.html"
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     try:
-        page.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file:") else route.abort())
+        page.route(
+            "**/*",
+            lambda route: (
+                route.continue_() if route.request.url.startswith("file:") else route.abort()
+            ),
+        )
         page.goto(html.as_uri())
         plots = page.locator(".js-plotly-plot")
         plots.first.wait_for(timeout=30_000)
@@ -307,8 +385,9 @@ def test_html_export_shows_the_figures_offline(browser, tmp_path):
         rail = explorer.locator(".slider-rail-rect").first
         box = rail.bounding_box()
         page.mouse.click(box["x"] + 0.5 * box["width"], box["y"] + box["height"] / 2)
-        page.wait_for_function("([e, t]) => e.textContent !== t", arg=[title.element_handle(), before],
-                               timeout=10_000)
+        page.wait_for_function(
+            "([e, t]) => e.textContent !== t", arg=[title.element_handle(), before], timeout=10_000
+        )
         _shot(page, "html-export-explorer")
         assert "step 23" in before and "step 23" not in title.text_content()
     finally:

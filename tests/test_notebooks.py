@@ -98,7 +98,9 @@ def test_says_which_run_its_outputs_are(notebook):
 def test_is_committed_executed(notebook):
     path, _, nb = notebook
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
-    assert code and all(c["execution_count"] is not None for c in code), f"{path.name} is not executed"
+    assert code and all(c["execution_count"] is not None for c in code), (
+        f"{path.name} is not executed"
+    )
 
 
 def test_outputs_hold_no_absolute_paths_warnings_tracebacks_or_frozen_bars(notebook):
@@ -117,7 +119,9 @@ def test_outputs_hold_no_absolute_paths_warnings_tracebacks_or_frozen_bars(noteb
                 problems.append(f"cell {index}: frozen progress-bar widget {fallback[:60]!r}")
         for text in _texts(output):
             if ABSOLUTE_PATH.search(text):
-                problems.append(f"cell {index}: absolute path {ABSOLUTE_PATH.search(text).group(0)!r}")
+                problems.append(
+                    f"cell {index}: absolute path {ABSOLUTE_PATH.search(text).group(0)!r}"
+                )
             if "Traceback (most recent call last)" in text:
                 problems.append(f"cell {index}: traceback")
             if FROZEN_BAR.search(text) and "|" in text:
@@ -129,14 +133,21 @@ def test_figures_render_offline_in_static_views(notebook):
     path, _, nb = notebook
     figures = [(i, o) for i, o in _outputs(nb) if PLOTLY_MIME in o.get("data", {})]
     bundles = [
-        i for i, o in _outputs(nb)
+        i
+        for i, o in _outputs(nb)
         if PLOTLY_JS_MARKER in "".join(o.get("data", {}).get("text/html", ""))
     ]
     for index, output in figures:
         html = "".join(output["data"].get("text/html", ""))
-        assert "Plotly.newPlot" in html, f"{path.name} cell {index}: a figure without an HTML fallback"
+        assert "Plotly.newPlot" in html, (
+            f"{path.name} cell {index}: a figure without an HTML fallback"
+        )
     if figures:
-        assert len(bundles) == 1, f"{path.name}: plotly.js embedded {len(bundles)} times (want once)"
-        assert bundles[0] <= min(i for i, _ in figures), "plotly.js must come before the first figure"
+        assert len(bundles) == 1, (
+            f"{path.name}: plotly.js embedded {len(bundles)} times (want once)"
+        )
+        assert bundles[0] <= min(i for i, _ in figures), (
+            "plotly.js must come before the first figure"
+        )
     else:
         assert not bundles, f"{path.name}: plotly.js embedded without any figure"

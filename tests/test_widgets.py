@@ -59,14 +59,19 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(tiny_model):
 
 
 def test_speculative_tokens_are_tagged_and_the_stream_is_the_plain_one(tiny_model):
-    plain, spec = LiveChat(tiny_model, CONFIG, max_new_tokens=24), LiveChat(tiny_model, CONFIG, max_new_tokens=24)
+    plain, spec = (
+        LiveChat(tiny_model, CONFIG, max_new_tokens=24),
+        LiveChat(tiny_model, CONFIG, max_new_tokens=24),
+    )
     for message in ("one two three one two three", "again: one two three"):
         a = plain.send(message)
         plain.wait(30)
         b = spec.send(message, proposer="ngram", draft_length=3)
         spec.wait(30)
         assert a.token_ids == b.token_ids and b.error is None
-        assert set(b.token_kinds) <= {"draft", "verifier"} and len(b.token_kinds) == len(b.token_ids)
+        assert set(b.token_kinds) <= {"draft", "verifier"} and len(b.token_kinds) == len(
+            b.token_ids
+        )
         assert set(a.token_kinds) == {"verifier"}
 
 
@@ -101,16 +106,42 @@ def test_cache_explorer_has_one_frame_per_step_coloured_by_the_sink_window_rule(
 
 
 def test_notebook_form_is_what_jupyterlab_writes():
-    nb = {"cells": [], "metadata": {"widgets": {"x": 1}, "kernelspec": {"name": "python3"}},
-          "nbformat": 4, "nbformat_minor": 5}
-    nb["cells"].append({"cell_type": "code", "execution_count": 1, "id": "a1", "metadata": {},
-                        "source": "x = 1", "outputs": [{"output_type": "execute_result", "execution_count": 1,
-                                                        "metadata": {}, "data": {"application/json": {
-                                                            "y": [1.0, 0.5, -0.0, 1e22, 3.0e-7]}}}]})
+    nb = {
+        "cells": [],
+        "metadata": {"widgets": {"x": 1}, "kernelspec": {"name": "python3"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    nb["cells"].append(
+        {
+            "cell_type": "code",
+            "execution_count": 1,
+            "id": "a1",
+            "metadata": {},
+            "source": "x = 1",
+            "outputs": [
+                {
+                    "output_type": "execute_result",
+                    "execution_count": 1,
+                    "metadata": {},
+                    "data": {"application/json": {"y": [1.0, 0.5, -0.0, 1e22, 3.0e-7]}},
+                }
+            ],
+        }
+    )
     text = jupyterlab_text(nb)
     saved = json.loads(text)
     assert text.endswith("}\n") and text.startswith('{\n "cells"')  # indent 1, sorted keys
-    assert saved["metadata"]["kernelspec"]["name"] == KERNEL_NAME and "widgets" not in saved["metadata"]
-    assert saved["cells"][0]["outputs"][0]["data"]["application/json"]["y"] == [1, 0.5, 0, 1e22, 3e-7]
+    assert (
+        saved["metadata"]["kernelspec"]["name"] == KERNEL_NAME
+        and "widgets" not in saved["metadata"]
+    )
+    assert saved["cells"][0]["outputs"][0]["data"]["application/json"]["y"] == [
+        1,
+        0.5,
+        0,
+        1e22,
+        3e-7,
+    ]
     assert '"y": [\n' in text and " 1,\n" in text and "1e+22" in text
     assert jupyterlab_text(saved) == text  # a fixed point: saving again changes nothing

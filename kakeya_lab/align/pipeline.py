@@ -53,21 +53,32 @@ def drafter_shapes(
     drafter reads three times the context (it sees tokens, not features)."""
     return {
         "feature": dict(context_len=context_len, block_size=block_size),
-        "block": dict(context_len=context_len, block_size=block_size, width=block_width,
-                      num_heads=4, num_layers=2),
-        "lora": dict(context_len=3 * context_len, block_size=block_size, base=lora_base,
-                     lora_rank=lora_rank),
+        "block": dict(
+            context_len=context_len,
+            block_size=block_size,
+            width=block_width,
+            num_heads=4,
+            num_layers=2,
+        ),
+        "lora": dict(
+            context_len=3 * context_len, block_size=block_size, base=lora_base, lora_rank=lora_rank
+        ),
     }
 
 
-def train_config_for(kind: str, steps: int, *, seed: int = 0, batch_size: int = 16,
-                     lr: float = 2e-3) -> TrainConfig:
+def train_config_for(
+    kind: str, steps: int, *, seed: int = 0, batch_size: int = 16, lr: float = 2e-3
+) -> TrainConfig:
     """Training settings of one kind: evaluation five times and a checkpoint twice per run,
     warmup over a fifth of the steps (at most 20); LoRA with batches of 4 at ``lr / 4``."""
     lora = kind == "lora"
     return TrainConfig(
-        steps=steps, seed=seed, batch_size=4 if lora else batch_size, lr=lr / 4 if lora else lr,
-        eval_every=max(1, steps // 5), checkpoint_every=max(1, steps // 2),
+        steps=steps,
+        seed=seed,
+        batch_size=4 if lora else batch_size,
+        lr=lr / 4 if lora else lr,
+        eval_every=max(1, steps // 5),
+        checkpoint_every=max(1, steps // 2),
         warmup_steps=min(20, steps // 5 + 1),
     )
 
@@ -90,11 +101,20 @@ def capture_domains(
     n_turns = per_domain(turns, domains)
     folders = {}
     for domain in domains:
-        options = CaptureOptions(turns_per_conversation=n_turns[domain], max_new_tokens=max_new_tokens)
+        options = CaptureOptions(
+            turns_per_conversation=n_turns[domain], max_new_tokens=max_new_tokens
+        )
         for split, n in (("train", n_train[domain]), ("dev", n_dev[domain])):
             folder = Path(root) / f"{domain}-{split}"
-            capture_rollouts(loaded, domain_conversations(domain, split, limit=n), folder,
-                             config=config, split=split, options=options, progress=progress)
+            capture_rollouts(
+                loaded,
+                domain_conversations(domain, split, limit=n),
+                folder,
+                config=config,
+                split=split,
+                options=options,
+                progress=progress,
+            )
             folders[(domain, split)] = folder
     return folders
 
@@ -121,11 +141,16 @@ def train_drafters(
         torch.manual_seed(seed)
         shape = shapes[kind]
         drafter = build_drafter(drafter_config_for(kind, loaded, vocab, **shape), loaded.model)
-        data = RolloutData(train_rows, context_len=shape["context_len"], block_size=shape["block_size"])
-        held_out = RolloutData(dev_rows, context_len=shape["context_len"], block_size=shape["block_size"])
+        data = RolloutData(
+            train_rows, context_len=shape["context_len"], block_size=shape["block_size"]
+        )
+        held_out = RolloutData(
+            dev_rows, context_len=shape["context_len"], block_size=shape["block_size"]
+        )
         cfg = train_config_for(kind, steps[kind], seed=seed, batch_size=batch_size, lr=lr)
-        histories[kind] = train_drafter(drafter, data, cfg, Path(out_dir) / kind, eval_data=held_out,
-                                        progress=progress)
+        histories[kind] = train_drafter(
+            drafter, data, cfg, Path(out_dir) / kind, eval_data=held_out, progress=progress
+        )
         trained[kind] = drafter
     return trained, histories
 
@@ -136,16 +161,29 @@ def offline_before_after(histories: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
     for kind, history in histories.items():
         evals = history.dropna(subset=["offline_tau"])
         for when, row in (("before", evals.iloc[0]), ("after", evals.iloc[-1])):
-            rows.append({"drafter": kind, "when": when,
-                         **{c: row[c] for c in history.columns
-                            if c.startswith(("accept_at", "offline_tau", "eval_"))}})
+            rows.append(
+                {
+                    "drafter": kind,
+                    "when": when,
+                    **{
+                        c: row[c]
+                        for c in history.columns
+                        if c.startswith(("accept_at", "offline_tau", "eval_"))
+                    },
+                }
+            )
     return pd.DataFrame(rows)
 
 
-def best_drafter(summary: pd.DataFrame, domain: str, kinds: Sequence[str], split: str = "dev") -> str:
+def best_drafter(
+    summary: pd.DataFrame, domain: str, kinds: Sequence[str], split: str = "dev"
+) -> str:
     """The kind among ``kinds`` with the highest ``tau`` on ``domain``/``split``."""
-    rows = summary[(summary["domain"] == domain) & (summary["split"] == split)
-                   & summary["proposer"].isin(list(kinds))]
+    rows = summary[
+        (summary["domain"] == domain)
+        & (summary["split"] == split)
+        & summary["proposer"].isin(list(kinds))
+    ]
     if rows.empty:
         raise ValueError(f"no rows for {list(kinds)} on {domain}/{split}")
     return str(rows.sort_values("tau", ascending=False)["proposer"].iloc[0])
@@ -157,8 +195,11 @@ def alignment_headline(summary: pd.DataFrame, curve: pd.DataFrame, best: str) ->
     best_row = curve[curve["arm"] != "plain"].sort_values("speedup").iloc[-1]
     dev = summary[summary["split"] == "dev"]
     return {
-        "best_drafter": best, "best_k": int(best_row["k"]), "tau": best_row["tau"],
-        "speedup": best_row["speedup"], "lossless": bool(summary["lossless"].all()),
+        "best_drafter": best,
+        "best_k": int(best_row["k"]),
+        "tau": best_row["tau"],
+        "speedup": best_row["speedup"],
+        "lossless": bool(summary["lossless"].all()),
         **{f"{r.domain}.{r.arm}.tau": r.tau for r in dev.itertuples()},
         **{f"{r.domain}.{r.arm}.speedup": r.speedup for r in dev.itertuples() if r.arm != "plain"},
     }
@@ -183,10 +224,16 @@ def write_alignment_results(
     work = Path(work)
     for kind, drafter in trained.items():
         save_drafter(drafter, work / "drafters" / kind)
-    write_metrics(run_dir, header, {"by_domain": summary.to_dict(orient="records"),
-                                    "speedup_vs_k": curve.to_dict(orient="records"),
-                                    "offline": offline.to_dict(orient="records")},
-                  headline=alignment_headline(summary, curve, best))
+    write_metrics(
+        run_dir,
+        header,
+        {
+            "by_domain": summary.to_dict(orient="records"),
+            "speedup_vs_k": curve.to_dict(orient="records"),
+            "offline": offline.to_dict(orient="records"),
+        },
+        headline=alignment_headline(summary, curve, best),
+    )
     summary.to_csv(work / "by_domain.csv", index=False)
     for kind, history in histories.items():
         history.to_csv(work / f"history_{kind}.csv", index=False)

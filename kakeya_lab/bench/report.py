@@ -45,7 +45,9 @@ def run_folder(run, results_root: str | Path) -> Path:
     return folder if folder.is_dir() else Path(run.run_dir)
 
 
-def long_run_latency_p50(index: pd.DataFrame, results_root: str | Path, buckets: int = 10) -> pd.DataFrame:
+def long_run_latency_p50(
+    index: pd.DataFrame, results_root: str | Path, buckets: int = 10
+) -> pd.DataFrame:
     """Rows ``run, experiment, arm, turn, append_p50_s, kv_live_bytes`` per bucket of turns
     (about ``buckets`` buckets per run) for every completed long run with a ``turns.csv``."""
     rows = []
@@ -60,10 +62,19 @@ def long_run_latency_p50(index: pd.DataFrame, results_root: str | Path, buckets:
             p50 = grouped["append_latency_s"].median()
             kv = grouped["kv_live_bytes"].mean()
             for bucket, value in p50.items():
-                rows.append({"run": f"{run.experiment}/{run.run_id}", "experiment": run.experiment,
-                             "arm": arm, "turn": int(bucket) * size, "append_p50_s": float(value),
-                             "kv_live_bytes": float(kv[bucket])})
-    return pd.DataFrame(rows, columns=["run", "experiment", "arm", "turn", "append_p50_s", "kv_live_bytes"])
+                rows.append(
+                    {
+                        "run": f"{run.experiment}/{run.run_id}",
+                        "experiment": run.experiment,
+                        "arm": arm,
+                        "turn": int(bucket) * size,
+                        "append_p50_s": float(value),
+                        "kv_live_bytes": float(kv[bucket]),
+                    }
+                )
+    return pd.DataFrame(
+        rows, columns=["run", "experiment", "arm", "turn", "append_p50_s", "kv_live_bytes"]
+    )
 
 
 def speculative_arms(index: pd.DataFrame, results_root: str | Path) -> pd.DataFrame:
@@ -72,21 +83,34 @@ def speculative_arms(index: pd.DataFrame, results_root: str | Path) -> pd.DataFr
     for run in completed(index, ("speculative",)).itertuples():
         doc = json.loads((run_folder(run, results_root) / "metrics.json").read_text())
         for arm in doc["metrics"]["arms"]:
-            rows.append({"run": run.run_id, "model": (doc.get("model") or {}).get("name"),
-                         "arm": arm["arm"], "tau": arm.get("tau"), "speedup": arm.get("speedup"),
-                         "expected_speedup": arm.get("expected_speedup"),
-                         "acceptance_rate": arm.get("acceptance_rate")})
-    return pd.DataFrame(rows, columns=["run", "model", "arm", "tau", "speedup", "expected_speedup",
-                                       "acceptance_rate"])
+            rows.append(
+                {
+                    "run": run.run_id,
+                    "model": (doc.get("model") or {}).get("name"),
+                    "arm": arm["arm"],
+                    "tau": arm.get("tau"),
+                    "speedup": arm.get("speedup"),
+                    "expected_speedup": arm.get("expected_speedup"),
+                    "acceptance_rate": arm.get("acceptance_rate"),
+                }
+            )
+    return pd.DataFrame(
+        rows,
+        columns=["run", "model", "arm", "tau", "speedup", "expected_speedup", "acceptance_rate"],
+    )
 
 
 def perplexity_table(curves: Mapping[str, np.ndarray], budget_tokens: int) -> pd.DataFrame:
     """Perplexity of each NLL curve past the first ``budget_tokens`` positions (once the cache
     is full) and over them, rounded to 2 decimals; one row per curve."""
     past = slice(budget_tokens, None)
-    table = pd.DataFrame({
-        name: {"ppl (past the window)": float(np.exp(np.asarray(nll)[past].mean())),
-               "ppl (first window)": float(np.exp(np.asarray(nll)[:budget_tokens].mean()))}
-        for name, nll in curves.items()
-    }).T
+    table = pd.DataFrame(
+        {
+            name: {
+                "ppl (past the window)": float(np.exp(np.asarray(nll)[past].mean())),
+                "ppl (first window)": float(np.exp(np.asarray(nll)[:budget_tokens].mean())),
+            }
+            for name, nll in curves.items()
+        }
+    ).T
     return table.round(2)
