@@ -325,6 +325,23 @@ def test_cache_explorer_moves_with_no_kernel_running(browser, lab):
         _close(page, lab)
 
 
+def _settled_bytes(path: Path, timeout_s: float = 20) -> bytes:
+    """The file once the server has finished writing it (complete JSON, unchanged twice)."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while True:
+        data = path.read_bytes()
+        try:
+            json.loads(data)
+            if data == last:
+                return data
+        except ValueError:
+            pass
+        assert time.monotonic() < deadline, f"{path.name} never settled after saving"
+        last = data
+        time.sleep(0.3)
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb")))
 def test_open_and_save_leaves_the_notebook_unchanged(browser, lab, name):
     _, _, root = lab
@@ -340,9 +357,9 @@ def test_open_and_save_leaves_the_notebook_unchanged(browser, lab, name):
         while path.stat().st_mtime_ns == before:
             assert time.monotonic() < deadline, "JupyterLab did not save the notebook"
             time.sleep(0.2)
-        time.sleep(0.5)  # the write is atomic, but let the server finish
+        saved = _settled_bytes(path)
         _shot(page, f"saved-{Path(name).stem}")
-        assert path.read_bytes() == original, f"open-and-save changed {name}"
+        assert saved == original, f"open-and-save changed {name}"
     finally:
         _close(page, lab)
 
