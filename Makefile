@@ -14,7 +14,7 @@ TORCH ?= torch==2.13.0+cpu
 TORCH_INDEX ?=
 TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: install quickstart test test-fast lint notebooks clean-venv
+.PHONY: install quickstart test test-fast lab lint notebooks clean-venv
 
 install: $(VENV)/.installed
 
@@ -23,6 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_INDEX_ARG) "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m ipykernel install --sys-prefix --name kakeya_lab --display-name kakeya_lab
 	touch $@
 
 quickstart: install
@@ -49,3 +50,10 @@ notebooks: install
 
 clean-venv:
 	rm -rf $(VENV)
+
+# JupyterLab on the notebooks, in this project's .venv, with the project's kernel
+# (`kakeya_lab`, which every committed notebook names). Local only: bound to 127.0.0.1.
+lab: install
+	$(BIN)/python -m pip install -q -e ".[lab]"
+	$(BIN)/python -m ipykernel install --sys-prefix --name kakeya_lab --display-name kakeya_lab
+	$(BIN)/jupyter lab --ip=127.0.0.1 --ServerApp.root_dir=notebooks $(LAB_ARGS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
+import plotly.io as pio
 from plotly.subplots import make_subplots
 
 ARM_COLORS = {
@@ -12,6 +13,17 @@ ARM_COLORS = {
     "full_cache": "#d62728",
     "reprefill": "#2ca02c",
 }
+
+
+NOTEBOOK_RENDERER = "plotly_mimetype+notebook"
+
+
+def use_notebook_renderer() -> None:
+    """Make ``fig.show()`` in a notebook carry two representations: plotly's mime type
+    (JupyterLab draws it, also before any cell has run) and an HTML fallback, with plotly.js
+    embedded once per notebook, so ``jupyter nbconvert --to html`` shows every figure
+    offline."""
+    pio.renderers.default = NOTEBOOK_RENDERER
 
 
 def _color(arm: str) -> str | None:

@@ -16,6 +16,7 @@ import torch
 from kakeya_lab.align.checkpoint import CheckpointError, load_drafter, save_drafter
 from kakeya_lab.align.drafters import DrafterProposer, build_drafter, drafter_config_for
 from kakeya_lab.align.evaluate import drafter_factory
+from kakeya_lab.align.pipeline import best_drafter, drafter_shapes, per_domain, train_config_for
 from kakeya_lab.align.rollouts import (
     CaptureOptions,
     RolloutError,
@@ -32,11 +33,7 @@ from kakeya_lab.verifier import HiddenTrace, Verifier
 
 CAPTURE_CACHE = SinkWindowConfig(sink=4, window=124)
 OPTIONS = CaptureOptions(turns_per_conversation=2, max_new_tokens=24, shard_size=4)
-SHAPES = {
-    "feature": dict(context_len=8, block_size=4),
-    "block": dict(context_len=8, block_size=4, width=256, num_heads=4, num_layers=2),
-    "lora": dict(context_len=24, block_size=4, base="early-exit:8", lora_rank=8),
-}
+SHAPES = drafter_shapes(context_len=8, block_size=4, block_width=256, lora_base="early-exit:8", lora_rank=8)
 STEPS = {"feature": 150, "block": 150, "lora": 8}
 
 
@@ -256,3 +253,31 @@ def test_mismatched_or_corrupted_checkpoints_are_clear_errors(default_model, tin
     (wrong_shape / "drafter.json").write_text(json.dumps({**block.config.to_dict(), "width": 128}))
     with pytest.raises(CheckpointError, match="does not fit"):
         load_drafter(wrong_shape, default_model)
+
+
+# ---------------------------------------------------------------- pipeline settings
+
+
+def test_pipeline_settings_per_domain_and_per_kind():
+    assert per_domain(3, ["chitchat", "code"]) == {"chitchat": 3, "code": 3}
+    assert per_domain({"chitchat": 1, "code": 2, "prose": 5}, ["code"]) == {"code": 2}
+    with pytest.raises(ValueError, match="prose"):
+        per_domain({"chitchat": 1}, ["chitchat", "prose"])
+    lora, feature = train_config_for("lora", 8, lr=2e-3), train_config_for("feature", 60, batch_size=16)
+    assert (lora.batch_size, lora.lr, lora.steps) == (4, 5e-4, 8)
+    assert (feature.batch_size, feature.eval_every, feature.checkpoint_every, feature.warmup_steps) == (16, 12, 30, 13)
+    assert SHAPES["lora"]["context_len"] == 3 * SHAPES["feature"]["context_len"]
+
+
+def test_best_drafter_is_the_highest_held_out_tau_of_the_trained_kinds():
+    summary = pd.DataFrame([
+        {"domain": "chitchat", "split": "dev", "proposer": "feature", "tau": 1.2},
+        {"domain": "chitchat", "split": "dev", "proposer": "block", "tau": 1.4},
+        {"domain": "chitchat", "split": "dev", "proposer": "ngram", "tau": 1.9},  # not trained
+        {"domain": "chitchat", "split": "train", "proposer": "feature", "tau": 2.5},  # not held out
+        {"domain": "code", "split": "dev", "proposer": "feature", "tau": 3.0},
+    ])
+    assert best_drafter(summary, "chitchat", ["feature", "block"]) == "block"
+    assert best_drafter(summary, "code", ["feature", "block"]) == "feature"
+    with pytest.raises(ValueError, match="prose"):
+        best_drafter(summary, "prose", ["feature"])

@@ -11,6 +11,7 @@ own sink-window cache (adapters merged into a copy).
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 from torch import nn
@@ -43,7 +44,10 @@ class LoraDrafter(nn.Module):
         draft.requires_grad_(False)
         lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
                           target_modules=TARGETS, bias="none")
-        self.model = get_peft_model(draft, lora)
+        with warnings.catch_warnings():
+            # peft asks transformers v5 a deprecated question; nothing for our callers to act on
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            self.model = get_peft_model(draft, lora)
         ids = torch.arange(config.vocab_size)
         self.register_buffer("draft_ids", ids, persistent=False)
         self.register_buffer("draft_index", ids.clone(), persistent=False)

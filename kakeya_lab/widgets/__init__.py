@@ -1,0 +1,27 @@
+"""Interactive views for notebooks.
+
+* :mod:`~kakeya_lab.widgets.cache_explorer` — which tokens a sink-window cache holds at
+  each step, as a plotly figure with precomputed slider frames (moves without a kernel,
+  in committed output and in the HTML export);
+* :mod:`~kakeya_lab.widgets.live_chat` — a conversation with a session, one reply at a
+  time streamed on a background thread and stoppable mid-reply (no UI);
+* :mod:`~kakeya_lab.widgets.chat_panel` — :class:`ChatPanel`, the ipywidgets view of a
+  live chat: streamed tokens, Stop, proposer selector, cache strip, latency sparkline.
+"""
+
+from kakeya_lab.widgets.cache_explorer import (
+    cache_explorer_figure,
+    cache_status,
+    record_cache_steps,
+)
+from kakeya_lab.widgets.chat_panel import ChatPanel
+from kakeya_lab.widgets.live_chat import LiveChat, ReplyRecord
+
+__all__ = [
+    "ChatPanel",
+    "LiveChat",
+    "ReplyRecord",
+    "cache_explorer_figure",
+    "cache_status",
+    "record_cache_steps",
+]

@@ -1,0 +1,307 @@
+"""A live conversation with one session: replies streamed on a background thread, stoppable.
+
+:class:`LiveChat` is the logic behind :class:`~kakeya_lab.widgets.chat_panel.ChatPanel`
+and has no UI. :meth:`LiveChat.send` appends the chat-templated user turn and consumes the
+session's ``generate`` stream on a worker thread, so the caller's thread (a notebook
+kernel handling a Stop click) stays free. :meth:`LiveChat.stop` asks the worker to stop
+after the token it is handling; the worker then closes the stream, and the session keeps
+the tokens that were delivered (docs/design.md, "Session runtime"). Afterwards the reply
+is read back from the session's history: :attr:`ReplyRecord.undelivered_tokens` counts
+tokens the session committed that the stream never delivered (0 when the runtime keeps
+its contract) and the shown reply is always the one the session holds.
+
+Each token is tagged ``"draft"`` (an accepted draft token of a speculative step) or
+``"verifier"`` (plain decoding, or the verifier's own correction/bonus token), from the
+``SpeculativeStep`` events that precede a step's tokens.
+"""
+
+from __future__ import annotations
+
+import inspect
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kakeya_lab.cache import SinkWindowConfig, analytic_kv_budget_bytes
+from kakeya_lab.chat import ChatTemplate
+from kakeya_lab.proposers import make_proposer
+from kakeya_lab.session import Done, HistoryTruncated, SessionStore, Token
+from kakeya_lab.speculative import SpeculativeStep
+
+STOPPED_BY_USER = "stopped"
+
+
+@dataclass
+class ReplyRecord:
+    """One user turn and the reply the session holds for it."""
+
+    turn: int
+    user_text: str
+    proposer: str
+    draft_length: int
+    token_ids: list[int] = field(default_factory=list)
+    token_kinds: list[str] = field(default_factory=list)  # "draft" or "verifier", per token
+    pieces: list[str] = field(default_factory=list)  # the text each token added, as shown
+    token_latency_s: list[float] = field(default_factory=list)  # since the previous token
+    append_latency_s: float | None = None
+    history_start: int | None = None  # history length before the reply's first token
+    stop_reason: str | None = None  # eos / stop / max_tokens / stopped / error
+    error: str | None = None
+    undelivered_tokens: int = 0  # committed by the session but never delivered
+    dropped_tokens: int = 0  # history no longer attended (HistoryTruncated)
+    finished: bool = False
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """What the session's cache holds now (tokens) and its KV bytes against the budget."""
+
+    history_tokens: int
+    sink_tokens: int
+    window_tokens: int
+    evicted_tokens: int
+    kv_live_bytes: int
+    kv_budget_bytes: int | None  # analytic ``B × layers × kv_heads × head_dim × bytes × 2``
+
+
+class LiveChat:
+    """A conversation over one session of a :class:`~kakeya_lab.session.SessionStore`.
+
+    ``source`` is a ``SessionStore`` (then ``tokenizer`` is required) or a loaded model
+    (``load_model(...)``; a one-session store over ``config`` is made). Greedy decoding.
+    One reply streams at a time; ``send`` while streaming raises ``RuntimeError``.
+    """
+
+    def __init__(
+        self,
+        source,
+        config: SinkWindowConfig | None = None,
+        *,
+        tokenizer=None,
+        system: str | None = None,
+        max_new_tokens: int = 128,
+        latency_history_tokens: int = 2000,
+    ):
+        if isinstance(source, SessionStore):
+            store = source
+            if tokenizer is None:
+                raise ValueError("a SessionStore carries no tokenizer: pass tokenizer=...")
+        elif hasattr(source, "model") and hasattr(source, "tokenizer"):
+            if config is None:
+                raise ValueError("pass the cache config, e.g. SinkWindowConfig(sink=4, window=252)")
+            store = SessionStore(source.model, config, capacity=1)
+            tokenizer = tokenizer or source.tokenizer
+        else:
+            raise TypeError(
+                f"expected a SessionStore or a loaded model, got {type(source).__name__}"
+            )
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.store = store
+        self.tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.session_id = store.create()
+        self.chat = ChatTemplate(tokenizer, system=system)
+        self.replies: list[ReplyRecord] = []
+        self.token_latencies: deque[tuple[int, float]] = deque(maxlen=latency_history_tokens)
+        self.kv_budget_bytes = analytic_kv_budget_bytes(store.model, store.config)
+        self._proposers: dict[str, object] = {}
+        self._stop = threading.Event()
+        self._worker: threading.Thread | None = None
+        self._draft_keyword = _draft_length_keyword(store.generate)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def streaming(self) -> bool:
+        return self._worker is not None and self._worker.is_alive()
+
+    def cache_snapshot(self) -> CacheSnapshot:
+        info = self.store.info(self.session_id)
+        sinks = min(self.store.config.sink, info.cache_len)
+        return CacheSnapshot(
+            history_tokens=info.history_len,
+            sink_tokens=sinks,
+            window_tokens=info.cache_len - sinks,
+            evicted_tokens=info.history_len - info.cache_len,
+            kv_live_bytes=info.kv_live_bytes,
+            kv_budget_bytes=self.kv_budget_bytes,
+        )
+
+    def session_reply_ids(self, index: int = -1) -> list[int]:
+        """The token ids the *session* holds for reply ``index`` (read from its history)."""
+        record = self.replies[index]
+        if record.history_start is None:
+            return []
+        history = self.store.verifier(self.session_id).history_token_ids
+        return history[record.history_start : record.history_start + len(record.token_ids)]
+
+    def latency_by_turn(self) -> list[float]:
+        """Mean seconds per token of every finished reply, first token excluded (a mean, not
+        a median: speculative steps deliver their tokens in bursts)."""
+        out = []
+        for r in self.replies:
+            lat = r.token_latency_s[1:]
+            if r.finished and lat:
+                out.append(statistics.fmean(lat))
+        return out
+
+    def proposer(self, spec: str):
+        """The proposer for ``spec`` (``none``, ``ngram``, ``early-exit:N``), built once."""
+        if spec in ("", "none", None):
+            return None
+        if spec not in self._proposers:
+            self._proposers[spec] = make_proposer(
+                spec, self.store.model, self.store.config, self.tokenizer
+            )
+        return self._proposers[spec]
+
+    # ----------------------------------------------------------------- actions
+    def send(
+        self,
+        text: str,
+        *,
+        proposer: str = "none",
+        draft_length: int = 4,
+        max_new_tokens: int | None = None,
+        on_token: Callable[[ReplyRecord], None] | None = None,
+        on_done: Callable[[ReplyRecord], None] | None = None,
+    ) -> ReplyRecord:
+        """Start a reply to ``text`` on a worker thread and return its (growing) record.
+
+        ``on_token(record)`` runs on the worker after every delivered token,
+        ``on_done(record)`` once at the end (also after an error or a stop).
+        """
+        if self.streaming:
+            raise RuntimeError("a reply is still streaming: stop it or wait for it first")
+        if not text or not text.strip():
+            raise ValueError("empty message: type something to send")
+        if isinstance(draft_length, bool) or not isinstance(draft_length, int) or draft_length < 1:
+            raise ValueError(f"draft_length must be an integer >= 1, got {draft_length!r}")
+        prop = self.proposer(proposer)
+        record = ReplyRecord(
+            turn=len(self.replies),
+            user_text=text,
+            proposer=proposer or "none",
+            draft_length=draft_length,
+        )
+        self.replies.append(record)
+        self._stop.clear()
+        self._worker = threading.Thread(
+            target=self._run,
+            args=(record, prop, max_new_tokens or self.max_new_tokens, on_token, on_done),
+            name=f"live-chat-turn-{record.turn}",
+            daemon=True,
+        )
+        self._worker.start()
+        return record
+
+    def stop(self) -> None:
+        """Stop the streaming reply after the token being handled (no-op when idle)."""
+        self._stop.set()
+
+    def wait(self, timeout: float | None = None) -> ReplyRecord | None:
+        """Wait for the streaming reply to finish; the latest record (None before any)."""
+        if self._worker is not None:
+            self._worker.join(timeout)
+        return self.replies[-1] if self.replies else None
+
+    # ------------------------------------------------------------------ worker
+    def _run(self, record: ReplyRecord, prop, max_new_tokens: int, on_token, on_done) -> None:
+        saved = (list(self.chat.messages), self.chat.rendered, self.chat.awaiting_reply)
+        appended = False
+        try:
+            prompt = self.chat.user(record.user_text)
+            result = self.store.append(self.session_id, prompt)
+            appended = True
+            record.append_latency_s = result.latency_s
+            record.history_start = result.history_len
+            kwargs = {"max_new_tokens": max_new_tokens}
+            if prop is not None:
+                kwargs.update(proposer=prop, **{self._draft_keyword: record.draft_length})
+            self._consume(record, self.store.generate(self.session_id, **kwargs), on_token)
+            self._reconcile(record)
+        except Exception as exc:  # shown in the panel; the session stays as the store left it
+            record.error = f"{type(exc).__name__}: {exc}"
+            record.stop_reason = "error"
+            if not appended:
+                self.chat.messages, self.chat.rendered, self.chat.awaiting_reply = saved
+            elif self.chat.awaiting_reply:
+                self._reconcile(record)
+        finally:
+            record.finished = True
+            if on_done is not None:
+                on_done(record)
+
+    def _consume(self, record: ReplyRecord, events, on_token) -> None:
+        draft_tokens_ahead = 0  # accepted drafts of the current step still to be delivered
+        last = time.perf_counter()
+        shown = ""
+        try:
+            for event in events:
+                if isinstance(event, SpeculativeStep):
+                    if self._stop.is_set():
+                        record.stop_reason = STOPPED_BY_USER
+                        break
+                    draft_tokens_ahead = min(event.accepted, event.emitted)
+                elif isinstance(event, Token):
+                    now = time.perf_counter()
+                    kind = "draft" if draft_tokens_ahead > 0 else "verifier"
+                    draft_tokens_ahead = max(0, draft_tokens_ahead - 1)
+                    record.token_ids.append(event.id)
+                    record.token_kinds.append(kind)
+                    record.token_latency_s.append(now - last)
+                    self.token_latencies.append((record.turn, now - last))
+                    last = now
+                    text = self._decode(record.token_ids)
+                    record.pieces.append(text[len(shown) :] if text.startswith(shown) else "")
+                    shown = text if text.startswith(shown) else shown
+                    if on_token is not None:
+                        on_token(record)
+                    if self._stop.is_set():
+                        record.stop_reason = STOPPED_BY_USER
+                        break
+                elif isinstance(event, HistoryTruncated):
+                    record.dropped_tokens = event.dropped
+                elif isinstance(event, Done):
+                    record.stop_reason = event.stop_reason
+        finally:
+            events.close()
+
+    def _reconcile(self, record: ReplyRecord) -> None:
+        """Make the record (and the chat template) say what the session holds."""
+        history = self.store.verifier(self.session_id).history_token_ids
+        held = history[record.history_start :] if record.history_start is not None else []
+        record.undelivered_tokens = len(held) - len(record.token_ids)
+        if held != record.token_ids:
+            record.token_ids = list(held)
+            record.token_kinds = (record.token_kinds + ["verifier"] * len(held))[: len(held)]
+        record.pieces = self._pieces(held)
+        self.chat.generated(held, eos_token_ids=self.store.eos_token_ids)
+
+    def _pieces(self, ids: list[int]) -> list[str]:
+        """The text each token adds; joined, exactly the decoded reply."""
+        pieces, shown = [], ""
+        for i in range(len(ids)):
+            text = self._decode(ids[: i + 1])
+            pieces.append(text[len(shown) :] if text.startswith(shown) else "")
+            shown = text if text.startswith(shown) else shown
+        full = self._decode(ids)
+        if "".join(pieces) != full:  # a later token re-decoded earlier bytes: show it whole
+            pieces = [full] + [""] * (len(ids) - 1) if ids else []
+        return pieces
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _draft_length_keyword(generate) -> str:
+    """The name ``SessionStore.generate`` gives the draft length (``draft_length`` or ``k``)."""
+    params = inspect.signature(generate).parameters
+    return "draft_length" if "draft_length" in params else "k"

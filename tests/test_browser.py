@@ -1,0 +1,411 @@
+"""The notebooks in a real browser: JupyterLab from this environment, driven by Playwright.
+
+JupyterLab starts on 127.0.0.1 (a free port, a random token) over a temporary copy of
+``notebooks/``, with the project's kernel registered in a temporary prefix and isolated
+settings; it is stopped at the end of the module. Chromium is Debian's
+(``/usr/bin/chromium``; ``playwright install`` is not used). Without it the tests skip
+locally and FAIL under ``CI=true`` (``.ci/run`` installs it). Screenshots go to
+``tests/artifacts/`` (or ``$KAKEYA_LAB_ARTIFACTS``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kakeya_lab.notebook_format import KERNEL_NAME
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parent.parent
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+ARTIFACTS = Path(os.environ.get("KAKEYA_LAB_ARTIFACTS", REPO / "tests" / "artifacts"))
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+STARTUP_S = 60
+
+
+def _missing(reason: str):
+    if IN_CI:
+        pytest.fail(f"{reason} (CI=true: the browser tests must run; .ci/run installs chromium)")
+    pytest.skip(reason)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _shot(page, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not CHROMIUM.exists():
+        _missing(f"{CHROMIUM} is missing (apt-get install chromium)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _missing("playwright is not installed (pip install -e .[dev])")
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A running JupyterLab: ``(base_url, token, root)``; ``root/notebooks`` is a copy."""
+    jupyter = Path(sys.executable).parent / "jupyter"
+    if not jupyter.exists():
+        _missing(f"{jupyter} is missing (pip install -e .[lab])")
+    work = tmp_path_factory.mktemp("lab")
+    root = work / "root"
+    shutil.copytree(
+        REPO / "notebooks", root / "notebooks", ignore=shutil.ignore_patterns(".ipynb_checkpoints")
+    )
+    (root / "data").symlink_to(REPO / "data")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ipykernel",
+            "install",
+            "--prefix",
+            str(work / "kernels"),
+            "--name",
+            KERNEL_NAME,
+            "--display-name",
+            KERNEL_NAME,
+        ],
+        check=True,
+        capture_output=True,
+    )
+    settings = work / "settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False})
+    )
+    env = dict(
+        os.environ,
+        JUPYTER_PATH=str(work / "kernels" / "share" / "jupyter"),
+        JUPYTER_CONFIG_DIR=str(work / "config"),
+        JUPYTER_RUNTIME_DIR=str(work / "runtime"),
+        JUPYTERLAB_SETTINGS_DIR=str(work / "settings"),
+        JUPYTERLAB_WORKSPACES_DIR=str(work / "workspaces"),
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        ),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    )
+    port, token = _free_port(), secrets.token_hex(16)
+    args = [
+        str(jupyter),
+        "lab",
+        "--no-browser",
+        "--ip=127.0.0.1",
+        f"--port={port}",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}",
+    ]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        args.append("--allow-root")
+    log = open(work / "lab.log", "w")
+    proc = subprocess.Popen(
+        args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"JupyterLab did not start; see {work / 'lab.log'}"
+                    ) from None
+                time.sleep(0.5)
+        yield base, token, root
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+
+
+def _api(base: str, token: str, path: str, method: str = "GET"):
+    req = urllib.request.Request(
+        f"{base}{path}", method=method, headers={"Authorization": f"token {token}"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        body = resp.read()
+    return json.loads(body) if body else None
+
+
+def _open(browser, lab, name: str, block_kernels: bool = False):
+    base, token, _ = lab
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(60_000)
+    if block_kernels:
+        page.route(
+            "**/api/sessions**",
+            lambda route: route.abort() if route.request.method == "POST" else route.continue_(),
+        )
+        page.route(
+            "**/api/kernels**",
+            lambda route: route.abort() if route.request.method == "POST" else route.continue_(),
+        )
+    page.goto(f"{base}/lab/tree/notebooks/{name}?reset&token={token}")  # only this notebook open
+    page.wait_for_selector(".jp-Notebook .jp-Cell")
+    return page
+
+
+def _close(page, lab) -> None:
+    """Close the page and shut down every kernel it started (sessions and all)."""
+    base, token, _ = lab
+    page.close()
+    for session in _api(base, token, "/api/sessions"):
+        _api(base, token, f"/api/sessions/{session['id']}", method="DELETE")
+
+
+def _accept_kernel_dialog(page) -> None:
+    """JupyterLab sometimes asks which kernel to start even though the notebook names one:
+    accept its choice (the notebook's kernel)."""
+    dialog = page.locator(".jp-Dialog", has_text="Select Kernel")
+    if dialog.count():
+        dialog.first.locator("button.jp-mod-accept").click()
+        dialog.first.wait_for(state="detached", timeout=10_000)
+
+
+def _wait_kernel_idle(page) -> None:
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+    _accept_kernel_dialog(page)
+
+
+def _run_cell(page, index: int) -> None:
+    """Run cell ``index`` (Shift+Enter in its editor) and wait until the kernel took it: a
+    key press right after the kernel reports idle can be lost, so it is retried."""
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
+    prompt = cell.locator(".jp-InputPrompt").first
+    for _ in range(5):
+        _accept_kernel_dialog(page)
+        cell.locator(".jp-InputArea-editor").click(timeout=10_000)
+        page.keyboard.press("Shift+Enter")
+        try:
+            page.wait_for_function(
+                r"e => /\[(\*|\d+)\]/.test(e.textContent)",
+                arg=prompt.element_handle(),
+                timeout=5_000,
+            )
+            return
+        except Exception:
+            continue
+    raise AssertionError(f"cell {index} never started running")
+
+
+def test_chat_panel_streams_and_stop_leaves_the_session_holding_the_text_shown(browser, lab):
+    page = _open(browser, lab, "05_chat.ipynb")
+    try:
+        _wait_kernel_idle(page)
+        _run_cell(page, 1)  # parameters
+        _run_cell(page, 2)  # the panel
+        page.wait_for_selector(".kl-chat-panel", timeout=120_000)
+        _shot(page, "chat-panel-ready")
+        page.locator(".kl-message input").fill(
+            "Tell me a long story about a dragon who guards a library."
+        )
+        page.locator("button.kl-send").click()
+        last_tokens = "() => { const r = [...document.querySelectorAll('.kl-chat-panel .kl-reply')].pop(); return r ? +r.dataset.tokens : -1 }"
+        page.wait_for_function(f"({last_tokens})() >= 2", timeout=60_000)
+        first_seen = page.evaluate(f"({last_tokens})()")
+        page.wait_for_function(
+            f"({last_tokens})() >= {first_seen + 2}", timeout=30_000
+        )  # it streams
+        _shot(page, "chat-streaming")
+        page.locator("button.kl-stop").click()
+        page.wait_for_selector(".kl-chat-panel .kl-status[data-state='done']", timeout=30_000)
+        _shot(page, "chat-stopped")
+        status = page.locator(".kl-chat-panel .kl-status")
+        assert status.get_attribute("data-stop-reason") == "stopped"
+        assert status.get_attribute("data-undelivered") == "0"
+        reply = page.locator(".kl-chat-panel .kl-reply").last
+        shown = reply.evaluate("e => e.textContent")
+        shown_tokens = int(reply.get_attribute("data-tokens"))
+        assert shown_tokens < 48 and shown.strip(), "the reply was not stopped mid-stream"
+        # ask the kernel what the session holds, in a new cell
+        page.locator(".jp-Notebook .jp-Cell").nth(3).locator(
+            ".jp-InputPrompt"
+        ).first.click()  # select, command mode
+        page.keyboard.press("Escape")
+        page.keyboard.press("b")  # a new code cell below, selected
+        page.locator(".jp-Notebook .jp-Cell").nth(4).locator(".jp-InputArea-editor").click()
+        page.keyboard.insert_text(
+            "import json\n"
+            "held = panel.chat.session_reply_ids()\n"
+            "print('SESSION=' + json.dumps({'tokens': len(held), "
+            "'text': panel.chat.tokenizer.decode(held, skip_special_tokens=True)}))"
+        )
+        page.keyboard.press("Shift+Enter")
+        out = page.locator(".jp-OutputArea-output pre", has_text="SESSION=").first
+        out.wait_for(timeout=30_000)
+        session = json.loads(out.inner_text().split("SESSION=", 1)[1].strip())
+        _shot(page, "chat-session-check")
+        assert session["tokens"] == shown_tokens
+        assert session["text"] == shown
+    except Exception:
+        _shot(page, "chat-failure")
+        raise
+    finally:
+        _close(page, lab)
+
+
+def test_cache_explorer_moves_with_no_kernel_running(browser, lab):
+    base, token, _ = lab
+    assert _api(base, token, "/api/kernels") == []
+    # The page may not start a kernel: JupyterLab would start the notebook's on open.
+    page = _open(browser, lab, "10_sink_window_cache.ipynb", block_kernels=True)
+    try:
+        dialog = page.locator(".jp-Dialog")
+        dialog.wait_for(timeout=30_000)  # "Error Starting Kernel": the session request was refused
+        _shot(page, "cache-explorer-no-kernel-dialog")
+        deadline = time.monotonic() + 20
+        while dialog.count():  # one per refused attempt; dismiss them all
+            assert time.monotonic() < deadline, "kernel-error dialogs keep coming"
+            dialog.first.locator("button.jp-mod-accept").click()
+            time.sleep(0.5)
+        explorer = page.locator(".js-plotly-plot", has_text="Cache explorer").first
+        explorer.scroll_into_view_if_needed(timeout=60_000)
+        title = explorer.locator(".gtitle")
+        before = title.text_content()
+        assert before.startswith("Cache explorer") and "step 23" in before, before
+        _shot(page, "cache-explorer-last-step")
+        rail = explorer.locator(".slider-rail-rect").first
+        box = rail.bounding_box()
+        page.mouse.click(box["x"] + 0.12 * box["width"], box["y"] + box["height"] / 2)
+        page.wait_for_function(
+            "e => !e.textContent.includes('step 23')", arg=title.element_handle(), timeout=10_000
+        )
+        after = title.text_content()
+        _shot(page, "cache-explorer-moved")
+        assert after != before and "evicted" in after
+        assert _api(base, token, "/api/kernels") == [], (
+            "a kernel started: the explorer must not need one"
+        )
+    except Exception:
+        _shot(page, "cache-explorer-failure")
+        raise
+    finally:
+        _close(page, lab)
+
+
+def _settled_bytes(path: Path, timeout_s: float = 20) -> bytes:
+    """The file once the server has finished writing it (complete JSON, unchanged twice)."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while True:
+        data = path.read_bytes()
+        try:
+            json.loads(data)
+            if data == last:
+                return data
+        except ValueError:
+            pass
+        assert time.monotonic() < deadline, f"{path.name} never settled after saving"
+        last = data
+        time.sleep(0.3)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb")))
+def test_open_and_save_leaves_the_notebook_unchanged(browser, lab, name):
+    _, _, root = lab
+    path = root / "notebooks" / name
+    original = (REPO / "notebooks" / name).read_bytes()
+    before = path.stat().st_mtime_ns
+    page = _open(browser, lab, name)
+    try:
+        _wait_kernel_idle(page)
+        page.locator(".jp-Notebook:visible .jp-Cell").first.click()
+        page.keyboard.press("Control+s")
+        deadline = time.monotonic() + 30
+        while path.stat().st_mtime_ns == before:
+            assert time.monotonic() < deadline, "JupyterLab did not save the notebook"
+            time.sleep(0.2)
+        saved = _settled_bytes(path)
+        _shot(page, f"saved-{Path(name).stem}")
+        assert saved == original, f"open-and-save changed {name}"
+    finally:
+        _close(page, lab)
+
+
+def test_html_export_shows_the_figures_offline(browser, tmp_path):
+    """``jupyter nbconvert --to html`` of a committed notebook, opened with every network
+    request refused: the figures draw and the cache explorer's slider moves."""
+    jupyter = Path(sys.executable).parent / "jupyter"
+    subprocess.run(
+        [
+            str(jupyter),
+            "nbconvert",
+            "--to",
+            "html",
+            "--output-dir",
+            str(tmp_path),
+            str(REPO / "notebooks" / "10_sink_window_cache.ipynb"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    html = tmp_path / "10_sink_window_cache.html"
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.route(
+            "**/*",
+            lambda route: (
+                route.continue_() if route.request.url.startswith("file:") else route.abort()
+            ),
+        )
+        page.goto(html.as_uri())
+        plots = page.locator(".js-plotly-plot")
+        plots.first.wait_for(timeout=30_000)
+        assert plots.count() == 2  # the NLL curves and the cache explorer
+        explorer = page.locator(".js-plotly-plot", has_text="Cache explorer").first
+        explorer.scroll_into_view_if_needed()
+        title = explorer.locator(".gtitle")
+        before = title.text_content()
+        rail = explorer.locator(".slider-rail-rect").first
+        box = rail.bounding_box()
+        page.mouse.click(box["x"] + 0.5 * box["width"], box["y"] + box["height"] / 2)
+        page.wait_for_function(
+            "([e, t]) => e.textContent !== t", arg=[title.element_handle(), before], timeout=10_000
+        )
+        _shot(page, "html-export-explorer")
+        assert "step 23" in before and "step 23" not in title.text_content()
+    finally:
+        page.close()

@@ -1,0 +1,153 @@
+"""Every committed notebook reads well without a kernel and survives open-and-save.
+
+Checks on the committed files (no execution): the project's kernel, the byte form JupyterLab
+writes (so opening and saving leaves git clean), a ``parameters`` cell, a final conclusion,
+a statement of which run the outputs are, figures that render offline (plotly mime type
+plus an HTML fallback, plotly.js embedded once), and outputs free of absolute paths,
+warnings, tracebacks and frozen progress bars.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from kakeya_lab.notebook_format import KERNEL_NAME, jupyterlab_text
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~-])/(?:work|root|home|tmp|Users|private|var/folders)/")
+FROZEN_BAR = re.compile(r"\b\d{1,3}%\|")
+PLOTLY_JS_MARKER = "plotly.js v"  # the banner at the top of the embedded bundle
+
+
+def _outputs(nb: dict):
+    for index, cell in enumerate(nb["cells"]):
+        for output in cell.get("outputs", []):
+            yield index, output
+
+
+def _texts(output: dict) -> list[str]:
+    """The human-readable texts of an output (the embedded plotly.js bundle left out)."""
+    if output["output_type"] == "stream":
+        return ["".join(output["text"])]
+    if output["output_type"] == "error":
+        return ["\n".join(output.get("traceback", [])), output.get("evalue", "")]
+    texts = []
+    for mime, value in output.get("data", {}).items():
+        if mime.startswith("text/"):
+            text = "".join(value) if isinstance(value, list) else value
+            if PLOTLY_JS_MARKER not in text:
+                texts.append(text)
+    return texts
+
+
+def test_there_are_notebooks():
+    names = {p.name for p in NOTEBOOKS}
+    assert {"00_quickstart.ipynb", "05_chat.ipynb", "10_sink_window_cache.ipynb"} <= names
+
+
+@pytest.fixture(params=NOTEBOOKS, ids=lambda p: p.stem)
+def notebook(request) -> tuple[Path, str, dict]:
+    text = request.param.read_text(encoding="utf-8")
+    return request.param, text, json.loads(text)
+
+
+def test_names_the_project_kernel(notebook):
+    _, _, nb = notebook
+    spec = nb["metadata"]["kernelspec"]
+    assert spec["name"] == KERNEL_NAME and spec["display_name"] == KERNEL_NAME, spec
+
+
+def test_is_stored_as_jupyterlab_saves_it(notebook):
+    path, text, nb = notebook
+    assert text == jupyterlab_text(nb), (
+        f"{path.name} would change on open-and-save in JupyterLab: "
+        f"run `python -m kakeya_lab.notebook_format {path.name}`"
+    )
+    assert "widgets" not in nb["metadata"], "frozen widget state committed"
+
+
+def test_has_a_parameters_cell_and_ends_with_a_conclusion(notebook):
+    path, _, nb = notebook
+    tagged = [c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", [])]
+    assert len(tagged) == 1 and tagged[0]["cell_type"] == "code", path.name
+    last = nb["cells"][-1]
+    source = "".join(last["source"])
+    assert last["cell_type"] == "markdown" and source.startswith("## Conclusion"), path.name
+    body = source.removeprefix("## Conclusion").strip()
+    assert len(body) > 80 and "CONCLUSION" not in body, f"{path.name}: the conclusion says nothing"
+    assert re.search(r"\d", body), f"{path.name}: the conclusion cites no number"
+
+
+def test_says_which_run_its_outputs_are(notebook):
+    path, _, nb = notebook
+    intro = "".join(nb["cells"][0]["source"])
+    assert nb["cells"][0]["cell_type"] == "markdown" and intro.startswith("# ")
+    assert re.search(r"outputs (below )?(are|come from)", intro), (
+        f"{path.name}: the introduction must say whether the committed outputs are the README's "
+        "run or a small CI run (with the command for the full one)"
+    )
+    assert "../shared" not in json.dumps(nb) and "DESIGN.md" not in json.dumps(nb)
+
+
+def test_is_committed_executed(notebook):
+    path, _, nb = notebook
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert code and all(c["execution_count"] is not None for c in code), (
+        f"{path.name} is not executed"
+    )
+
+
+def test_outputs_hold_no_absolute_paths_warnings_tracebacks_or_frozen_bars(notebook):
+    path, _, nb = notebook
+    problems = []
+    for index, output in _outputs(nb):
+        if output["output_type"] == "error":
+            problems.append(f"cell {index}: error output {output.get('ename')}")
+        if output["output_type"] == "stream" and output["name"] == "stderr":
+            text = "".join(output["text"])
+            if "warn" in text.lower():
+                problems.append(f"cell {index}: warning on stderr: {text[:120]!r}")
+        if WIDGET_MIME in output.get("data", {}):
+            fallback = "".join(output["data"].get("text/plain", ""))
+            if FROZEN_BAR.search(fallback) or "it/s" in fallback:
+                problems.append(f"cell {index}: frozen progress-bar widget {fallback[:60]!r}")
+        for text in _texts(output):
+            if ABSOLUTE_PATH.search(text):
+                problems.append(
+                    f"cell {index}: absolute path {ABSOLUTE_PATH.search(text).group(0)!r}"
+                )
+            if "Traceback (most recent call last)" in text:
+                problems.append(f"cell {index}: traceback")
+            if FROZEN_BAR.search(text) and "|" in text:
+                problems.append(f"cell {index}: progress bar text {text[:60]!r}")
+    assert not problems, f"{path.name}: " + "; ".join(problems)
+
+
+def test_figures_render_offline_in_static_views(notebook):
+    path, _, nb = notebook
+    figures = [(i, o) for i, o in _outputs(nb) if PLOTLY_MIME in o.get("data", {})]
+    bundles = [
+        i
+        for i, o in _outputs(nb)
+        if PLOTLY_JS_MARKER in "".join(o.get("data", {}).get("text/html", ""))
+    ]
+    for index, output in figures:
+        html = "".join(output["data"].get("text/html", ""))
+        assert "Plotly.newPlot" in html, (
+            f"{path.name} cell {index}: a figure without an HTML fallback"
+        )
+    if figures:
+        assert len(bundles) == 1, (
+            f"{path.name}: plotly.js embedded {len(bundles)} times (want once)"
+        )
+        assert bundles[0] <= min(i for i, _ in figures), (
+            "plotly.js must come before the first figure"
+        )
+    else:
+        assert not bundles, f"{path.name}: plotly.js embedded without any figure"
