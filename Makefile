@@ -47,6 +47,7 @@ lint: install
 # Re-execute the committed notebooks in place (after changing them or the package).
 notebooks: install
 	cd notebooks && for nb in *.ipynb; do ../$(BIN)/papermill "$$nb" "$$nb" --cwd . || exit 1; done
+	$(BIN)/python -m kakeya_lab.notebook_format notebooks/*.ipynb
 
 clean-venv:
 	rm -rf $(VENV)

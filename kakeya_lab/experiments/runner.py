@@ -56,11 +56,13 @@ def run_notebook(
     experiment: str | None = None,
     run_id: str | None = None,
     progress: bool = True,
-    kernel_name: str = "python3",
+    kernel_name: str | None = None,
 ) -> Path:
     """Execute ``notebook`` with ``parameters`` into a new run folder; return its path.
 
     Unknown parameter names are an error (a typo must not silently run the defaults).
+    ``kernel_name=None`` runs the kernel the notebook names (the project's ``kakeya_lab``
+    kernel, registered by ``make install``).
     On failure the folder keeps the partially executed notebook and ``run.json`` with the
     error, and :class:`RunFailed` is raised.
     """
