@@ -292,10 +292,12 @@ def test_torch_and_mlx_greedy_streams_over_200_tokens(default_model, mlx_default
             logits = v.append([t])
         streams[name], rows[name] = out, seen
         assert v.history_len > 5 * config.budget
+    print(f"torch vs mlx greedy streams over 200 tokens: {'equal' if streams['torch'] == streams['mlx'] else 'differ'}")
     if streams["torch"] != streams["mlx"]:
         i = next(j for j, (a, b) in enumerate(zip(streams["torch"], streams["mlx"])) if a != b)
         top2 = torch.topk(rows["torch"][i], 2)
         margin = (top2.values[0] - top2.values[1]).item()
+        print(f"first divergence at token {i}, torch top-2 margin {margin:.3e}")
         assert margin <= 2 * REAL_TOL, (
             f"streams diverge at token {i} (torch {streams['torch'][i]}, mlx {streams['mlx'][i]}) "
             f"with a torch top-2 margin of {margin:.3e}: not a near-tie"
