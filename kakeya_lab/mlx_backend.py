@@ -79,7 +79,17 @@ def load_mlx_model(folder: Path, dtype: str = "float32") -> Any:
     model, _ = load_model(folder, lazy=False, strict=True, model_config=overrides, trust_remote_code=False)
     model.set_dtype(getattr(mx, _DTYPES[dtype]))
     mx.eval(model.parameters())
+    model.eos_token_ids = _declared_eos_ids(folder, config)  # mlx-lm models carry no generation config
     return model
+
+
+def _declared_eos_ids(folder: Path, config: dict) -> frozenset[int]:
+    """EOS ids from generation_config.json (as transformers reads them), else config.json."""
+    generation = folder / "generation_config.json"
+    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
+    if eos is None:
+        eos = config.get("eos_token_id")
+    return frozenset([eos] if isinstance(eos, int) else list(eos or []))
 
 
 def _dims(model: Any) -> tuple[int, int, int, int]:

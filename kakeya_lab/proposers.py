@@ -31,6 +31,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from kakeya_lab import inputs
+from kakeya_lab.backend import backend_name_of
 from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.inputs import InputTypeError
 from kakeya_lab.sampling import SamplingConfig
@@ -162,7 +163,7 @@ class DraftModelProposer:
         check_same_tokenizer(tokenizer, verifier_tokenizer)
         self.model = model
         self.config = config
-        self.label = label or getattr(model.config, "name_or_path", "") or type(model).__name__
+        self.label = label or getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
         self.verifier = Verifier(model, config)
         self._next_logits: torch.Tensor | None = None
         self._rows: list[torch.Tensor] = []
@@ -247,7 +248,13 @@ class EarlyExitProposer(DraftModelProposer):
 
     def __init__(self, model: PreTrainedModel, config: SinkWindowConfig, num_layers: int):
         self.num_layers = num_layers
-        super().__init__(early_exit_model(model, num_layers), config, label=f"early-exit-{num_layers}")
+        if backend_name_of(model) == "mlx":
+            from kakeya_lab.mlx_backend import mlx_early_exit_model
+
+            draft = mlx_early_exit_model(model, num_layers)
+        else:
+            draft = early_exit_model(model, num_layers)
+        super().__init__(draft, config, label=f"early-exit-{num_layers}")
 
     def describe(self) -> dict:
         return {"name": self.name, "num_layers": self.num_layers, "cache": self.config.to_dict()}

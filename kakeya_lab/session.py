@@ -231,7 +231,11 @@ class _Session:
 
 
 def model_eos_ids(model: PreTrainedModel) -> frozenset[int]:
-    """The end-of-sequence ids the model's generation config (or config) declares."""
+    """The end-of-sequence ids the model declares: its generation config, else its config
+    (transformers), or ``eos_token_ids`` (set on MLX models by ``load_mlx_model``)."""
+    declared = getattr(model, "eos_token_ids", None)
+    if declared is not None:
+        return frozenset(int(t) for t in declared)
     eos = getattr(model.generation_config, "eos_token_id", None) or model.config.eos_token_id
     return frozenset([eos] if isinstance(eos, int) else list(eos or []))
 
@@ -412,7 +416,7 @@ class SessionStore:
         stream that is computing an event)."""
         for session in sessions:
             with session.lock:
-                session.verifier.cache.reset()
+                session.verifier.release()
                 session.next_logits = None
 
     def _expire_idle(self) -> list[_Session]:

@@ -267,11 +267,11 @@ def test_mlx_greedy_speculative_equals_plain_past_eviction(tiny, proposer_kind, 
             proposer = DraftModelProposer(mlx_early_exit_model(verifier_model, 1), config, label="early-exit-1")
         sid = store.create()
         store.append(sid, prompt)
-        got = [e.id for e in store.generate(sid, 40, proposer=proposer, k=k) if isinstance(e, Token)]
+        got = [e.id for e in store.generate(sid, 40, proposer=proposer, draft_length=k) if isinstance(e, Token)]
         assert got == plain, f"{proposer_kind} k={k}: speculative stream differs from plain decoding"
         info = store.info(sid)
         assert info.history_len > config.budget == info.cache_len
-        assert info.speculative["proposed"] > 0
+        assert info.speculative.proposed > 0
         store.close(sid)
 
 

@@ -10,7 +10,6 @@ temporary store (``KAKEYA_LAB_HOME`` pointed there), never on the real store.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import shutil
@@ -297,10 +296,6 @@ def test_unknown_registry_name_lists_known_names() -> None:
         assert name in str(info.value)
 
 
-MLX_BACKEND_PRESENT = importlib.util.find_spec("kakeya_lab.mlx_backend") is not None
-
-
-@pytest.mark.skipif(not MLX_BACKEND_PRESENT, reason="kakeya_lab.mlx_backend not present yet")
 def test_mlx_backend_loads_the_same_verified_folder(
     pulled: Path, loaded: M.LoadedModel, no_network: None
 ) -> None:
@@ -310,6 +305,10 @@ def test_mlx_backend_loads_the_same_verified_folder(
     assert dataclasses.replace(lm.description, backend="torch") == loaded.description
     text = "The capital of France is"
     assert lm.tokenizer(text).input_ids == loaded.tokenizer(text).input_ids
+    # the EOS ids a session stops on are the same on both backends
+    from kakeya_lab.session import model_eos_ids
+
+    assert model_eos_ids(lm.model) == model_eos_ids(loaded.model) != frozenset()
 
 
 @pytest.mark.slow
