@@ -146,7 +146,7 @@ def run_rotating_anchor(
     for name, proposer in (("greedy", None), ("speculative", DraftModelProposer(draft, config, label="early-exit"))):
         sid = store.create()
         store.append(sid, prompt)
-        events = store.generate(sid, new_tokens, proposer=proposer, k=num_draft_tokens)
+        events = store.generate(sid, new_tokens, proposer=proposer, draft_length=num_draft_tokens)
         ours[name] = [e.id for e in events if isinstance(e, Token)]
         store.close(sid)
 
