@@ -16,7 +16,6 @@ Prints both results and writes them as JSON next to ``--out`` if given.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -44,8 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     prompt = loaded.tokenizer(tempest_text()[:4000], add_special_tokens=False)["input_ids"]
     prompt = prompt[: 3 * (args.sink + args.anchor_window)]  # well past the budget
     anchor = run_rotating_anchor(
-        loaded.model, prompt, sink=args.sink, window=args.anchor_window,
-        new_tokens=args.new_tokens, num_draft_tokens=args.draft_tokens,
+        loaded.model,
+        prompt,
+        sink=args.sink,
+        window=args.anchor_window,
+        new_tokens=args.new_tokens,
+        num_draft_tokens=args.draft_tokens,
     )
     print(anchor.summary())
     timing = time_decode_step(
@@ -58,9 +61,14 @@ def main(argv: list[str] | None = None) -> int:
         f"Verifier.append {timing.ours_verifier_s * 1e3:.1f} ms = {timing.ratio_verifier:.2f}x"
     )
     if args.out is not None:
-        write_json_atomic(args.out, {
-            "model": loaded.description.to_dict(), "anchor": anchor.to_dict(), "decode_step": asdict(timing),
-        })
+        write_json_atomic(
+            args.out,
+            {
+                "model": loaded.description.to_dict(),
+                "anchor": anchor.to_dict(),
+                "decode_step": asdict(timing),
+            },
+        )
         print(f"wrote {args.out}")
     return 0
 

@@ -160,8 +160,12 @@ def sink_window_mask(
             )
         return layout.mask
     return sdpa_mask(
-        batch_size=batch_size, q_length=q_length, kv_length=kv_length,
-        q_offset=q_offset, kv_offset=kv_offset, **kwargs,
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        **kwargs,
     )
 
 
@@ -170,7 +174,9 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, sdpa_attention_forward)
 
 
 @contextmanager
-def standard_attention(model: PreTrainedModel, implementation: str = "sdpa") -> Iterator[PreTrainedModel]:
+def standard_attention(
+    model: PreTrainedModel, implementation: str = "sdpa"
+) -> Iterator[PreTrainedModel]:
     """Temporarily run ``model`` with a stock transformers attention (for baselines such as
     transformers' own assisted generation), restoring the previous one afterwards."""
     previous = model.config._attn_implementation

@@ -52,7 +52,9 @@ class Backend(Protocol):
     config: SinkWindowConfig
     vocab_size: int
 
-    def forward(self, token_ids: Sequence[int], *, all_rows: bool, hidden: bool = False) -> Forward: ...
+    def forward(
+        self, token_ids: Sequence[int], *, all_rows: bool, hidden: bool = False
+    ) -> Forward: ...
 
     def commit(self, n: int) -> None: ...
 
@@ -104,7 +106,9 @@ def proposer_backend(proposer: Any) -> str | None:
     if isinstance(named, str):
         return named
     draft_verifier = getattr(proposer, "verifier", None)
-    if draft_verifier is not None and isinstance(getattr(draft_verifier, "backend_name", None), str):
+    if draft_verifier is not None and isinstance(
+        getattr(draft_verifier, "backend_name", None), str
+    ):
         return draft_verifier.backend_name
     drafter = getattr(proposer, "drafter", None)
     if drafter is not None:

@@ -89,7 +89,9 @@ def rope_inv_freq(model: PreTrainedModel) -> torch.Tensor:
 
 
 def _model_dims(model: PreTrainedModel) -> tuple[int, int, int]:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
     n_layers = cfg.num_hidden_layers
     n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -145,7 +147,9 @@ class SlotTable:
 
     SHRINK_SLACK = 2048  # reserved-but-unused slots tolerated before storage shrinks
 
-    def __init__(self, config: SinkWindowConfig, device: torch.device, inv_freq: torch.Tensor | None):
+    def __init__(
+        self, config: SinkWindowConfig, device: torch.device, inv_freq: torch.Tensor | None
+    ):
         self.config = config
         self.device = device
         self.inv_freq = inv_freq
@@ -166,7 +170,10 @@ class SlotTable:
     def layout(self, query_length: int) -> KeyLayout:
         """The key layout of the next forward of ``query_length`` tokens (changes nothing)."""
         queries = torch.arange(
-            self.next_position, self.next_position + query_length, dtype=torch.long, device=self.device
+            self.next_position,
+            self.next_position + query_length,
+            dtype=torch.long,
+            device=self.device,
         )
         keys = torch.cat([self.positions[: self.used + self.pending_len], queries])
         c = self.config
@@ -179,7 +186,9 @@ class SlotTable:
         stop = start + query_length
         needed = stop + (layout.copies.num_columns if layout.copies is not None else 0)
         if needed > self.capacity:
-            grown = torch.full((max(needed, 2 * self.capacity, 16),), -1, dtype=torch.long, device=self.device)
+            grown = torch.full(
+                (max(needed, 2 * self.capacity, 16),), -1, dtype=torch.long, device=self.device
+            )
             grown[:start] = self.positions[:start]
             self.positions = grown
         self.positions[start:stop] = layout.query_positions
@@ -316,7 +325,9 @@ class SinkWindowCache(Cache):
     held (``<= sink + window``); ``pending_len`` provisional entries of the current block.
     """
 
-    def __init__(self, model: PreTrainedModel, config: SinkWindowConfig, *, auto_commit: bool = True):
+    def __init__(
+        self, model: PreTrainedModel, config: SinkWindowConfig, *, auto_commit: bool = True
+    ):
         self.config = config
         n_layers, self.num_kv_heads, self.head_dim = _model_dims(model)
         inv_freq = None
@@ -327,7 +338,9 @@ class SinkWindowCache(Cache):
                     "rolling positions need full-width rotary embeddings (partial RoPE is not supported)"
                 )
         self.device = next(model.parameters()).device
-        self.table = SlotTable(config, self.device, None if inv_freq is None else inv_freq.to(self.device))
+        self.table = SlotTable(
+            config, self.device, None if inv_freq is None else inv_freq.to(self.device)
+        )
         super().__init__(layers=[SinkWindowLayer(self.table) for _ in range(n_layers)])
         self.auto_commit = auto_commit
         self._next_layer = 0
@@ -369,7 +382,14 @@ class SinkWindowCache(Cache):
             if not first.is_initialized:
                 return None
             dtype_bytes = first.keys.element_size()
-        return self.config.budget * len(self.layers) * self.num_kv_heads * self.head_dim * dtype_bytes * 2
+        return (
+            self.config.budget
+            * len(self.layers)
+            * self.num_kv_heads
+            * self.head_dim
+            * dtype_bytes
+            * 2
+        )
 
     # --------------------------------------------------------- Cache interface
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, KeyLayout]:
@@ -394,8 +414,14 @@ class SinkWindowCache(Cache):
             if self.auto_commit and self.pending_len:
                 self.commit(self.pending_len)
             self._block = self.table.open(n)
-        elif layer_idx != self._next_layer or self._block is None or n != self._block.stop - self._block.start:
-            raise RuntimeError(f"layer {layer_idx} updated out of order (expected {self._next_layer})")
+        elif (
+            layer_idx != self._next_layer
+            or self._block is None
+            or n != self._block.stop - self._block.start
+        ):
+            raise RuntimeError(
+                f"layer {layer_idx} updated out of order (expected {self._next_layer})"
+            )
         self._next_layer = layer_idx + 1
         return self.layers[layer_idx].update(key_states, value_states, self._block)
 
@@ -464,7 +490,9 @@ class SinkWindowCache(Cache):
         return False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("SinkWindowCache holds one sequence; beam search is not supported")
+        raise NotImplementedError(
+            "SinkWindowCache holds one sequence; beam search is not supported"
+        )
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if repeats != 1:

@@ -90,7 +90,9 @@ class ChatTemplate:
         """A template continuing from :meth:`to_state`'s output, with ``tokenizer``."""
         missing = {"messages", "rendered", "awaiting_reply"} - set(state)
         if missing:
-            raise ValueError(f"chat state lacks {sorted(missing)}: pass what ChatTemplate.to_state() returned")
+            raise ValueError(
+                f"chat state lacks {sorted(missing)}: pass what ChatTemplate.to_state() returned"
+            )
         chat = cls(tokenizer)
         chat.messages = copy.deepcopy(list(state["messages"]))
         chat.rendered = str(state["rendered"])

@@ -69,7 +69,9 @@ def _is_stale(path: Path, now: float, older_than_s: float) -> bool:
     return now - path.stat().st_mtime >= older_than_s
 
 
-def remove_stale_temp_files(folder: str | Path, *, older_than_s: float = STALE_AFTER_S) -> list[Path]:
+def remove_stale_temp_files(
+    folder: str | Path, *, older_than_s: float = STALE_AFTER_S
+) -> list[Path]:
     """Delete the ``.*.tmp`` files in ``folder`` that a killed writer left behind (its
     process is gone, or the file is older than ``older_than_s``). Returns what was removed."""
     folder = Path(folder)

@@ -56,13 +56,19 @@ def count(
 def size(value: object, name: str, *, minimum: int = 0, hint: str = "") -> int:
     """A count bounded by :data:`MAX_SIZE` (a cache size, a window)."""
     if is_integer(value) and int(value) > MAX_SIZE:
-        raise ValueError(f"{name} = {int(value)} is larger than any machine can hold (max {MAX_SIZE})")
+        raise ValueError(
+            f"{name} = {int(value)} is larger than any machine can hold (max {MAX_SIZE})"
+        )
     return count(value, name, minimum=minimum, hint=hint)
 
 
-def number(value: object, name: str, *, minimum: float | None = None, strict: bool = False) -> float:
+def number(
+    value: object, name: str, *, minimum: float | None = None, strict: bool = False
+) -> float:
     """A finite real number (int or float, not bool) ``>= minimum`` (``> minimum`` if ``strict``)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating)
+    ):
         raise InputTypeError(f"{name} must be a number, got {_kind(value)}")
     x = float(value)
     if x != x or x in (float("inf"), float("-inf")):
@@ -92,7 +98,9 @@ def token_ids(value: object, vocab_size: int, name: str = "token ids") -> list[i
     Accepts a sequence of ints / numpy integer scalars, or a 1-D integer tensor or array.
     """
     if isinstance(value, (str, bytes)):
-        raise InputTypeError(f"{name} must be a sequence of integers, not a {_kind(value)} (tokenize it first)")
+        raise InputTypeError(
+            f"{name} must be a sequence of integers, not a {_kind(value)} (tokenize it first)"
+        )
     if isinstance(value, (torch.Tensor, np.ndarray)):
         if value.ndim != 1:
             raise ValueError(
@@ -120,5 +128,7 @@ def token_ids(value: object, vocab_size: int, name: str = "token ids") -> list[i
     ids = [int(t) for t in ids]
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"{len(bad)} token id(s) outside the vocabulary 0..{vocab_size - 1}: {bad[:5]}")
+        raise ValueError(
+            f"{len(bad)} token id(s) outside the vocabulary 0..{vocab_size - 1}: {bad[:5]}"
+        )
     return ids

@@ -38,8 +38,14 @@ from kakeya_lab.backend import Forward
 from kakeya_lab.cache import SinkWindowConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-_DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
-           "bfloat16": "bfloat16", "bf16": "bfloat16"}
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
 
 
 def load_mlx_model(folder: Path, dtype: str = "float32") -> Any:
@@ -57,7 +63,9 @@ def load_mlx_model(folder: Path, dtype: str = "float32") -> Any:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(set(_DTYPES.values()))}")
     config_path = folder / "config.json"
     if not config_path.is_file() or not list(folder.glob("model*.safetensors")):
-        raise FileNotFoundError(f"{folder} needs config.json and model*.safetensors (a kakeya_lab store folder)")
+        raise FileNotFoundError(
+            f"{folder} needs config.json and model*.safetensors (a kakeya_lab store folder)"
+        )
     config = json.loads(config_path.read_text())
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -66,9 +74,13 @@ def load_mlx_model(folder: Path, dtype: str = "float32") -> Any:
             f"{folder} is {model_type!r} ({config.get('architectures')}): use backend='torch'"
         )
     if "quantization_config" in config or "quantization" in config:
-        raise ValueError(f"{folder} is quantized; the MLX backend loads floating-point weights only")
+        raise ValueError(
+            f"{folder} is quantized; the MLX backend loads floating-point weights only"
+        )
     if config.get("model_file") is not None:
-        raise ValueError(f"{folder} asks for custom model code ({config['model_file']!r}); never loaded")
+        raise ValueError(
+            f"{folder} asks for custom model code ({config['model_file']!r}); never loaded"
+        )
     overrides: dict[str, Any] = {}
     rope = config.get("rope_parameters") or {}
     if config.get("rope_theta") is None and "rope_theta" in rope:
@@ -76,10 +88,14 @@ def load_mlx_model(folder: Path, dtype: str = "float32") -> Any:
         overrides["rope_theta"] = rope["rope_theta"]
     if config.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
         overrides["rope_scaling"] = rope
-    model, _ = load_model(folder, lazy=False, strict=True, model_config=overrides, trust_remote_code=False)
+    model, _ = load_model(
+        folder, lazy=False, strict=True, model_config=overrides, trust_remote_code=False
+    )
     model.set_dtype(getattr(mx, _DTYPES[dtype]))
     mx.eval(model.parameters())
-    model.eos_token_ids = _declared_eos_ids(folder, config)  # mlx-lm models carry no generation config
+    model.eos_token_ids = _declared_eos_ids(
+        folder, config
+    )  # mlx-lm models carry no generation config
     return model
 
 
@@ -104,7 +120,9 @@ def _rope_inv_freq(model: Any, head_dim: int) -> np.ndarray:
 
     rope = getattr(model.layers[0].self_attn, "rope", None)
     if (
-        not isinstance(rope, nn.RoPE) or rope.traditional or rope.dims != head_dim
+        not isinstance(rope, nn.RoPE)
+        or rope.traditional
+        or rope.dims != head_dim
         or getattr(rope, "scale", 1.0) != 1.0
     ):
         raise ValueError(
@@ -127,7 +145,9 @@ def _rotate(x: Any, shift: np.ndarray, inv_freq: np.ndarray) -> Any:
     return x * cos + rotated_half * sin
 
 
-def visibility(query_positions: np.ndarray, key_positions: np.ndarray, sink: int, window: int | None) -> np.ndarray:
+def visibility(
+    query_positions: np.ndarray, key_positions: np.ndarray, sink: int, window: int | None
+) -> np.ndarray:
     """The oracle mask ``[q, k]`` (True = attend) from absolute positions."""
     q = query_positions[:, None]
     k = key_positions[None, :]
@@ -174,7 +194,9 @@ class MLXSlotTable:
         and the position of every column."""
         free = np.nonzero(self.positions == -1)[0][:n]
         if free.size < n:
-            free = np.concatenate([free, np.arange(self.positions.size, self.positions.size + n - free.size)])
+            free = np.concatenate(
+                [free, np.arange(self.positions.size, self.positions.size + n - free.size)]
+            )
         occupied = np.nonzero(self.positions >= 0)[0]
         columns = int(max(free.max(), occupied.max() if occupied.size else -1)) + 1
         keys = np.full(columns, -1, dtype=np.int64)
@@ -274,7 +296,9 @@ class SinkWindowKVCache:
             m, s = shifts.size, cols.size
             idx = mx_index(cols)
             sink_keys = mx.tile(self.keys[:, :, idx], (1, 1, m, 1))
-            self.keys[..., end : end + m * s, :] = _rotate(sink_keys, np.repeat(shifts, s), t.inv_freq)
+            self.keys[..., end : end + m * s, :] = _rotate(
+                sink_keys, np.repeat(shifts, s), t.inv_freq
+            )
             self.values[..., end : end + m * s, :] = mx.tile(self.values[:, :, idx], (1, 1, m, 1))
             end += m * s
         self.offset += n
@@ -336,7 +360,11 @@ class MLXSinkWindowCache:
 
     def __init__(self, model: Any, config: SinkWindowConfig):
         n_layers, self.num_kv_heads, self.head_dim, _ = _dims(model)
-        inv_freq = _rope_inv_freq(model, self.head_dim) if config.positions == "rolling" and config.evicts else None
+        inv_freq = (
+            _rope_inv_freq(model, self.head_dim)
+            if config.positions == "rolling" and config.evicts
+            else None
+        )
         self.config = config
         self.table = MLXSlotTable(config, n_layers, inv_freq)
         self.layers = [SinkWindowKVCache(self.table, i) for i in range(n_layers)]
@@ -392,7 +420,9 @@ class MLXSinkWindowCache:
         if self.config.budget is None or first.keys is None:
             return None
         itemsize = first.keys.itemsize
-        return self.config.budget * len(self.layers) * self.num_kv_heads * self.head_dim * itemsize * 2
+        return (
+            self.config.budget * len(self.layers) * self.num_kv_heads * self.head_dim * itemsize * 2
+        )
 
 
 def _to_torch(x: Any) -> torch.Tensor:
@@ -475,7 +505,9 @@ class _DenseMask:
         return self.mask
 
 
-def mlx_dense_logits(model: Any, token_ids: Sequence[int], config: SinkWindowConfig) -> torch.Tensor:
+def mlx_dense_logits(
+    model: Any, token_ids: Sequence[int], config: SinkWindowConfig
+) -> torch.Tensor:
     """Next-token logits ``[n, vocab]`` (float32 torch) for every position, one dense MLX
     forward with the sink-window mask — the MLX oracle. Like
     :func:`kakeya_lab.reference.dense_logits`, rolling positions past the budget raise."""

@@ -93,7 +93,11 @@ class RollingReference:
         rows = []
         for token in _ids(token_ids, device)[0]:
             p = self.length
-            context = [j for j in range(p) if j < config.sink or config.window is None or p - j < config.window]
+            context = [
+                j
+                for j in range(p)
+                if j < config.sink or config.window is None or p - j < config.window
+            ]
             rolling = config.positions == "rolling"
             targets = list(range(len(context))) if rolling else context
             query_index = len(context) if rolling else p

@@ -31,8 +31,18 @@ _PACKAGES = ("kakeya_lab", "torch", "transformers", "numpy", "pandas", "plotly",
 _MODEL_FIELDS = ("name", "weight_sha256", "architecture", "random")
 
 __all__ = [
-    "METRICS_SCHEMA", "SCHEMA_VERSION", "ResultSchemaError", "git_commit", "hardware", "mark_results_root",
-    "now_iso", "package_versions", "run_header", "save_figure", "validate_metrics", "write_json_atomic",
+    "METRICS_SCHEMA",
+    "SCHEMA_VERSION",
+    "ResultSchemaError",
+    "git_commit",
+    "hardware",
+    "mark_results_root",
+    "now_iso",
+    "package_versions",
+    "run_header",
+    "save_figure",
+    "validate_metrics",
+    "write_json_atomic",
     "write_metrics",
 ]
 
@@ -63,7 +73,10 @@ def git_commit(path: str | Path = ".") -> str | None:
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root, capture_output=True, text=True, check=True,
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
@@ -90,7 +103,11 @@ def hardware() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    info: dict[str, Any] = {"cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform()}
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+    }
     try:
         import torch
 
@@ -116,7 +133,9 @@ def _model_record(model: Any) -> dict[str, Any]:
             f"run_header: model must be a ModelDescription or a dict with name and weight_sha256, "
             f"got {type(model).__name__}"
         )
-    missing = [k for k in ("name", "weight_sha256") if not isinstance(record[k], str) or not record[k]]
+    missing = [
+        k for k in ("name", "weight_sha256") if not isinstance(record[k], str) or not record[k]
+    ]
     if missing:
         raise ResultSchemaError(
             f"run_header: the model description has no {' or '.join(missing)} (got keys "
@@ -188,7 +207,9 @@ def validate_metrics(doc: dict) -> None:
     ``metrics.schema.json``."""
     import jsonschema
 
-    validator = jsonschema.Draft202012Validator(METRICS_SCHEMA, format_checker=jsonschema.FormatChecker())
+    validator = jsonschema.Draft202012Validator(
+        METRICS_SCHEMA, format_checker=jsonschema.FormatChecker()
+    )
     errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
     if errors:
         detail = "; ".join(f"{_where(e)}: {e.message}" for e in errors[:5])
@@ -197,7 +218,11 @@ def validate_metrics(doc: dict) -> None:
 
 
 def write_metrics(
-    run_dir: str | Path, header: dict, metrics: dict, *, headline: dict | None = None,
+    run_dir: str | Path,
+    header: dict,
+    metrics: dict,
+    *,
+    headline: dict | None = None,
     name: str = "metrics.json",
 ) -> Path:
     """Write ``{**header, "ended": now, "headline": ..., "metrics": metrics}`` atomically,
@@ -243,7 +268,11 @@ def _ensure_plotlyjs(root: Path) -> Path:
 
     path = root / PLOTLY_JS
     script = get_plotlyjs()
-    if not path.is_file() or path.stat().st_size != len(script.encode()) or path.read_text() != script:
+    if (
+        not path.is_file()
+        or path.stat().st_size != len(script.encode())
+        or path.read_text() != script
+    ):
         write_text_atomic(path, script)
     return path
 

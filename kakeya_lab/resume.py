@@ -30,7 +30,9 @@ def differences(saved: dict, now: dict) -> str:
     parts = []
     for key in sorted(set(a) | set(b)):
         if a.get(key, "<absent>") != b.get(key, "<absent>"):
-            parts.append(f"{key}: was {_short(a.get(key, '<absent>'))}, now {_short(b.get(key, '<absent>'))}")
+            parts.append(
+                f"{key}: was {_short(a.get(key, '<absent>'))}, now {_short(b.get(key, '<absent>'))}"
+            )
     return "; ".join(parts)
 
 

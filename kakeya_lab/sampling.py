@@ -29,7 +29,9 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         from kakeya_lab import inputs
 
-        object.__setattr__(self, "temperature", inputs.number(self.temperature, "temperature", minimum=0.0))
+        object.__setattr__(
+            self, "temperature", inputs.number(self.temperature, "temperature", minimum=0.0)
+        )
         if self.top_k is not None:
             object.__setattr__(self, "top_k", inputs.count(self.top_k, "top_k", minimum=1))
         if self.top_p is not None:
@@ -38,7 +40,9 @@ class SamplingConfig:
                 raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
             object.__setattr__(self, "top_p", top_p)
         if self.seed is not None:
-            object.__setattr__(self, "seed", inputs.count(self.seed, "seed", minimum=0, maximum=2**63 - 1))
+            object.__setattr__(
+                self, "seed", inputs.count(self.seed, "seed", minimum=0, maximum=2**63 - 1)
+            )
 
     @property
     def greedy(self) -> bool:
@@ -61,7 +65,9 @@ class SamplingConfig:
             probs = torch.zeros(logits.shape[-1], dtype=torch.float32)
             probs[int(torch.argmax(logits))] = 1.0
             return probs
-        return sampling_probs(logits, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        return sampling_probs(
+            logits, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p
+        )
 
     def choose(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> int:
         """The next token from ``logits [vocab]``: the argmax if greedy, else a sample."""
@@ -77,7 +83,11 @@ GREEDY = SamplingConfig()
 
 
 def sampling_probs(
-    logits: torch.Tensor, *, temperature: float, top_k: int | None = None, top_p: float | None = None
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> torch.Tensor:
     """Temperature, then top-k, then top-p (nucleus) over ``logits [vocab]``; ``temperature > 0``."""
     scores = logits.float() / temperature

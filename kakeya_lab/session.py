@@ -333,8 +333,12 @@ class SessionStore:
         if policy not in ("reject", "evict_lru"):
             raise ValueError(f"policy must be 'reject' or 'evict_lru', got {policy!r}")
         if idle_ttl_s is not None:
-            idle_ttl_s = inputs.number(idle_ttl_s, "idle_ttl_s (None: never expire)", minimum=0.0, strict=True)
-        prefill_chunk = inputs.count(prefill_chunk, "prefill_chunk", minimum=1, maximum=inputs.MAX_SIZE)
+            idle_ttl_s = inputs.number(
+                idle_ttl_s, "idle_ttl_s (None: never expire)", minimum=0.0, strict=True
+            )
+        prefill_chunk = inputs.count(
+            prefill_chunk, "prefill_chunk", minimum=1, maximum=inputs.MAX_SIZE
+        )
         if not isinstance(config, SinkWindowConfig):
             raise InputTypeError(f"config must be a SinkWindowConfig, got {type(config).__name__}")
         self.model = model
@@ -347,7 +351,8 @@ class SessionStore:
         self.check_invariants = check_invariants
         self.eos_token_ids = (
             inputs.stop_token_ids(eos_token_ids, self.vocab_size)
-            if eos_token_ids is not None else model_eos_ids(model)
+            if eos_token_ids is not None
+            else model_eos_ids(model)
         )
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         # Guards the session table only; never held while taking a session's lock.
@@ -424,7 +429,8 @@ class SessionStore:
             return []
         now = time.monotonic()
         expired = [
-            s.id for s in self._sessions.values()
+            s.id
+            for s in self._sessions.values()
             if s.computing == 0 and now - s.last_used_s > self.idle_ttl_s
         ]
         return [self._drop(sid, f"evicted: idle longer than {self.idle_ttl_s}s") for sid in expired]
@@ -537,11 +543,18 @@ class SessionStore:
             self._live(session, idle=True)
             self._settle_pending(session)
             if session.next_logits is None:
-                raise SessionError(f"session {session_id!r} is empty: append a prompt before generate")
+                raise SessionError(
+                    f"session {session_id!r} is empty: append a prompt before generate"
+                )
             decoder = Decoder(
-                session.verifier, session.next_logits, max_new_tokens=max_new_tokens,
-                sampling=sampling, stop_token_ids=stops,
-                proposer=proposer, draft_length=draft_length, adaptive_draft_length=adaptive_draft_length,
+                session.verifier,
+                session.next_logits,
+                max_new_tokens=max_new_tokens,
+                sampling=sampling,
+                stop_token_ids=stops,
+                proposer=proposer,
+                draft_length=draft_length,
+                adaptive_draft_length=adaptive_draft_length,
             )
             stream = GenerationStream(session, self._run(session, decoder))
             session.stream = weakref.ref(stream)
@@ -586,7 +599,9 @@ class SessionStore:
                     session.next_logits = decoder.next_logits if decoder.pending is None else None
                     session.generated_tokens += decoder.delivered
                     if decoder.proposer is not None:
-                        session.stats["emitted"] = session.stats.get("emitted", 0) + decoder.delivered
+                        session.stats["emitted"] = (
+                            session.stats.get("emitted", 0) + decoder.delivered
+                        )
                         session.stats["forwards"] = (
                             session.stats.get("forwards", 0) + decoder.verifier_forwards
                         )
@@ -700,9 +715,14 @@ class SessionStore:
         if cfg.window is None:
             expected = list(range(history))
         else:
-            expected = sorted(set(range(min(cfg.sink, history))) | set(range(max(0, history - cfg.window), history)))
+            expected = sorted(
+                set(range(min(cfg.sink, history)))
+                | set(range(max(0, history - cfg.window), history))
+            )
         if positions != expected:
-            raise AssertionError(f"cached positions {positions[:8]}... differ from the sink-window rule")
+            raise AssertionError(
+                f"cached positions {positions[:8]}... differ from the sink-window rule"
+            )
         if history and v.kv_live_bytes <= 0:
             raise AssertionError("kv_live_bytes is 0 after an append")
 

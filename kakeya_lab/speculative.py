@@ -121,16 +121,22 @@ class Decoder:
         self.max_new_tokens = inputs.count(max_new_tokens, "max_new_tokens", minimum=1)
         self.sampling = sampling if sampling is not None else GREEDY
         if not isinstance(self.sampling, SamplingConfig):
-            raise TypeError(f"sampling must be a SamplingConfig or None, got {type(sampling).__name__}")
+            raise TypeError(
+                f"sampling must be a SamplingConfig or None, got {type(sampling).__name__}"
+            )
         if proposer is not None:
             check_proposer(proposer)
-        draft_length = inputs.count(draft_length, "draft_length", minimum=1, maximum=inputs.MAX_SIZE)
+        draft_length = inputs.count(
+            draft_length, "draft_length", minimum=1, maximum=inputs.MAX_SIZE
+        )
         self.generator = generator if generator is not None else self.sampling.make_generator()
         self.stop_token_ids = inputs.stop_token_ids(stop_token_ids, verifier.vocab_size)
         self.verifier = verifier
         self.proposer = proposer
         self.draft_length = draft_length
-        self.schedule = AdaptiveDraftLength(draft_length) if adaptive_draft_length and proposer else None
+        self.schedule = (
+            AdaptiveDraftLength(draft_length) if adaptive_draft_length and proposer else None
+        )
         self.next_logits = next_logits  # after the committed history (valid when pending is None)
         self.pending: int | None = None  # delivered, not yet in the cache
         self.delivered = 0
@@ -169,7 +175,9 @@ class Decoder:
     def advance(self) -> SpeculativeStep | None:
         """Run the next step (after the previous step's tokens were all delivered)."""
         if self.batch or self.finished:
-            raise RuntimeError("advance() needs every offered token delivered and the stream unfinished")
+            raise RuntimeError(
+                "advance() needs every offered token delivered and the stream unfinished"
+            )
         self._close_step()
         if self.pending is None:  # the first token comes from the logits we already have
             self._offered = [self.sampling.choose(self.next_logits, self.generator)]
@@ -208,8 +216,12 @@ class Decoder:
         if self.proposer is None:
             return None
         step = SpeculativeStep(
-            draft_length=length, proposed=len(draft.tokens), accepted=n, emitted=len(offered),
-            proposer_s=draft.seconds, verifier_s=verifier_s,
+            draft_length=length,
+            proposed=len(draft.tokens),
+            accepted=n,
+            emitted=len(offered),
+            proposer_s=draft.seconds,
+            verifier_s=verifier_s,
         )
         self.steps.append(step)
         if self.schedule:

@@ -192,7 +192,13 @@ class Verifier:
 
     def commit(self, n: int) -> None:
         """Keep the first ``n`` tokens of the open block, drop the rest (then evict)."""
-        n = inputs.count(n, "commit n", minimum=0, maximum=len(self._pending), hint="tokens of the open block to keep")
+        n = inputs.count(
+            n,
+            "commit n",
+            minimum=0,
+            maximum=len(self._pending),
+            hint="tokens of the open block to keep",
+        )
         with interrupts_deferred():
             self.backend.commit(n)
             self._history.extend(self._pending[:n])

@@ -33,19 +33,33 @@ from kakeya_lab.verifier import HiddenTrace, Verifier
 
 CAPTURE_CACHE = SinkWindowConfig(sink=4, window=124)
 OPTIONS = CaptureOptions(turns_per_conversation=2, max_new_tokens=24, shard_size=4)
-SHAPES = drafter_shapes(context_len=8, block_size=4, block_width=256, lora_base="early-exit:8", lora_rank=8)
+SHAPES = drafter_shapes(
+    context_len=8, block_size=4, block_width=256, lora_base="early-exit:8", lora_rank=8
+)
 STEPS = {"feature": 150, "block": 150, "lora": 8}
 
 
 @pytest.fixture(scope="module")
 def rollouts(default_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("rollouts")
-    capture_rollouts(default_model, domain_conversations("chitchat", "train", limit=10),
-                     root / "train", config=CAPTURE_CACHE, split="train", options=OPTIONS,
-                     progress=False)
-    capture_rollouts(default_model, domain_conversations("chitchat", "dev", limit=3),
-                     root / "dev", config=CAPTURE_CACHE, split="dev", options=OPTIONS,
-                     progress=False)
+    capture_rollouts(
+        default_model,
+        domain_conversations("chitchat", "train", limit=10),
+        root / "train",
+        config=CAPTURE_CACHE,
+        split="train",
+        options=OPTIONS,
+        progress=False,
+    )
+    capture_rollouts(
+        default_model,
+        domain_conversations("chitchat", "dev", limit=3),
+        root / "dev",
+        config=CAPTURE_CACHE,
+        split="dev",
+        options=OPTIONS,
+        progress=False,
+    )
     train, dev = load_rollouts(root / "train"), load_rollouts(root / "dev")
     vocab = draft_vocabulary(train, 2048, always=model_eos_ids(default_model.model))
     return {"root": root, "train": train, "dev": dev, "vocab": vocab}
@@ -53,8 +67,10 @@ def rollouts(default_model, tmp_path_factory):
 
 def _fresh(kind, default_model, rollouts):
     torch.manual_seed(0)
-    return build_drafter(drafter_config_for(kind, default_model, rollouts["vocab"], **SHAPES[kind]),
-                         default_model.model)
+    return build_drafter(
+        drafter_config_for(kind, default_model, rollouts["vocab"], **SHAPES[kind]),
+        default_model.model,
+    )
 
 
 def _data(kind, rollouts, split):
@@ -69,13 +85,21 @@ def trained(default_model, rollouts, tmp_path_factory):
     for kind in ("feature", "block", "lora"):
         drafter = _fresh(kind, default_model, rollouts)
         dev = _data(kind, rollouts, "dev")
-        cfg = TrainConfig(steps=STEPS[kind], batch_size=16 if kind != "lora" else 4,
-                          eval_every=STEPS[kind], checkpoint_every=STEPS[kind], eval_windows=128,
-                          lr=2e-3 if kind != "lora" else 5e-4)
-        before = evaluate_offline(drafter, dev.fixed(cfg.eval_windows), drafter.config.block_size, cfg.loss)
+        cfg = TrainConfig(
+            steps=STEPS[kind],
+            batch_size=16 if kind != "lora" else 4,
+            eval_every=STEPS[kind],
+            checkpoint_every=STEPS[kind],
+            eval_windows=128,
+            lr=2e-3 if kind != "lora" else 5e-4,
+        )
+        before = evaluate_offline(
+            drafter, dev.fixed(cfg.eval_windows), drafter.config.block_size, cfg.loss
+        )
         folder = tmp_path_factory.mktemp(f"train-{kind}")
-        history = train_drafter(drafter, _data(kind, rollouts, "train"), cfg, folder,
-                                eval_data=dev, progress=False)
+        history = train_drafter(
+            drafter, _data(kind, rollouts, "train"), cfg, folder, eval_data=dev, progress=False
+        )
         out[kind] = (before, drafter, history, folder)
     return out
 
@@ -120,15 +144,31 @@ def test_rollout_capture_resumes_without_duplicating_or_losing_rows(tiny_model, 
     for a, b in zip(whole, resumed):
         assert (a["token_ids"] == b["token_ids"]).all() and (a["hidden"] == b["hidden"]).all()
     with pytest.raises(RolloutError, match="other options"):
-        capture_rollouts(tiny_model, convs, tmp_path / "b", config=SinkWindowConfig(2, 6),
-                         split="train", options=CaptureOptions(top_k=5), progress=False)
+        capture_rollouts(
+            tiny_model,
+            convs,
+            tmp_path / "b",
+            config=SinkWindowConfig(2, 6),
+            split="train",
+            options=CaptureOptions(top_k=5),
+            progress=False,
+        )
 
 
 def test_teacher_forced_capture_appends_the_conversations_own_replies(tiny_model, tmp_path):
     conv = domain_conversations("chitchat", "train", limit=1)
-    opts = CaptureOptions(turns_per_conversation=2, shard_size=1, replies="dataset", max_repetition=None)
-    capture_rollouts(tiny_model, conv, tmp_path, config=SinkWindowConfig(2, 6), split="train",
-                     options=opts, progress=False)
+    opts = CaptureOptions(
+        turns_per_conversation=2, shard_size=1, replies="dataset", max_repetition=None
+    )
+    capture_rollouts(
+        tiny_model,
+        conv,
+        tmp_path,
+        config=SinkWindowConfig(2, 6),
+        split="train",
+        options=opts,
+        progress=False,
+    )
     row = load_rollouts(tmp_path)[0]
     reply_text = tiny_model.tokenizer.decode(row["token_ids"][row["generated"]])
     assert conv[0].turns[1] in reply_text and conv[0].turns[3] in reply_text
@@ -160,18 +200,31 @@ def test_training_increases_held_out_acceptance(trained, kind, margin):
     the trained drafter beats its untrained initialisation by ``margin`` (seeded run)."""
     before, _, history, _ = trained[kind]
     after = history.dropna(subset=["accept_at_0"]).iloc[-1]
-    print(f"{kind}: held-out greedy acceptance of draft 1 {before['accept_at_0']:.3f} -> "
-          f"{after['accept_at_0']:.3f}, offline tau {before['offline_tau']:.2f} -> {after['offline_tau']:.2f}")
+    print(
+        f"{kind}: held-out greedy acceptance of draft 1 {before['accept_at_0']:.3f} -> "
+        f"{after['accept_at_0']:.3f}, offline tau {before['offline_tau']:.2f} -> {after['offline_tau']:.2f}"
+    )
     assert after["accept_at_0"] >= before["accept_at_0"] + margin, (before, dict(after))
     assert after["offline_tau"] > before["offline_tau"]
-    assert history["train_total"].dropna().iloc[-20:].mean() < history["train_total"].dropna().iloc[:20].mean()
+    assert (
+        history["train_total"].dropna().iloc[-20:].mean()
+        < history["train_total"].dropna().iloc[:20].mean()
+    )
 
 
 def test_greedy_speculative_decoding_with_every_trained_drafter_is_lossless(default_model, trained):
     cache = SinkWindowConfig(sink=4, window=28)  # small: drafting crosses eviction
     proposers = {kind: drafter_factory(trained[kind][1], cache, label=kind) for kind in trained}
-    run = run_speculative(default_model, proposers, [3], domain_conversations("chitchat", "dev", limit=1),
-                          config=cache, turns_per_conversation=2, max_new_tokens=16, progress=False)
+    run = run_speculative(
+        default_model,
+        proposers,
+        [3],
+        domain_conversations("chitchat", "dev", limit=1),
+        config=cache,
+        turns_per_conversation=2,
+        max_new_tokens=16,
+        progress=False,
+    )
     assert greedy_streams_identical(run.turns)
     assert run.turns["history_len"].max() > 32
     s = run.summary.set_index("arm")
@@ -185,7 +238,9 @@ def test_greedy_speculative_decoding_with_every_trained_drafter_is_lossless(defa
 
 
 @pytest.mark.parametrize("kind", ["feature", "block", "lora"])
-def test_checkpoint_round_trip_gives_the_same_drafts(default_model, rollouts, trained, kind, tmp_path):
+def test_checkpoint_round_trip_gives_the_same_drafts(
+    default_model, rollouts, trained, kind, tmp_path
+):
     _, drafter, _, folder = trained[kind]
     loaded = load_drafter(folder / "drafter", default_model)
     batch = _data(kind, rollouts, "dev").fixed(8)
@@ -204,8 +259,9 @@ def test_checkpoint_round_trip_gives_the_same_drafts(default_model, rollouts, tr
 
 
 def test_resume_mid_training_matches_an_uninterrupted_run(default_model, rollouts, tmp_path):
-    cfg = TrainConfig(steps=12, batch_size=8, warmup_steps=3, checkpoint_every=4, eval_every=6,
-                      eval_windows=16)
+    cfg = TrainConfig(
+        steps=12, batch_size=8, warmup_steps=3, checkpoint_every=4, eval_every=6, eval_windows=16
+    )
     data, dev = _data("feature", rollouts, "train"), _data("feature", rollouts, "dev")
     straight = _fresh("feature", default_model, rollouts)
     h1 = train_drafter(straight, data, cfg, tmp_path / "a", eval_data=dev, progress=False)
@@ -217,11 +273,18 @@ def test_resume_mid_training_matches_an_uninterrupted_run(default_model, rollout
         assert torch.equal(p, q), n
     pd.testing.assert_frame_equal(h1, h2)
     with pytest.raises(CheckpointError, match="other settings"):
-        train_drafter(_fresh("feature", default_model, rollouts), data,
-                      TrainConfig(steps=12, batch_size=4), tmp_path / "b", progress=False)
+        train_drafter(
+            _fresh("feature", default_model, rollouts),
+            data,
+            TrainConfig(steps=12, batch_size=4),
+            tmp_path / "b",
+            progress=False,
+        )
 
 
-def test_mismatched_or_corrupted_checkpoints_are_clear_errors(default_model, tiny_model, trained, tmp_path):
+def test_mismatched_or_corrupted_checkpoints_are_clear_errors(
+    default_model, tiny_model, trained, tmp_path
+):
     src = trained["feature"][3] / "drafter"
     with pytest.raises(CheckpointError, match="vocabulary .* width"):
         load_drafter(src, tiny_model)
@@ -263,20 +326,35 @@ def test_pipeline_settings_per_domain_and_per_kind():
     assert per_domain({"chitchat": 1, "code": 2, "prose": 5}, ["code"]) == {"code": 2}
     with pytest.raises(ValueError, match="prose"):
         per_domain({"chitchat": 1}, ["chitchat", "prose"])
-    lora, feature = train_config_for("lora", 8, lr=2e-3), train_config_for("feature", 60, batch_size=16)
+    lora, feature = (
+        train_config_for("lora", 8, lr=2e-3),
+        train_config_for("feature", 60, batch_size=16),
+    )
     assert (lora.batch_size, lora.lr, lora.steps) == (4, 5e-4, 8)
-    assert (feature.batch_size, feature.eval_every, feature.checkpoint_every, feature.warmup_steps) == (16, 12, 30, 13)
+    assert (
+        feature.batch_size,
+        feature.eval_every,
+        feature.checkpoint_every,
+        feature.warmup_steps,
+    ) == (16, 12, 30, 13)
     assert SHAPES["lora"]["context_len"] == 3 * SHAPES["feature"]["context_len"]
 
 
 def test_best_drafter_is_the_highest_held_out_tau_of_the_trained_kinds():
-    summary = pd.DataFrame([
-        {"domain": "chitchat", "split": "dev", "proposer": "feature", "tau": 1.2},
-        {"domain": "chitchat", "split": "dev", "proposer": "block", "tau": 1.4},
-        {"domain": "chitchat", "split": "dev", "proposer": "ngram", "tau": 1.9},  # not trained
-        {"domain": "chitchat", "split": "train", "proposer": "feature", "tau": 2.5},  # not held out
-        {"domain": "code", "split": "dev", "proposer": "feature", "tau": 3.0},
-    ])
+    summary = pd.DataFrame(
+        [
+            {"domain": "chitchat", "split": "dev", "proposer": "feature", "tau": 1.2},
+            {"domain": "chitchat", "split": "dev", "proposer": "block", "tau": 1.4},
+            {"domain": "chitchat", "split": "dev", "proposer": "ngram", "tau": 1.9},  # not trained
+            {
+                "domain": "chitchat",
+                "split": "train",
+                "proposer": "feature",
+                "tau": 2.5,
+            },  # not held out
+            {"domain": "code", "split": "dev", "proposer": "feature", "tau": 3.0},
+        ]
+    )
     assert best_drafter(summary, "chitchat", ["feature", "block"]) == "block"
     assert best_drafter(summary, "code", ["feature", "block"]) == "feature"
     with pytest.raises(ValueError, match="prose"):

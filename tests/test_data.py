@@ -41,7 +41,12 @@ def test_code_and_prose_come_from_the_package_with_a_fixed_split():
     assert len(files) == 30 and (package / "corpora" / "code" / "LICENSE-PSF.txt").is_file()
     # held out by file: the dev files are exactly the ones the hash rule picks, fixed forever
     assert [f for f in files if split_of(f) == "dev"] == [
-        "colorsys.py", "getopt.py", "py_compile.py", "quopri.py", "types.py"]
+        "colorsys.py",
+        "getopt.py",
+        "py_compile.py",
+        "quopri.py",
+        "types.py",
+    ]
     for split in ("train", "dev"):
         convs = domain_conversations("code", split)
         assert convs and all(split_of(c.id.split(":")[1]) == split for c in convs)

@@ -15,7 +15,9 @@ from kakeya_lab.experiments import ResumeMismatch, build_index, load_sweep, run_
 
 def _notebook(path):
     nb = nbformat.v4.new_notebook()
-    params = nbformat.v4.new_code_cell("a = 1\nb = 2\nrun_dir = None\nrun_id = None\nexperiment = 'tiny'")
+    params = nbformat.v4.new_code_cell(
+        "a = 1\nb = 2\nrun_dir = None\nrun_id = None\nexperiment = 'tiny'"
+    )
     params.metadata["tags"] = ["parameters"]
     nb.cells = [
         nbformat.v4.new_markdown_cell("# tiny"),
@@ -30,7 +32,11 @@ def _notebook(path):
             "print(total)"
         ),
     ]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     nbformat.write(nb, path)
     return path
 
@@ -107,8 +113,9 @@ def test_bad_sweep_files_are_clear_errors(tmp_path, capsys):
 def test_sweep_on_a_real_local_ray_cluster(sweep_file, tmp_path):
     ray = pytest.importorskip("ray", reason="the ray extra is not installed")
     path = tmp_path / "onray.yaml"
-    path.write_text("name: onray\nnotebook: tiny.ipynb\nexecutor: ray\nray: {num_cpus: 1}\n"
-                    "grid:\n  a: [2, 3]\n")
+    path.write_text(
+        "name: onray\nnotebook: tiny.ipynb\nexecutor: ray\nray: {num_cpus: 1}\ngrid:\n  a: [2, 3]\n"
+    )
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         out = run_sweep(path, results_root=tmp_path / "results", progress=False)

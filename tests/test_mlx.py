@@ -63,7 +63,9 @@ def chunked(model, ids, config, rng):
         rows.append(v.forward_block(chunk))
         v.commit(len(chunk))
         i += len(chunk)
-    last = Verifier(model, config, prefill_chunk=rng.randint(3, 9)).append(ids)  # multi-chunk append
+    last = Verifier(model, config, prefill_chunk=rng.randint(3, 9)).append(
+        ids
+    )  # multi-chunk append
     return torch.cat(rows), last, v
 
 
@@ -100,12 +102,16 @@ def _matrix(name, torch_model, mlx_model, ids, config, tol, record_tolerance):
         mlx_want = mlx_dense_logits(mlx_model, ids, config)
     else:  # the dense mask is the rolling oracle only up to the budget
         mlx_want = mlx_dense_logits(mlx_model, ids[: config.budget], config)
-    _check(f"{name}/mlx dense vs torch oracle", mlx_want, want[: len(mlx_want)], tol, record_tolerance)
+    _check(
+        f"{name}/mlx dense vs torch oracle", mlx_want, want[: len(mlx_want)], tol, record_tolerance
+    )
     rng = random.Random(0)
 
     got, v = token_by_token(mlx_model, ids, config)
     _check(f"{name}/token-by-token vs torch oracle", got, want, tol, record_tolerance)
-    _check(f"{name}/token-by-token vs mlx dense", got[: len(mlx_want)], mlx_want, tol, record_tolerance)
+    _check(
+        f"{name}/token-by-token vs mlx dense", got[: len(mlx_want)], mlx_want, tol, record_tolerance
+    )
     assert v.cache_len == config.budget and v.history_len == len(ids)
     assert v.kv_live_bytes == v.kv_budget_bytes() > 0
 
@@ -129,10 +135,14 @@ def test_tiny_mlx_paths_match_oracles(tiny, arch, mode, record_tolerance):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["global", "rolling"])
-def test_smollm2_mlx_paths_match_oracles(default_model, mlx_default, text_ids, mode, record_tolerance):
+def test_smollm2_mlx_paths_match_oracles(
+    default_model, mlx_default, text_ids, mode, record_tolerance
+):
     config = SinkWindowConfig(**CONFIG, positions=mode)
     ids = text_ids[: 3 * config.budget]
-    _matrix(f"smollm2/{mode}", default_model.model, mlx_default, ids, config, REAL_TOL, record_tolerance)
+    _matrix(
+        f"smollm2/{mode}", default_model.model, mlx_default, ids, config, REAL_TOL, record_tolerance
+    )
 
 
 @pytest.mark.slow
@@ -182,7 +192,9 @@ def test_mlx_random_interleavings_across_many_wraps(tiny, mode, record_tolerance
     v.rollback()
     if mode == "global":
         dense = reference.dense_logits(torch_model, v.history_token_ids, config)[-1]
-        assert (v.forward_block([v.history_token_ids[-1]])[0] - dense).abs().max().item() > 0  # a real probe
+        assert (
+            v.forward_block([v.history_token_ids[-1]])[0] - dense
+        ).abs().max().item() > 0  # a real probe
         v.rollback()
     fresh = Verifier(mlx_model, config)
     fresh.append(v.history_token_ids)
@@ -198,6 +210,7 @@ def test_mlx_rollback_after_wrap_keeps_every_committed_entry(tiny):
     v = Verifier(mlx_model, config)
     rng = random.Random(5)
     v.append([rng.randrange(v.vocab_size) for _ in range(50)])
+
     def committed_keys():
         pos = v.cache.table.positions
         slots = np.nonzero(pos >= 0)[0]
@@ -243,8 +256,11 @@ def _plain(store, prompt, n):
 @pytest.mark.parametrize("mode", ["global", "rolling"])
 @pytest.mark.parametrize(
     "proposer_kind",
-    ["ngram", pytest.param("draft_model", marks=pytest.mark.slow),
-     pytest.param("early_exit", marks=pytest.mark.slow)],
+    [
+        "ngram",
+        pytest.param("draft_model", marks=pytest.mark.slow),
+        pytest.param("early_exit", marks=pytest.mark.slow),
+    ],
 )
 def test_mlx_greedy_speculative_equals_plain_past_eviction(tiny, proposer_kind, mode):
     """Through the unchanged SessionStore / speculative_decode on MLX. The prompt holds the
@@ -264,11 +280,19 @@ def test_mlx_greedy_speculative_equals_plain_past_eviction(tiny, proposer_kind, 
         elif proposer_kind == "draft_model":
             proposer = DraftModelProposer(draft_model, config, label="tiny-random-qwen3 (mlx)")
         else:  # self-speculation: the verifier's first layer drafts (MLX early exit)
-            proposer = DraftModelProposer(mlx_early_exit_model(verifier_model, 1), config, label="early-exit-1")
+            proposer = DraftModelProposer(
+                mlx_early_exit_model(verifier_model, 1), config, label="early-exit-1"
+            )
         sid = store.create()
         store.append(sid, prompt)
-        got = [e.id for e in store.generate(sid, 40, proposer=proposer, draft_length=k) if isinstance(e, Token)]
-        assert got == plain, f"{proposer_kind} k={k}: speculative stream differs from plain decoding"
+        got = [
+            e.id
+            for e in store.generate(sid, 40, proposer=proposer, draft_length=k)
+            if isinstance(e, Token)
+        ]
+        assert got == plain, (
+            f"{proposer_kind} k={k}: speculative stream differs from plain decoding"
+        )
         info = store.info(sid)
         assert info.history_len > config.budget == info.cache_len
         assert info.speculative.proposed > 0
@@ -292,7 +316,9 @@ def test_torch_and_mlx_greedy_streams_over_200_tokens(default_model, mlx_default
             logits = v.append([t])
         streams[name], rows[name] = out, seen
         assert v.history_len > 5 * config.budget
-    print(f"torch vs mlx greedy streams over 200 tokens: {'equal' if streams['torch'] == streams['mlx'] else 'differ'}")
+    print(
+        f"torch vs mlx greedy streams over 200 tokens: {'equal' if streams['torch'] == streams['mlx'] else 'differ'}"
+    )
     if streams["torch"] != streams["mlx"]:
         i = next(j for j, (a, b) in enumerate(zip(streams["torch"], streams["mlx"])) if a != b)
         top2 = torch.topk(rows["torch"][i], 2)
@@ -307,7 +333,9 @@ def test_torch_and_mlx_greedy_streams_over_200_tokens(default_model, mlx_default
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
     from safetensors.torch import save_file
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
     save_file({"w": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="llama, qwen2, qwen3"):
         load_mlx_model(tmp_path)

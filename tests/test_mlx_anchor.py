@@ -19,8 +19,9 @@ def test_rotating_cache_departs_from_greedy_past_the_window_ours_does_not(tmp_pa
     model = load_mlx_model(tmp_path)
     rng = random.Random(2)
     prompt = [rng.randrange(1000, 40000) for _ in range(40)]  # past sink + window = 16
-    result = run_rotating_anchor(model, prompt, sink=4, window=12, new_tokens=40,
-                                 num_draft_tokens=4, draft_layers=1)
+    result = run_rotating_anchor(
+        model, prompt, sink=4, window=12, new_tokens=40, num_draft_tokens=4, draft_layers=1
+    )
     print(result.summary())
     assert result.ours_departure_index is None, result.summary()
     assert result.ours_greedy == result.ours_speculative

@@ -161,8 +161,13 @@ def test_pull_gives_a_verified_safetensors_folder(pulled: Path) -> None:
     assert manifest["files_complete"] is True
     on_disk = {p.name for p in pulled.iterdir() if p.is_file()} - {M.MANIFEST_NAME, "stamps.json"}
     assert set(manifest["files"]) == on_disk
-    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json"):
+    for name in (
+        "model.safetensors",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
         info = manifest["files"][name]
         assert info["size"] == (pulled / name).stat().st_size, name
         assert info["sha256"] == M.sha256_file(pulled / name), name
@@ -349,7 +354,10 @@ def test_flipped_float_is_refused(store: Path) -> None:
     stamps = json.loads((store / "stamps.json").read_text())
     st = weights.stat()
     stamps["files"]["model.safetensors"].update(
-        size=st.st_size, mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns, inode=st.st_ino,
+        size=st.st_size,
+        mtime_ns=st.st_mtime_ns,
+        ctime_ns=st.st_ctime_ns,
+        inode=st.st_ino,
         sha256=sha,
     )
     (store / "stamps.json").write_text(json.dumps(stamps))

@@ -11,15 +11,44 @@ from kakeya_lab.results import run_header, write_json_atomic, write_metrics
 
 
 def test_metrics_are_self_describing_and_json_clean(tmp_path, tiny_model):
-    header = run_header(experiment="e", run_id="r1", model=tiny_model.description, dtype="float32",
-                        cache={"sink": 4, "window": 60, "positions": "global"}, seed=3)
-    path = write_metrics(tmp_path, header, {"x": float("nan"), "y": np.float32(1.5), "z": [np.inf, 2]},
-                         headline={"y": 1.5})
+    header = run_header(
+        experiment="e",
+        run_id="r1",
+        model=tiny_model.description,
+        dtype="float32",
+        cache={"sink": 4, "window": 60, "positions": "global"},
+        seed=3,
+    )
+    path = write_metrics(
+        tmp_path,
+        header,
+        {"x": float("nan"), "y": np.float32(1.5), "z": [np.inf, 2]},
+        headline={"y": 1.5},
+    )
     doc = json.loads(path.read_text())
-    for key in ("schema_version", "experiment", "run_id", "model", "backend", "dtype", "sink", "window",
-                "positions", "proposer", "seed", "git_commit", "packages", "hardware", "started", "ended"):
+    for key in (
+        "schema_version",
+        "experiment",
+        "run_id",
+        "model",
+        "backend",
+        "dtype",
+        "sink",
+        "window",
+        "positions",
+        "proposer",
+        "seed",
+        "git_commit",
+        "packages",
+        "hardware",
+        "started",
+        "ended",
+    ):
         assert key in doc, key
-    assert doc["model"]["random"] is True and doc["model"]["weight_sha256"] == tiny_model.description.weight_sha256
+    assert (
+        doc["model"]["random"] is True
+        and doc["model"]["weight_sha256"] == tiny_model.description.weight_sha256
+    )
     assert doc["metrics"] == {"x": None, "y": 1.5, "z": [None, 2]}
     assert doc["headline"] == {"y": 1.5}
     assert not list(tmp_path.glob(".*.tmp"))  # the temp file was renamed into place
@@ -49,15 +78,25 @@ def test_run_header_refuses_an_anonymous_model(tiny_model):
 def test_write_metrics_names_the_bad_field_and_writes_nothing(tmp_path, tiny_model):
     from kakeya_lab.results import ResultSchemaError
 
-    header = run_header(experiment="e", run_id="r", model=tiny_model.description,
-                        cache={"sink": 4, "window": 60, "positions": "global"})
-    for field, value, said in (("positions", "both", "positions"), ("window", -3, "window"),
-                               ("experiment", "", "experiment"), ("model", {"name": "m"}, "model")):
+    header = run_header(
+        experiment="e",
+        run_id="r",
+        model=tiny_model.description,
+        cache={"sink": 4, "window": 60, "positions": "global"},
+    )
+    for field, value, said in (
+        ("positions", "both", "positions"),
+        ("window", -3, "window"),
+        ("experiment", "", "experiment"),
+        ("model", {"name": "m"}, "model"),
+    ):
         bad = {**header, field: value}
         with pytest.raises(ResultSchemaError, match=said):
             write_metrics(tmp_path, bad, {"x": 1})
     with pytest.raises(ResultSchemaError, match="weight_sha256"):
-        write_metrics(tmp_path, {**header, "model": {**header["model"], "weight_sha256": "abc"}}, {})
+        write_metrics(
+            tmp_path, {**header, "model": {**header["model"], "weight_sha256": "abc"}}, {}
+        )
     missing = {k: v for k, v in header.items() if k != "git_commit"}
     with pytest.raises(ResultSchemaError, match="git_commit"):
         write_metrics(tmp_path, missing, {})
@@ -101,8 +140,11 @@ def test_a_killed_writer_leaves_no_partial_file_and_its_temp_is_cleaned_up(tmp_p
     target = tmp_path / "metrics.json"
     write_json_atomic(target, {"v": "old"})
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(target), str(root / "kakeya_lab" / "durable.py")],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(target), str(root / "kakeya_lab" / "durable.py")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "writing"
     finally:

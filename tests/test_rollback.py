@@ -52,7 +52,9 @@ def test_random_interleavings_match_oracle_and_replay(tiny_model, mode, record_t
             v.rollback()
             pending, open_ref = [], None
             continue
-        want = reference.dense_logits(model, seq, config)[-rows:] if mode == "global" else rolling_rows
+        want = (
+            reference.dense_logits(model, seq, config)[-rows:] if mode == "global" else rolling_rows
+        )
         worst = max(worst, (got - want).abs().max().item())
         checks += 1
         assert v.cache_len <= config.budget

@@ -21,13 +21,31 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 CI_PARAMETERS: dict[str, dict] = {
     "00_quickstart": {"turns": 5, "max_new_tokens": 6, "window": 60},
     "10_sink_window_cache": {"n_tokens": 200, "window": 60, "chunk": 32, "stride": 32, "smooth": 8},
-    "20_long_run": {"turns": 6, "window": 40, "max_new_tokens": 6, "probe_every": 3,
-                    "checkpoint_every": 3, "turns_per_bucket": 3},
-    "30_speculative": {"proposers": ["ngram"], "ks": [2], "conversations": 1, "turns": 1,
-                       "max_new_tokens": 12},
-    "40_proposer_alignment": {"domains": ["chitchat"], "train_conversations": 2, "dev_conversations": 1,
-                              "capture_max_new_tokens": 12, "drafters": ["feature"],
-                              "steps": {"feature": 6}, "eval_max_new_tokens": 12, "ks": [4]},
+    "20_long_run": {
+        "turns": 6,
+        "window": 40,
+        "max_new_tokens": 6,
+        "probe_every": 3,
+        "checkpoint_every": 3,
+        "turns_per_bucket": 3,
+    },
+    "30_speculative": {
+        "proposers": ["ngram"],
+        "ks": [2],
+        "conversations": 1,
+        "turns": 1,
+        "max_new_tokens": 12,
+    },
+    "40_proposer_alignment": {
+        "domains": ["chitchat"],
+        "train_conversations": 2,
+        "dev_conversations": 1,
+        "capture_max_new_tokens": 12,
+        "drafters": ["feature"],
+        "steps": {"feature": 6},
+        "eval_max_new_tokens": 12,
+        "ks": [4],
+    },
     "90_report": {},
 }
 
@@ -47,7 +65,9 @@ def test_notebook_run_folder_identifies_itself(name, results_root):
     params = dict(CI_PARAMETERS[name])
     if name == "90_report":
         params["results_root"] = str(results_root)
-    run_dir = run_notebook(NOTEBOOKS / f"{name}.ipynb", params, results_root=results_root, progress=False)
+    run_dir = run_notebook(
+        NOTEBOOKS / f"{name}.ipynb", params, results_root=results_root, progress=False
+    )
     record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == "completed" and record["parameters"] == params
     assert (run_dir / "notebook.ipynb").stat().st_size > 0

@@ -56,7 +56,9 @@ class Server:
         return SessionClient(self.grpc_target, timeout_s=120)
 
     def openai(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.http_base}/v1", api_key="x", max_retries=0, timeout=120, **kw)
+        return openai.OpenAI(
+            base_url=f"{self.http_base}/v1", api_key="x", max_retries=0, timeout=120, **kw
+        )
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(f"{self.http_base}/metrics", timeout=30).text
@@ -80,8 +82,23 @@ class Server:
 
 def _start(*extra: str) -> Server:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "kakeya_lab.cli", "serve", "--model", DEFAULT_MODEL,
-           "--grpc-port", "0", "--http-port", "0", "--sink", str(SINK), "--window", str(WINDOW), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kakeya_lab.cli",
+        "serve",
+        "--model",
+        DEFAULT_MODEL,
+        "--grpc-port",
+        "0",
+        "--http-port",
+        "0",
+        "--sink",
+        str(SINK),
+        "--window",
+        str(WINDOW),
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     stderr: list[str] = []
     threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
@@ -98,7 +115,11 @@ def _start(*extra: str) -> Server:
     reader.start()
     reader.join(timeout=START_TIMEOUT_S)
     if not found:
-        how = f"exited with {proc.poll()}" if proc.poll() is not None else f"not ready in {START_TIMEOUT_S}s"
+        how = (
+            f"exited with {proc.poll()}"
+            if proc.poll() is not None
+            else f"not ready in {START_TIMEOUT_S}s"
+        )
         proc.kill()
         proc.wait(timeout=10)
         raise RuntimeError(f"server {how}: {''.join(stderr)[-2000:]}")
@@ -142,7 +163,9 @@ def oracle(default_model):
         try:
             for ids in turns:
                 store.append(sid, ids)
-                replies.append([e.id for e in store.generate(sid, max_new_tokens) if isinstance(e, Token)])
+                replies.append(
+                    [e.id for e in store.generate(sid, max_new_tokens) if isinstance(e, Token)]
+                )
         finally:
             store.close(sid)
         return replies
@@ -188,7 +211,9 @@ def test_grpc_multi_turn_equals_in_process_greedy(main_server, default_model, or
 
 
 def test_grpc_ngram_proposer_greedy_equals_plain(main_server, default_model):
-    ids = default_model.tokenizer("one two three four, one two three four, one two", add_special_tokens=False)["input_ids"]
+    ids = default_model.tokenizer(
+        "one two three four, one two three four, one two", add_special_tokens=False
+    )["input_ids"]
     with main_server.client() as client:
         outputs = []
         for proposer in ("none", "ngram"):
@@ -205,9 +230,13 @@ def test_grpc_ngram_proposer_greedy_equals_plain(main_server, default_model):
 
 
 def test_grpc_cancel_keeps_exactly_the_sent_tokens(main_server, default_model, oracle):
-    story = ("The old lighthouse keeper climbed the spiral stairs every evening, counting the steps "
-             "out loud as his father had taught him. At the top he")
-    ids = default_model.tokenizer(story, add_special_tokens=False)["input_ids"]  # prose: no early EOS
+    story = (
+        "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps "
+        "out loud as his father had taught him. At the top he"
+    )
+    ids = default_model.tokenizer(story, add_special_tokens=False)[
+        "input_ids"
+    ]  # prose: no early EOS
     with main_server.client() as client:
         sid = client.create()
         client.append_ids(sid, ids)
@@ -227,12 +256,15 @@ def test_grpc_cancel_keeps_exactly_the_sent_tokens(main_server, default_model, o
                 more = client.generate(sid, 4).token_ids
                 break
             except grpc.RpcError as exc:
-                if exc.code() is not grpc.StatusCode.FAILED_PRECONDITION or time.monotonic() > deadline:
+                if (
+                    exc.code() is not grpc.StatusCode.FAILED_PRECONDITION
+                    or time.monotonic() > deadline
+                ):
                     raise
                 time.sleep(0.1)
         after = client.info(sid, include_history=True)
-        tail = list(after.history)[len(ids):]
-        assert tail[-len(more):] == more
+        tail = list(after.history)[len(ids) :]
+        assert tail[-len(more) :] == more
         kept = tail[: -len(more)]
         # the session holds the tokens the server sent: the client's 3 and at most the one or
         # two in flight when it cancelled; never the 200 asked for
@@ -277,8 +309,12 @@ def test_grpc_bad_input_is_refused_and_changes_nothing(main_server):
         assert code is grpc.StatusCode.NOT_FOUND and "unknown session" in msg
         time.sleep(0.5)
         client.close_session(sid)
-        for call in (lambda: client.info(sid), lambda: client.append_ids(sid, [1]),
-                     lambda: client.generate(sid, 2), lambda: client.close_session(sid)):
+        for call in (
+            lambda: client.info(sid),
+            lambda: client.append_ids(sid, [1]),
+            lambda: client.generate(sid, 2),
+            lambda: client.close_session(sid),
+        ):
             code, msg = _code(call)
             assert code is grpc.StatusCode.NOT_FOUND and "closed" in msg
 
@@ -293,7 +329,10 @@ def test_capacity_reject(main_server):
                 try:
                     created.append(client.create())
                 except grpc.RpcError as exc:
-                    assert exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "session slot" in exc.details()
+                    assert (
+                        exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+                        and "session slot" in exc.details()
+                    )
                     break
             else:
                 pytest.fail("11 creates on a capacity-10 server all succeeded")
@@ -301,7 +340,8 @@ def test_capacity_reject(main_server):
             assert main_server.metrics()["kakeya_admission_total{outcome=rejected}"] >= 1
             with pytest.raises(openai.RateLimitError):  # HTTP: 429
                 main_server.openai().chat.completions.create(
-                    model=DEFAULT_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+                    model=DEFAULT_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
         finally:
             for sid in created:
                 client.close_session(sid)
@@ -322,10 +362,19 @@ def test_openai_client_streaming_and_prefix_reuse(main_server, default_model):
     assert first.choices[0].message.content and first.usage.completion_tokens > 0
     reuse_before = main_server.metrics().get("kakeya_prefix_reuse_total{result=hit}", 0)
 
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": "And one for sad?"}]
-    chunks = list(oc.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=8,
-                                             stream=True, stream_options={"include_usage": True}))
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And one for sad?"},
+    ]
+    chunks = list(
+        oc.chat.completions.create(
+            model=DEFAULT_MODEL,
+            messages=messages,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     last = chunks[-1]
     ext = last.model_extra["kakeya"]
@@ -340,8 +389,9 @@ def test_openai_client_streaming_and_prefix_reuse(main_server, default_model):
 
     # the stateless arm (reuse off) prefills everything and leaves no session behind
     open_before = main_server.metrics()["kakeya_sessions_open"]
-    stateless = oc.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=8,
-                                           extra_body={"reuse": False})
+    stateless = oc.chat.completions.create(
+        model=DEFAULT_MODEL, messages=messages, max_tokens=8, extra_body={"reuse": False}
+    )
     assert stateless.usage.prompt_tokens_details.cached_tokens == 0
     assert stateless.model_extra["kakeya"]["appended_tokens"] == stateless.usage.prompt_tokens
     assert stateless.choices[0].message.content == streamed  # same greedy reply either way
@@ -349,8 +399,9 @@ def test_openai_client_streaming_and_prefix_reuse(main_server, default_model):
 
     # an explicit session id continues that session
     messages += [{"role": "assistant", "content": streamed}, {"role": "user", "content": "Thanks!"}]
-    pinned = oc.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=4,
-                                        extra_body={"session_id": sid})
+    pinned = oc.chat.completions.create(
+        model=DEFAULT_MODEL, messages=messages, max_tokens=4, extra_body={"session_id": sid}
+    )
     assert pinned.model_extra["session_id"] == sid
     assert pinned.usage.prompt_tokens_details.cached_tokens == last.usage.total_tokens
     assert http.delete(f"/v1/sessions/{sid}").status_code == 200
@@ -361,31 +412,52 @@ def test_http_errors(main_server):
     oc = main_server.openai()
     http = httpx.Client(base_url=main_server.http_base, timeout=60)
     user = [{"role": "user", "content": "hi"}]
-    bad_json = http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    bad_json = http.post(
+        "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert bad_json.status_code == 400 and "error" in bad_json.json()
-    for body in ({}, {"messages": []}, {"messages": [{"role": "robot", "content": "x"}]},
-                 {"messages": user, "n": 2}, {"messages": user, "max_tokens": 10**6},
-                 {"messages": user, "stop": ["x"]}, {"messages": user, "model": "other"},
-                 {"messages": user, "stop_token_ids": [10**7]}):
+    for body in (
+        {},
+        {"messages": []},
+        {"messages": [{"role": "robot", "content": "x"}]},
+        {"messages": user, "n": 2},
+        {"messages": user, "max_tokens": 10**6},
+        {"messages": user, "stop": ["x"]},
+        {"messages": user, "model": "other"},
+        {"messages": user, "stop_token_ids": [10**7]},
+    ):
         r = http.post("/v1/chat/completions", json=body)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["message"]
     open_before = main_server.metrics()["kakeya_sessions_open"]
-    too_many_tokens = http.post("/v1/chat/completions",
-                                json={"messages": [{"role": "user", "content": "word " * 9000}]})
-    assert too_many_tokens.status_code == 400 and "limit" in too_many_tokens.json()["error"]["message"]
-    huge = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 9_000_000}]})
+    too_many_tokens = http.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 9000}]}
+    )
+    assert (
+        too_many_tokens.status_code == 400 and "limit" in too_many_tokens.json()["error"]["message"]
+    )
+    huge = http.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 9_000_000}]}
+    )
     assert huge.status_code == 413 and "limit" in huge.json()["error"]["message"]
     assert main_server.metrics()["kakeya_sessions_open"] == open_before  # nothing left behind
     with pytest.raises(openai.NotFoundError):
-        oc.chat.completions.create(model=DEFAULT_MODEL, messages=user, max_tokens=2,
-                                   extra_body={"session_id": "0123456789abcdef"})
+        oc.chat.completions.create(
+            model=DEFAULT_MODEL,
+            messages=user,
+            max_tokens=2,
+            extra_body={"session_id": "0123456789abcdef"},
+        )
     first = oc.chat.completions.create(model=DEFAULT_MODEL, messages=user, max_tokens=2)
     sid = first.model_extra["session_id"]
     before = http.get(f"/v1/sessions/{sid}").json()["history"]
     with pytest.raises(openai.BadRequestError, match="do not extend"):
-        oc.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "other"}],
-                                   max_tokens=2, extra_body={"session_id": sid})
+        oc.chat.completions.create(
+            model=DEFAULT_MODEL,
+            messages=[{"role": "user", "content": "other"}],
+            max_tokens=2,
+            extra_body={"session_id": sid},
+        )
     assert http.get(f"/v1/sessions/{sid}").json()["history"] == before
     assert http.delete(f"/v1/sessions/{sid}").status_code == 200
     assert http.delete(f"/v1/sessions/{sid}").status_code == 404
@@ -394,8 +466,11 @@ def test_http_errors(main_server):
 
 def test_http_disconnect_mid_stream_stops_generation(main_server):
     http = httpx.Client(base_url=main_server.http_base, timeout=60)
-    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 200,
-            "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": 200,
+        "stream": True,
+    }
     cancelled_before = main_server.metrics().get("kakeya_streams_total{end=cancelled}", 0)
     sid, pieces = None, 0
     with http.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -430,7 +505,10 @@ def test_concurrent_sessions_with_faults_equal_a_clean_run(main_server, default_
     replies equal in-process greedy decoding (the clean run)."""
     tok = default_model.tokenizer
     conversations = [
-        [tok(f"Session {i}, turn {t}: count to {i + t}.", add_special_tokens=False)["input_ids"] for t in range(2)]
+        [
+            tok(f"Session {i}, turn {t}: count to {i + t}.", add_special_tokens=False)["input_ids"]
+            for t in range(2)
+        ]
         for i in range(8)
     ]
 
@@ -452,8 +530,11 @@ def test_concurrent_sessions_with_faults_equal_a_clean_run(main_server, default_
         with main_server.client() as client:
             while not stop.is_set():
                 sid = client.create()
-                for call in (lambda s=sid: client.append_ids(s, [49152]), lambda s=sid: client.append_ids(s, []),
-                             lambda: client.info("ffffffffffffffff")):
+                for call in (
+                    lambda s=sid: client.append_ids(s, [49152]),
+                    lambda s=sid: client.append_ids(s, []),
+                    lambda: client.info("ffffffffffffffff"),
+                ):
                     try:
                         call()
                     except grpc.RpcError as exc:
@@ -477,7 +558,9 @@ def test_concurrent_sessions_with_faults_equal_a_clean_run(main_server, default_
     for turns, replies in zip(conversations, served):
         assert replies == oracle(turns, 4)
     after = main_server.metrics()
-    assert after["kakeya_streams_total{end=cancelled}"] > before.get("kakeya_streams_total{end=cancelled}", 0)
+    assert after["kakeya_streams_total{end=cancelled}"] > before.get(
+        "kakeya_streams_total{end=cancelled}", 0
+    )
     # nothing leaks: no session left open (idle HTTP sessions may have been evicted for room)
     assert after["kakeya_sessions_open"] <= before["kakeya_sessions_open"]
     assert after["kakeya_kv_live_bytes"] <= before["kakeya_kv_live_bytes"]
@@ -492,7 +575,9 @@ def test_queue_admission_waits_for_a_slot_then_gives_up(servers):
         def wait_for_slot() -> None:
             t0 = time.monotonic()
             reply = client.stub.CreateSession(pb.CreateSessionRequest(), timeout=30)
-            result.update(sid=reply.session_id, queued_s=reply.queued_s, waited=time.monotonic() - t0)
+            result.update(
+                sid=reply.session_id, queued_s=reply.queued_s, waited=time.monotonic() - t0
+            )
 
         waiter = threading.Thread(target=wait_for_slot)
         waiter.start()
@@ -506,8 +591,9 @@ def test_queue_admission_waits_for_a_slot_then_gives_up(servers):
         assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and "queued" in msg
         assert 2.5 <= time.monotonic() - t0 < 10
         with pytest.raises(openai.RateLimitError):
-            queued.openai().chat.completions.create(model=DEFAULT_MODEL, max_tokens=2,
-                                                    messages=[{"role": "user", "content": "hi"}])
+            queued.openai().chat.completions.create(
+                model=DEFAULT_MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+            )
         client.close_session(result["sid"])
         client.close_session(other)
 
@@ -521,9 +607,14 @@ def test_sigterm_ends_active_streams_then_restart_reports_sessions_gone(servers)
     http_started = threading.Event()
 
     def http_stream() -> None:
-        body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 500,
-                "stream": True}
-        with httpx.stream("POST", f"{queued.http_base}/v1/chat/completions", json=body, timeout=60) as r:
+        body = {
+            "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 500,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST", f"{queued.http_base}/v1/chat/completions", json=body, timeout=60
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     chunks.append(json.loads(line[6:]))
@@ -568,11 +659,18 @@ def test_sigterm_ends_active_streams_then_restart_reports_sessions_gone(servers)
 def test_cli_refuses_bad_arguments_before_loading_the_model(tmp_path, monkeypatch, capsys):
     from kakeya_lab.cli import main
 
-    monkeypatch.setenv("KAKEYA_LAB_HOME", str(tmp_path))  # an empty store: loading would fail differently
-    cases = {"--capacity": ["--capacity", "0"], "--grpc-port": ["--grpc-port", "70000"],
-             "--host": ["--host", "localhost:1"], "window": ["--window", "0"],
-             "--backend": ["--backend", "mlx"], "--max-wait-s": ["--max-wait-s", "-1"],
-             "different ports": ["--grpc-port", "9000", "--http-port", "9000"]}
+    monkeypatch.setenv(
+        "KAKEYA_LAB_HOME", str(tmp_path)
+    )  # an empty store: loading would fail differently
+    cases = {
+        "--capacity": ["--capacity", "0"],
+        "--grpc-port": ["--grpc-port", "70000"],
+        "--host": ["--host", "localhost:1"],
+        "window": ["--window", "0"],
+        "--backend": ["--backend", "mlx"],
+        "--max-wait-s": ["--max-wait-s", "-1"],
+        "different ports": ["--grpc-port", "9000", "--http-port", "9000"],
+    }
     for needle, args in cases.items():
         assert main(["serve", *args]) == 2, args
         out, err = capsys.readouterr()
@@ -587,16 +685,24 @@ def test_served_long_run_arms(main_server):
     from kakeya_lab.serve.served_long_run import run_served_long_run
 
     turns = ["Hi! What is your name?", "Tell me about the sea.", "And about mountains?"]
-    df = run_served_long_run(main_server.grpc_target, main_server.http_base, turns, max_new_tokens=6)
+    df = run_served_long_run(
+        main_server.grpc_target, main_server.http_base, turns, max_new_tokens=6
+    )
     by = {arm: g.sort_values("turn") for arm, g in df.groupby("arm")}
     grpc_s, reuse, stateless = by["grpc_session"], by["http_reuse"], by["http_stateless"]
     assert (stateless["cached_tokens"] == 0).all()
     assert stateless["appended_tokens"].is_monotonic_increasing  # the whole history, every turn
     assert (reuse["cached_tokens"].iloc[1:] > 0).all()
-    assert (reuse["appended_tokens"].iloc[1:].values < stateless["appended_tokens"].iloc[1:].values).all()
-    assert (grpc_s["appended_tokens"].iloc[1:].values < stateless["appended_tokens"].iloc[1:].values).all()
+    assert (
+        reuse["appended_tokens"].iloc[1:].values < stateless["appended_tokens"].iloc[1:].values
+    ).all()
+    assert (
+        grpc_s["appended_tokens"].iloc[1:].values < stateless["appended_tokens"].iloc[1:].values
+    ).all()
     assert list(reuse["reply"]) == list(stateless["reply"])  # same prompt ids, same greedy reply
     assert (df["kv_live_bytes"] > 0).all() and (df["rss_bytes"] > 0).all()
     for g in by.values():
-        summary = aggregate_arm(g, budget_tokens=SINK + WINDOW, budget_bytes=None, turns_per_bucket=1)
+        summary = aggregate_arm(
+            g, budget_tokens=SINK + WINDOW, budget_bytes=None, turns_per_bucket=1
+        )
         assert summary["turns"] == len(turns)

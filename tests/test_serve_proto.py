@@ -25,4 +25,6 @@ def test_regenerated_stubs_equal_the_committed_ones(tmp_path, monkeypatch):
     for name in GENERATED:
         fresh = (tmp_path / proto_dir / name).read_text()
         committed = (ROOT / proto_dir / name).read_text()
-        assert fresh == committed, f"{proto_dir / name} is stale: regenerate it (kakeya_lab/serve/__init__.py)"
+        assert fresh == committed, (
+            f"{proto_dir / name} is stale: regenerate it (kakeya_lab/serve/__init__.py)"
+        )

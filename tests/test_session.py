@@ -71,9 +71,11 @@ def test_unknown_empty_oov_and_double_close(store):
         store.append(sid, [1, 10**9])
     assert store.info(sid).history_len == 0
     store.append(sid, [1, 2, 3])
-    for bad in [lambda: store.generate(sid, 0),
-                lambda: store.generate(sid, 2, SamplingConfig(temperature=-1.0)),
-                lambda: store.generate(sid, 2, SamplingConfig(temperature=1.0, top_p=0.0))]:
+    for bad in [
+        lambda: store.generate(sid, 0),
+        lambda: store.generate(sid, 2, SamplingConfig(temperature=-1.0)),
+        lambda: store.generate(sid, 2, SamplingConfig(temperature=1.0, top_p=0.0)),
+    ]:
         with pytest.raises(ValueError):
             bad()
     assert store.info(sid).history_len == 3
@@ -128,8 +130,11 @@ def test_stop_tokens_and_seeded_sampling(tiny_model):
     def run(seed):
         sid = store.create()
         store.append(sid, [1, 2, 3])
-        toks = [e.id for e in store.generate(sid, 12, SamplingConfig(temperature=1.0, seed=seed, top_k=50))
-                if isinstance(e, Token)]
+        toks = [
+            e.id
+            for e in store.generate(sid, 12, SamplingConfig(temperature=1.0, seed=seed, top_k=50))
+            if isinstance(e, Token)
+        ]
         store.close(sid)
         return toks
 
@@ -165,10 +170,14 @@ def test_model_generate_with_our_cache_matches_verifier_greedy(default_model, te
     prompt = text_ids[:70]  # longer than the budget: the prefill itself must evict
     cache = SinkWindowCache(model, config)
     out = model.generate(
-        torch.tensor([prompt]), past_key_values=cache, max_new_tokens=30, do_sample=False,
-        eos_token_id=None, pad_token_id=0,
+        torch.tensor([prompt]),
+        past_key_values=cache,
+        max_new_tokens=30,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
     )
-    generated = out[0, len(prompt):].tolist()
+    generated = out[0, len(prompt) :].tolist()
     v = Verifier(model, config)
     logits = v.append(prompt)
     ours = []
@@ -221,10 +230,20 @@ def test_probe_is_a_rolled_back_side_question_past_eviction(default_model, text_
     history = text_ids[:90]
     store.append(sid, history)
     v = store.verifier(sid)
-    before = (v.history_token_ids, v.cached_token_ids, store.next_token_logits(sid), store.info(sid).turns)
+    before = (
+        v.history_token_ids,
+        v.cached_token_ids,
+        store.next_token_logits(sid),
+        store.info(sid).turns,
+    )
     question = text_ids[100:110]
     answer = store.probe(sid, question, 8)
-    after = (v.history_token_ids, v.cached_token_ids, store.next_token_logits(sid), store.info(sid).turns)
+    after = (
+        v.history_token_ids,
+        v.cached_token_ids,
+        store.next_token_logits(sid),
+        store.info(sid).turns,
+    )
     assert before[:2] == after[:2] and torch.equal(before[2], after[2]) and before[3] == after[3]
     assert v.pending_len == 0 and v.history_len > config.budget
     # the answer is the greedy reply of a session that really appended the question
@@ -234,7 +253,10 @@ def test_probe_is_a_rolled_back_side_question_past_eviction(default_model, text_
     # and the probed session continues as if nothing happened
     clean = store.create()
     store.append(clean, history)
-    assert collect_reply(store.generate(sid, 6)).token_ids == collect_reply(store.generate(clean, 6)).token_ids
+    assert (
+        collect_reply(store.generate(sid, 6)).token_ids
+        == collect_reply(store.generate(clean, 6)).token_ids
+    )
 
 
 def test_collect_reply_and_typed_records(tiny_model):
@@ -264,6 +286,6 @@ def test_chat_template_fork_and_state_round_trip(default_model):
     assert side_ids == chat.fork().user("A side question?")
     resumed = ChatTemplate.from_state(tok, json.loads(json.dumps(chat.to_state())))
     assert resumed.user("Next?") == chat.user("Next?")
-    assert ids + resumed.full_ids()[len(ids):] == chat.full_ids()
+    assert ids + resumed.full_ids()[len(ids) :] == chat.full_ids()
     with pytest.raises(ValueError, match="to_state"):
         ChatTemplate.from_state(tok, {"messages": []})

@@ -65,7 +65,9 @@ MODES = {
     "plain-greedy": dict(),
     "plain-sampled": dict(sampling=SamplingConfig(temperature=0.9, seed=3)),
     "early-exit-greedy": dict(proposer="early-exit"),
-    "early-exit-sampled": dict(proposer="early-exit", sampling=SamplingConfig(temperature=0.9, seed=3)),
+    "early-exit-sampled": dict(
+        proposer="early-exit", sampling=SamplingConfig(temperature=0.9, seed=3)
+    ),
     "self-draft-greedy": dict(proposer="self-draft"),
 }
 
@@ -81,8 +83,11 @@ def _options(kind, default_model):
 
 
 STOPS = [
-    ("plain-greedy", "break"), ("plain-sampled", "close"), ("early-exit-greedy", "close"),
-    ("early-exit-sampled", "break"), ("self-draft-greedy", "close"),
+    ("plain-greedy", "break"),
+    ("plain-sampled", "close"),
+    ("early-exit-greedy", "close"),
+    ("early-exit-sampled", "break"),
+    ("self-draft-greedy", "close"),
 ]
 
 
@@ -111,7 +116,11 @@ def test_stop_commits_exactly_the_delivered_tokens(default_model, prompt, kind, 
         clean = _store(default_model)
         cid = clean.create()
         clean.append(cid, store.verifier(sid).history_token_ids)
-        got = [e.id for e in store.generate(sid, 8, proposer=options["proposer"]) if isinstance(e, Token)]
+        got = [
+            e.id
+            for e in store.generate(sid, 8, proposer=options["proposer"])
+            if isinstance(e, Token)
+        ]
         assert got == _greedy_reply(clean, cid, 8)
 
 
@@ -238,7 +247,9 @@ def test_append_is_all_or_nothing_under_keyboard_interrupt(default_model, prompt
 
 
 @pytest.mark.parametrize("interrupts", ["once", "repeatedly"])
-def test_interrupt_inside_a_speculative_step_keeps_delivered_tokens(default_model, prompt, interrupts):
+def test_interrupt_inside_a_speculative_step_keeps_delivered_tokens(
+    default_model, prompt, interrupts
+):
     """Interrupted during the next step; "repeatedly" also interrupts the commit of the last
     delivered token in the stream's cleanup (it is then appended by the next call)."""
     model = default_model.model
@@ -348,7 +359,9 @@ def test_stop_button_from_another_thread_mid_stream(default_model, prompt):
     store = _store(default_model)
     sid = store.create()
     store.append(sid, prompt)
-    stream = store.generate(sid, 200, proposer=EarlyExitProposer(default_model.model, CONFIG, num_layers=6))
+    stream = store.generate(
+        sid, 200, proposer=EarlyExitProposer(default_model.model, CONFIG, num_layers=6)
+    )
     delivered = []
     started = threading.Event()
 

@@ -40,8 +40,9 @@ def _plain(model, config, prompt, max_new=MAX_NEW):
 
 def _spec(model, config, prompt, proposer, draft_length, max_new=MAX_NEW, **kw):
     v = Verifier(model, config)
-    decoder = speculative_decode(v, v.append(prompt), proposer, max_new_tokens=max_new,
-                                 draft_length=draft_length, **kw)
+    decoder = speculative_decode(
+        v, v.append(prompt), proposer, max_new_tokens=max_new, draft_length=draft_length, **kw
+    )
     out = list(decoder)
     tokens = [t for t in out if not isinstance(t, SpeculativeStep)]
     steps = [s for s in out if isinstance(s, SpeculativeStep)]
@@ -58,8 +59,9 @@ def _proposer(kind, default_model, tiny_model, config):
     if kind == "self-draft":  # the verifier drafting for itself: every draft accepted
         return DraftModelProposer(model, config, tokenizer=tok, verifier_tokenizer=tok)
     if kind == "tiny-draft":  # an unrelated random model: most drafts rejected
-        return DraftModelProposer(tiny_model.model, config, tokenizer=tiny_model.tokenizer,
-                                  verifier_tokenizer=tok)
+        return DraftModelProposer(
+            tiny_model.model, config, tokenizer=tiny_model.tokenizer, verifier_tokenizer=tok
+        )
     return EarlyExitProposer(model, config, num_layers=6)
 
 
@@ -81,9 +83,17 @@ def _lossless_cases():
         for kind in PROPOSERS:
             for draft_length in (1, 4, 8):
                 fast = (mode == "global" and draft_length == 4) or (mode, kind, draft_length) == (
-                    "rolling", "ngram", 4)
-                yield pytest.param(mode, kind, draft_length, marks=() if fast else pytest.mark.slow,
-                                   id=f"{draft_length}-{kind}-{mode}")
+                    "rolling",
+                    "ngram",
+                    4,
+                )
+                yield pytest.param(
+                    mode,
+                    kind,
+                    draft_length,
+                    marks=() if fast else pytest.mark.slow,
+                    id=f"{draft_length}-{kind}-{mode}",
+                )
 
 
 @pytest.mark.parametrize(("mode", "kind", "draft_length"), list(_lossless_cases()))
@@ -109,8 +119,11 @@ def test_speculative_session_matches_plain_across_turns(default_model):
     model, tok = default_model.model, default_model.tokenizer
     config = SinkWindowConfig(sink=4, window=48)
     outputs = {}
-    for label, proposer in (("plain", None), ("ngram", NgramProposer()),
-                            ("early", EarlyExitProposer(model, config, num_layers=8))):
+    for label, proposer in (
+        ("plain", None),
+        ("ngram", NgramProposer()),
+        ("early", EarlyExitProposer(model, config, num_layers=8)),
+    ):
         store = SessionStore(model, config)
         sid = store.create()
         chat = ChatTemplate(tok)
@@ -139,8 +152,15 @@ SAMPLED = SamplingConfig(temperature=1.0)
 
 def _small_model(seed):
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     model = Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(40.0)  # logits with a real spread, so p and q differ clearly
@@ -287,16 +307,23 @@ def test_ngram_proposer_looks_up_the_latest_match():
 
 def test_adaptive_draft_length_stays_lossless(plain_runs, default_model):
     config, prompt, want = plain_runs["global"]
-    got, steps, _, _ = _spec(default_model.model, config, prompt, NgramProposer(), draft_length=3,
-                             adaptive_draft_length=True)
+    got, steps, _, _ = _spec(
+        default_model.model,
+        config,
+        prompt,
+        NgramProposer(),
+        draft_length=3,
+        adaptive_draft_length=True,
+    )
     assert got == want
     assert len({s.draft_length for s in steps if s.draft_length}) > 1  # the length actually moved
 
 
 def test_make_proposer_uses_an_already_loaded_draft_model(default_model, tiny_model):
     config = SinkWindowConfig(sink=4, window=28)
-    proposer = make_proposer("draft:tiny", default_model.model, config, default_model.tokenizer,
-                             draft_model=tiny_model)
+    proposer = make_proposer(
+        "draft:tiny", default_model.model, config, default_model.tokenizer, draft_model=tiny_model
+    )
     assert isinstance(proposer, DraftModelProposer) and proposer.model is tiny_model.model
     assert proposer.describe()["model"] == "tiny"
     assert make_proposer("none", default_model.model, config) is None

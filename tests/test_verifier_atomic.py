@@ -24,13 +24,23 @@ class Interrupt:
 
 
 def _state(v: Verifier) -> tuple:
-    return (v.history_token_ids, v.cached_token_ids, v.cached_positions(), v.cache_len,
-            v.kv_live_bytes, v.pending_len)
+    return (
+        v.history_token_ids,
+        v.cached_token_ids,
+        v.cached_positions(),
+        v.cache_len,
+        v.kv_live_bytes,
+        v.pending_len,
+    )
 
 
 @pytest.mark.parametrize("mode", ["global", "rolling"])
-@pytest.mark.parametrize("chunk_index,error", [(2, KeyboardInterrupt), (3, KeyboardInterrupt), (2, RuntimeError)])
-def test_interrupted_multi_chunk_append_changes_nothing(tiny_model, mode, chunk_index, error, record_tolerance):
+@pytest.mark.parametrize(
+    "chunk_index,error", [(2, KeyboardInterrupt), (3, KeyboardInterrupt), (2, RuntimeError)]
+)
+def test_interrupted_multi_chunk_append_changes_nothing(
+    tiny_model, mode, chunk_index, error, record_tolerance
+):
     model = tiny_model.model
     config = SinkWindowConfig(sink=2, window=10, positions=mode)
     rng = random.Random(7)

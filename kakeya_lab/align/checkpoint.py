@@ -37,7 +37,9 @@ def write_folder_atomic(folder: str | Path, files: dict[str, Any]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     for name, content in files.items():
         if name.endswith(".safetensors"):
-            save_file({k: v.detach().contiguous().cpu() for k, v in content.items()}, str(tmp / name))
+            save_file(
+                {k: v.detach().contiguous().cpu() for k, v in content.items()}, str(tmp / name)
+            )
         else:
             (tmp / name).write_text(json.dumps(content, indent=1))
     old = folder.with_name(f".{folder.name}.old")

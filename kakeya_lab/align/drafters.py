@@ -109,7 +109,9 @@ class Layer(nn.Module):
 
     def forward(self, x: torch.Tensor, causal: bool) -> torch.Tensor:
         B, L, W = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).view(B, L, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = (
+            self.qkv(self.attn_norm(x)).view(B, L, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        )
         q, k = rope(q, self.rope_theta), rope(k, self.rope_theta)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         x = x + self.proj(a.transpose(1, 2).reshape(B, L, W))
@@ -233,7 +235,9 @@ class FeatureDrafter(Drafter):
                 qs.append(q)
             if i + 1 < k:
                 feats = torch.cat([feats, f], dim=1)[:, -self.config.context_len - k :]
-                toks = torch.cat([toks, torch.tensor([[token]])], dim=1)[:, -self.config.context_len - k :]
+                toks = torch.cat([toks, torch.tensor([[token]])], dim=1)[
+                    :, -self.config.context_len - k :
+                ]
         return out, (torch.stack(qs) if qs else None)
 
 
@@ -249,7 +253,9 @@ class BlockDrafter(Drafter):
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, k: int) -> torch.Tensor:
         if not 1 <= k <= self.config.block_size:
-            raise ValueError(f"a block drafter fills 1..{self.config.block_size} slots, asked for {k}")
+            raise ValueError(
+                f"a block drafter fills 1..{self.config.block_size} slots, asked for {k}"
+            )
         ctx = self.embed_pairs(features, next_tokens)
         slots = self.mask_slots[:k].to(ctx.dtype).expand(ctx.shape[0], -1, -1)
         return self.run(torch.cat([ctx, slots], dim=1))[:, -k:]
@@ -273,7 +279,9 @@ class BlockDrafter(Drafter):
         return out, (torch.stack(qs) if qs else None)
 
 
-def drafter_config_for(kind: str, loaded, draft_vocab: Sequence[int] = (), **shape) -> DrafterConfig:
+def drafter_config_for(
+    kind: str, loaded, draft_vocab: Sequence[int] = (), **shape
+) -> DrafterConfig:
     """A :class:`DrafterConfig` of ``kind`` sized for the verifier ``loaded``; ``shape``
     overrides the defaults (e.g. ``width``, ``num_layers``, ``context_len``, ``base``)."""
     model = loaded.model
@@ -337,8 +345,11 @@ class DrafterProposer:
         positions = range(len(history) - n, len(history))
         feats = self.trace.features(positions, [history[p] for p in positions])
         tokens, probs = self.drafter.draft(
-            feats, context[len(context) - n :], k,
-            sampling if sampling is not None else GREEDY, generator,
+            feats,
+            context[len(context) - n :],
+            k,
+            sampling if sampling is not None else GREEDY,
+            generator,
         )
         return Draft(tokens, probs, time.perf_counter() - t0)
 
@@ -347,6 +358,13 @@ class DrafterProposer:
 
     def describe(self) -> dict:
         c = self.drafter.config
-        return {"name": self.name, "label": self.label, "kind": c.kind, "width": c.width,
-                "num_layers": c.num_layers, "context_len": c.context_len,
-                "block_size": c.block_size, "draft_vocab": len(c.draft_vocab)}
+        return {
+            "name": self.name,
+            "label": self.label,
+            "kind": c.kind,
+            "width": c.width,
+            "num_layers": c.num_layers,
+            "context_len": c.context_len,
+            "block_size": c.block_size,
+            "draft_vocab": len(c.draft_vocab),
+        }

@@ -21,7 +21,9 @@ from kakeya_lab.data import DOMAINS, domain_conversations
 from kakeya_lab.proposers import DraftModelProposer, Proposer
 
 
-def drafter_factory(drafter, config: SinkWindowConfig, label: str | None = None) -> Callable[[], Proposer]:
+def drafter_factory(
+    drafter, config: SinkWindowConfig, label: str | None = None
+) -> Callable[[], Proposer]:
     """A proposer factory for a drafter of any kind (LoRA drafters draft with their own cache)."""
     if drafter.config.kind == "lora":
         model = drafter.draft_model()
@@ -52,8 +54,14 @@ def evaluate_by_domain(
             if not convs:
                 raise ValueError(f"no {split} conversations for domain {domain!r}")
             run = run_speculative(
-                loaded, proposers, ks, convs, config=config, turns_per_conversation=turns,
-                max_new_tokens=max_new_tokens, progress=progress,
+                loaded,
+                proposers,
+                ks,
+                convs,
+                config=config,
+                turns_per_conversation=turns,
+                max_new_tokens=max_new_tokens,
+                progress=progress,
             )
             summary = run.summary.assign(
                 domain=domain, split=split, lossless=greedy_streams_identical(run.turns)

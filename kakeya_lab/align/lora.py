@@ -42,11 +42,18 @@ class LoraDrafter(nn.Module):
         draft = copy.deepcopy(early_exit_model(verifier_model, layers))  # own weights, frozen
         draft.set_attn_implementation("sdpa")
         draft.requires_grad_(False)
-        lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
-                          target_modules=TARGETS, bias="none")
+        lora = LoraConfig(
+            r=config.lora_rank,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=0.0,
+            target_modules=TARGETS,
+            bias="none",
+        )
         with warnings.catch_warnings():
             # peft asks transformers v5 a deprecated question; nothing for our callers to act on
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            warnings.filterwarnings(
+                "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+            )
             self.model = get_peft_model(draft, lora)
         ids = torch.arange(config.vocab_size)
         self.register_buffer("draft_ids", ids, persistent=False)
@@ -55,7 +62,9 @@ class LoraDrafter(nn.Module):
     def predict(self, window_features, window_tokens, k):
         """Final hidden states of the draft over the window's tokens; the one at offset
         ``o`` predicts the token at ``o + 1`` (offsets ``0 .. n+k-1``)."""
-        out = self.model(input_ids=window_tokens[:, :-1], output_hidden_states=True, use_cache=False)
+        out = self.model(
+            input_ids=window_tokens[:, :-1], output_hidden_states=True, use_cache=False
+        )
         hidden = out.hidden_states[-1]
         return hidden, torch.arange(hidden.shape[1])
 

@@ -67,18 +67,20 @@ class CaptureOptions:
 def _features(top_k: int, hidden_size: int):
     import datasets
 
-    return datasets.Features({
-        "conversation_id": datasets.Value("string"),
-        "domain": datasets.Value("string"),
-        "split": datasets.Value("string"),
-        "token_ids": datasets.Sequence(datasets.Value("int32")),
-        "positions": datasets.Sequence(datasets.Value("int32")),
-        "generated": datasets.Sequence(datasets.Value("bool")),
-        "loss_mask": datasets.Sequence(datasets.Value("bool")),
-        "topk_ids": datasets.Array2D((None, top_k), "int32"),
-        "topk_logits": datasets.Array2D((None, top_k), "float32"),
-        "hidden": datasets.Array2D((None, hidden_size), "float16"),
-    })
+    return datasets.Features(
+        {
+            "conversation_id": datasets.Value("string"),
+            "domain": datasets.Value("string"),
+            "split": datasets.Value("string"),
+            "token_ids": datasets.Sequence(datasets.Value("int32")),
+            "positions": datasets.Sequence(datasets.Value("int32")),
+            "generated": datasets.Sequence(datasets.Value("bool")),
+            "loss_mask": datasets.Sequence(datasets.Value("bool")),
+            "topk_ids": datasets.Array2D((None, top_k), "int32"),
+            "topk_logits": datasets.Array2D((None, top_k), "float32"),
+            "hidden": datasets.Array2D((None, hidden_size), "float16"),
+        }
+    )
 
 
 def _save_quietly(dataset, path: Path) -> None:
@@ -103,7 +105,9 @@ def _read_manifest(out: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except ValueError as exc:
-        raise RolloutError(f"{path} is not valid JSON ({exc}); remove the folder to start over") from exc
+        raise RolloutError(
+            f"{path} is not valid JSON ({exc}); remove the folder to start over"
+        ) from exc
 
 
 def capture_conversation(
@@ -142,7 +146,9 @@ def capture_conversation(
         if rep > options.max_repetition:
             return None
     with torch.no_grad():
-        logits = store.model.get_output_embeddings()(hidden.to(next(store.model.parameters()).dtype)).float()
+        logits = store.model.get_output_embeddings()(
+            hidden.to(next(store.model.parameters()).dtype)
+        ).float()
     top = torch.topk(logits, options.top_k, dim=-1)
     mask = torch.ones(len(tokens), dtype=torch.bool)
     if options.min_confidence is not None:
@@ -208,8 +214,13 @@ def capture_rollouts(
     done_ids = {cid for shard in manifest["shards"] for cid in shard["attempted"]}
     todo = [c for c in conversations if c.id not in done_ids]
     store = SessionStore(loaded.model, config, capacity=1)
-    bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo),
-               desc="rollouts", unit="conv", disable=not progress)
+    bar = tqdm(
+        total=len(conversations),
+        initial=len(conversations) - len(todo),
+        desc="rollouts",
+        unit="conv",
+        disable=not progress,
+    )
     for start in range(0, len(todo), options.shard_size):
         batch = todo[start : start + options.shard_size]
         rows = []
@@ -225,14 +236,18 @@ def capture_rollouts(
             shutil.rmtree(path)
         if rows:
             columns = {key: [r[key] for r in rows] for key in rows[0]}
-            shard = datasets.Dataset.from_dict(columns, features=_features(options.top_k, identity["hidden_size"]))
+            shard = datasets.Dataset.from_dict(
+                columns, features=_features(options.top_k, identity["hidden_size"])
+            )
             _save_quietly(shard, path)
-        manifest["shards"].append({
-            "name": name if rows else None,
-            "attempted": [c.id for c in batch],
-            "rows": len(rows),
-            "tokens": int(sum(len(r["token_ids"]) for r in rows)),
-        })
+        manifest["shards"].append(
+            {
+                "name": name if rows else None,
+                "attempted": [c.id for c in batch],
+                "rows": len(rows),
+                "tokens": int(sum(len(r["token_ids"]) for r in rows)),
+            }
+        )
         write_json_atomic(out / MANIFEST, manifest)
         if on_shard is not None:
             on_shard(index)

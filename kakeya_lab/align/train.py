@@ -94,6 +94,7 @@ class RolloutData:
             raise ValueError("no rollout rows")
         self.window = context_len + block_size + 1
         self.context_len, self.block_size = context_len, block_size
+
         def cat(key: str) -> np.ndarray:
             return np.concatenate([np.asarray(r[key]) for r in rows])
 
@@ -134,8 +135,14 @@ class RolloutData:
         digest = hashlib.sha256()
         for tensor in (self.tokens, self.mask, self.starts):
             digest.update(tensor.numpy().tobytes())
-        return {"context_len": self.context_len, "block_size": self.block_size, "domains": self.domains,
-                "conversations": self.conversations, "windows": len(self.starts), "sha256": digest.hexdigest()}
+        return {
+            "context_len": self.context_len,
+            "block_size": self.block_size,
+            "domains": self.domains,
+            "conversations": self.conversations,
+            "windows": len(self.starts),
+            "sha256": digest.hexdigest(),
+        }
 
     def batch(self, starts: torch.Tensor) -> dict[str, torch.Tensor]:
         idx = starts[:, None] + torch.arange(self.window)
@@ -157,7 +164,9 @@ class RolloutData:
         return self.batch(self.starts[pick])
 
 
-def step_losses(drafter: Drafter, batch: dict, k: int, weights: LossWeights) -> tuple[dict, torch.Tensor, torch.Tensor]:
+def step_losses(
+    drafter: Drafter, batch: dict, k: int, weights: LossWeights
+) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """Losses of one batch, plus the predicted logits and the window offsets they cover."""
     pred, offsets = drafter.predict(batch["features"], batch["tokens"], k)
     logits = drafter.logits(pred)
@@ -203,29 +212,45 @@ class TrainingResumeMismatch(CheckpointError, ResumeMismatch):
     """A training checkpoint made with another drafter, training config or data."""
 
 
-def training_settings(drafter: Drafter, cfg: TrainConfig, data: RolloutData,
-                      eval_data: RolloutData | None) -> dict:
+def training_settings(
+    drafter: Drafter, cfg: TrainConfig, data: RolloutData, eval_data: RolloutData | None
+) -> dict:
     """Everything a resumed training run must share with the run it continues."""
-    return json.loads(json.dumps({
-        "drafter": drafter.config.to_dict(), "train": cfg.to_dict(), "data": data.fingerprint(),
-        "eval_data": eval_data.fingerprint() if eval_data is not None else None,
-    }))
+    return json.loads(
+        json.dumps(
+            {
+                "drafter": drafter.config.to_dict(),
+                "train": cfg.to_dict(),
+                "data": data.fingerprint(),
+                "eval_data": eval_data.fingerprint() if eval_data is not None else None,
+            }
+        )
+    )
 
 
-def _save_checkpoint(folder: Path, drafter: Drafter, optimizer, step: int, cfg: TrainConfig, history,
-                     settings: dict) -> None:
+def _save_checkpoint(
+    folder: Path, drafter: Drafter, optimizer, step: int, cfg: TrainConfig, history, settings: dict
+) -> None:
     opt = optimizer.state_dict()
     tensors = {}
     for pid, state in opt["state"].items():
         for name, value in state.items():
             tensors[f"{pid}.{name}"] = value if torch.is_tensor(value) else torch.tensor(value)
-    write_folder_atomic(folder, {
-        WEIGHTS: trainable_state(drafter),
-        CONFIG: drafter.config.to_dict(),
-        OPTIMIZER: tensors,
-        TRAINER: {"step": step, "train": cfg.to_dict(), "param_groups": opt["param_groups"],
-                  "history": history, "settings": settings},
-    })
+    write_folder_atomic(
+        folder,
+        {
+            WEIGHTS: trainable_state(drafter),
+            CONFIG: drafter.config.to_dict(),
+            OPTIMIZER: tensors,
+            TRAINER: {
+                "step": step,
+                "train": cfg.to_dict(),
+                "param_groups": opt["param_groups"],
+                "history": history,
+                "settings": settings,
+            },
+        },
+    )
 
 
 def _load_checkpoint(folder: Path, drafter: Drafter, optimizer, settings: dict) -> tuple[int, list]:
@@ -273,8 +298,12 @@ def train_drafter(
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95),
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
     )
     ckpt = Path(out_dir) / "checkpoint" if out_dir is not None else None
     step, history = 0, []
@@ -286,8 +315,13 @@ def train_drafter(
     if step == 0 and eval_batch is not None:
         history.append({"step": 0, **evaluate_offline(drafter, eval_batch, k, cfg.loss)})
     drafter.train()
-    bar = tqdm(total=cfg.steps, initial=step, desc=f"train {drafter.config.kind}", unit="step",
-               disable=not progress)
+    bar = tqdm(
+        total=cfg.steps,
+        initial=step,
+        desc=f"train {drafter.config.kind}",
+        unit="step",
+        disable=not progress,
+    )
     t0 = time.perf_counter()
     while step < end:
         for group in optimizer.param_groups:
@@ -299,8 +333,12 @@ def train_drafter(
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         optimizer.step()
         step += 1
-        row = {"step": step, "lr": cfg.lr_at(step - 1), "grad_norm": float(grad_norm),
-               **{f"train_{n}": float(v.detach()) for n, v in losses.items()}}
+        row = {
+            "step": step,
+            "lr": cfg.lr_at(step - 1),
+            "grad_norm": float(grad_norm),
+            **{f"train_{n}": float(v.detach()) for n, v in losses.items()},
+        }
         if eval_batch is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
             row.update(evaluate_offline(drafter, eval_batch, k, cfg.loss))
             drafter.train()
@@ -312,6 +350,9 @@ def train_drafter(
     bar.close()
     drafter.eval()
     if out_dir is not None and step == cfg.steps:
-        save_drafter(drafter, Path(out_dir) / "drafter",
-                     extra={"train": cfg.to_dict(), "seconds": time.perf_counter() - t0})
+        save_drafter(
+            drafter,
+            Path(out_dir) / "drafter",
+            extra={"train": cfg.to_dict(), "seconds": time.perf_counter() - t0},
+        )
     return pd.DataFrame(history)

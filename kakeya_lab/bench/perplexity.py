@@ -26,8 +26,14 @@ def _nll(logits: torch.Tensor, targets: torch.Tensor) -> np.ndarray:
     return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none").numpy()
 
 
-def streaming_nll(model, token_ids: Sequence[int], config: SinkWindowConfig, *, chunk: int = 64,
-                  progress: bool = False) -> np.ndarray:
+def streaming_nll(
+    model,
+    token_ids: Sequence[int],
+    config: SinkWindowConfig,
+    *,
+    chunk: int = 64,
+    progress: bool = False,
+) -> np.ndarray:
     """NLL of ``token_ids[1:]`` (nats), each predicted under the sink-window rule."""
     ids = list(token_ids)
     if len(ids) < 2:
@@ -44,8 +50,9 @@ def streaming_nll(model, token_ids: Sequence[int], config: SinkWindowConfig, *, 
 
 
 @torch.inference_mode()
-def sliding_recompute_nll(model, token_ids: Sequence[int], *, window: int, stride: int = 32,
-                          progress: bool = False) -> np.ndarray:
+def sliding_recompute_nll(
+    model, token_ids: Sequence[int], *, window: int, stride: int = 32, progress: bool = False
+) -> np.ndarray:
     """NLL of ``token_ids[1:]`` where target ``t`` sees at most the ``window`` tokens
     before it, recomputed from scratch for every ``stride`` targets (positions from 0)."""
     from kakeya_lab.attention import standard_attention

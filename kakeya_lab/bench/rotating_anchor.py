@@ -74,14 +74,22 @@ class RotatingAnchorResult:
                 return f"{name}: speculative == greedy over {self.new_tokens} tokens"
             return f"{name}: departs at token {index} (greedy {tokens[0]}, speculative {tokens[1]})"
 
-        return "\n".join([
-            f"mlx-lm {self.mlx_lm_version}, budget {self.max_size} (keep {self.sink}), prompt "
-            f"{self.prompt_tokens} tokens, {self.new_tokens} new, {self.num_draft_tokens} drafts/step, "
-            f"early-exit draft with {self.draft_layers} layers",
-            say("mlx-lm RotatingKVCache", self.rotating_departure_index, self.rotating_departure_tokens)
-            + f" ({self.rotating_rejections_past_wrap} rejections past the wrap)",
-            say("kakeya_lab sink-window", self.ours_departure_index, self.ours_departure_tokens),
-        ])
+        return "\n".join(
+            [
+                f"mlx-lm {self.mlx_lm_version}, budget {self.max_size} (keep {self.sink}), prompt "
+                f"{self.prompt_tokens} tokens, {self.new_tokens} new, {self.num_draft_tokens} drafts/step, "
+                f"early-exit draft with {self.draft_layers} layers",
+                say(
+                    "mlx-lm RotatingKVCache",
+                    self.rotating_departure_index,
+                    self.rotating_departure_tokens,
+                )
+                + f" ({self.rotating_rejections_past_wrap} rejections past the wrap)",
+                say(
+                    "kakeya_lab sink-window", self.ours_departure_index, self.ours_departure_tokens
+                ),
+            ]
+        )
 
 
 def _departure(a: Sequence[int], b: Sequence[int]) -> tuple[int | None, tuple[int, int] | None]:
@@ -123,11 +131,20 @@ def run_rotating_anchor(
         return [RotatingKVCache(max_size=max_size, keep=sink) for _ in m.layers]
 
     prompt_mx = mx.array(prompt)
-    greedy = [int(t) for t, _ in generate_step(prompt_mx, model, max_tokens=new_tokens, prompt_cache=rotating(model))]
+    greedy = [
+        int(t)
+        for t, _ in generate_step(
+            prompt_mx, model, max_tokens=new_tokens, prompt_cache=rotating(model)
+        )
+    ]
     model_cache = rotating(model)
     speculative, rejections = [], 0
     steps = speculative_generate_step(
-        prompt_mx, model, draft, num_draft_tokens=num_draft_tokens, max_tokens=new_tokens,
+        prompt_mx,
+        model,
+        draft,
+        num_draft_tokens=num_draft_tokens,
+        max_tokens=new_tokens,
         prompt_cache=model_cache + rotating(draft),
     )
     accepted_in_step = 0
@@ -143,7 +160,10 @@ def run_rotating_anchor(
     config = SinkWindowConfig(sink=sink, window=window, positions="global")
     store = SessionStore(model, config, capacity=2, eos_token_ids=[])
     ours = {}
-    for name, proposer in (("greedy", None), ("speculative", DraftModelProposer(draft, config, label="early-exit"))):
+    for name, proposer in (
+        ("greedy", None),
+        ("speculative", DraftModelProposer(draft, config, label="early-exit")),
+    ):
         sid = store.create()
         store.append(sid, prompt)
         events = store.generate(sid, new_tokens, proposer=proposer, draft_length=num_draft_tokens)
@@ -153,12 +173,22 @@ def run_rotating_anchor(
     rot_index, rot_tokens = _departure(greedy, speculative)
     our_index, our_tokens = _departure(ours["greedy"], ours["speculative"])
     return RotatingAnchorResult(
-        mlx_lm_version=version("mlx-lm"), sink=sink, window=window, max_size=max_size,
-        prompt_tokens=len(prompt), new_tokens=new_tokens, num_draft_tokens=num_draft_tokens,
-        draft_layers=draft_layers, rotating_greedy=greedy, rotating_speculative=speculative,
-        rotating_departure_index=rot_index, rotating_departure_tokens=rot_tokens,
-        rotating_rejections_past_wrap=rejections, ours_greedy=ours["greedy"],
-        ours_speculative=ours["speculative"], ours_departure_index=our_index,
+        mlx_lm_version=version("mlx-lm"),
+        sink=sink,
+        window=window,
+        max_size=max_size,
+        prompt_tokens=len(prompt),
+        new_tokens=new_tokens,
+        num_draft_tokens=num_draft_tokens,
+        draft_layers=draft_layers,
+        rotating_greedy=greedy,
+        rotating_speculative=speculative,
+        rotating_departure_index=rot_index,
+        rotating_departure_tokens=rot_tokens,
+        rotating_rejections_past_wrap=rejections,
+        ours_greedy=ours["greedy"],
+        ours_speculative=ours["speculative"],
+        ours_departure_index=our_index,
         ours_departure_tokens=our_tokens,
     )
 
@@ -222,13 +252,22 @@ def time_decode_step(
 
     results: dict[str, list[float]] = {"rot": [], "cache": [], "verifier": []}
     for r in range(rounds):
-        for name, step in (("rot", rotating_step), ("cache", cache_step), ("verifier", verifier_step)):
+        for name, step in (
+            ("rot", rotating_step),
+            ("cache", cache_step),
+            ("verifier", verifier_step),
+        ):
             t0 = time.perf_counter()
             for i in range(steps):
                 step((31 * (r * steps + i) + 7) % vocab)
             results[name].append((time.perf_counter() - t0) / steps)
     rot_s, cache_s, ver_s = (statistics.median(results[k]) for k in ("rot", "cache", "verifier"))
     return DecodeStepTiming(
-        live_len=budget, steps=steps * rounds, rotating_s=rot_s, ours_cache_s=cache_s,
-        ours_verifier_s=ver_s, ratio_cache=cache_s / rot_s, ratio_verifier=ver_s / rot_s,
+        live_len=budget,
+        steps=steps * rounds,
+        rotating_s=rot_s,
+        ours_cache_s=cache_s,
+        ours_verifier_s=ver_s,
+        ratio_cache=cache_s / rot_s,
+        ratio_verifier=ver_s / rot_s,
     )

@@ -82,41 +82,75 @@ def run_speculative(
         sessions = {}
         for arm, (factory, k) in arms.items():
             store = SessionStore(model, config, capacity=1)
-            sessions[arm] = (store, store.create(), ChatTemplate(tok, system=system),
-                             factory() if factory else None, k)
+            sessions[arm] = (
+                store,
+                store.create(),
+                ChatTemplate(tok, system=system),
+                factory() if factory else None,
+                k,
+            )
         for ti, text in enumerate(user_turns):
             for arm, (store, sid, chat, proposer, k) in sessions.items():
                 store.append(sid, chat.user(text))
                 t0 = time.perf_counter()
                 sampling = SamplingConfig(temperature=temperature, seed=seed + 1000 * ci + ti)
-                result = collect_reply(store.generate(
-                    sid, max_new_tokens, sampling, proposer=proposer, draft_length=max(k, 1)
-                ))
+                result = collect_reply(
+                    store.generate(
+                        sid, max_new_tokens, sampling, proposer=proposer, draft_length=max(k, 1)
+                    )
+                )
                 seconds = time.perf_counter() - t0
                 for step in result.steps:
-                    step_rows.append({
-                        "arm": arm, "conversation": conv.id, "turn": ti, "k": step.draft_length,
-                        "proposed": step.proposed, "accepted": step.accepted,
-                        "emitted": step.emitted, "proposer_s": step.proposer_s,
-                        "verifier_s": step.verifier_s,
-                    })
+                    step_rows.append(
+                        {
+                            "arm": arm,
+                            "conversation": conv.id,
+                            "turn": ti,
+                            "k": step.draft_length,
+                            "proposed": step.proposed,
+                            "accepted": step.accepted,
+                            "emitted": step.emitted,
+                            "proposer_s": step.proposer_s,
+                            "verifier_s": step.verifier_s,
+                        }
+                    )
                 done = result.done
                 chat.generated(result.token_ids, eos_token_ids=store.eos_token_ids)
-                turn_rows.append({
-                    "arm": arm, "proposer": arm.split("@")[0], "k": k,
-                    "conversation": conv.id, "turn": ti,
-                    "history_len": done.counts.history_len,
-                    "generated_tokens": done.counts.generated_tokens,
-                    "verifier_forwards": done.counts.verifier_forwards,
-                    "proposed": done.counts.proposed, "accepted": done.counts.accepted,
-                    "seconds": seconds, "proposer_s": done.timings.proposer_s,
-                    "verifier_s": done.timings.verifier_s, "reply_ids": result.token_ids,
-                })
+                turn_rows.append(
+                    {
+                        "arm": arm,
+                        "proposer": arm.split("@")[0],
+                        "k": k,
+                        "conversation": conv.id,
+                        "turn": ti,
+                        "history_len": done.counts.history_len,
+                        "generated_tokens": done.counts.generated_tokens,
+                        "verifier_forwards": done.counts.verifier_forwards,
+                        "proposed": done.counts.proposed,
+                        "accepted": done.counts.accepted,
+                        "seconds": seconds,
+                        "proposer_s": done.timings.proposer_s,
+                        "verifier_s": done.timings.verifier_s,
+                        "reply_ids": result.token_ids,
+                    }
+                )
                 bar.update(1)
     bar.close()
     turns = pd.DataFrame(turn_rows)
-    steps = pd.DataFrame(step_rows, columns=[
-        "arm", "conversation", "turn", "k", "proposed", "accepted", "emitted", "proposer_s", "verifier_s"])
+    steps = pd.DataFrame(
+        step_rows,
+        columns=[
+            "arm",
+            "conversation",
+            "turn",
+            "k",
+            "proposed",
+            "accepted",
+            "emitted",
+            "proposer_s",
+            "verifier_s",
+        ],
+    )
     turns = _add_turn_speedups(turns)
     return SpeculativeRun(turns=turns, steps=steps, summary=summarize(turns, steps))
 
@@ -149,12 +183,20 @@ def summarize(turns: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     for arm, df in turns.groupby("arm", sort=False):
         tokens, seconds = df["generated_tokens"].sum(), df["seconds"].sum()
         row = {
-            "arm": arm, "proposer": df["proposer"].iloc[0], "k": int(df["k"].iloc[0]),
-            "turns": len(df), "generated_tokens": int(tokens),
-            "tokens_per_s": tokens / seconds, "tau": tokens / df["verifier_forwards"].sum(),
+            "arm": arm,
+            "proposer": df["proposer"].iloc[0],
+            "k": int(df["k"].iloc[0]),
+            "turns": len(df),
+            "generated_tokens": int(tokens),
+            "tokens_per_s": tokens / seconds,
+            "tau": tokens / df["verifier_forwards"].sum(),
             "speedup": (tokens / seconds) / plain_tps,
-            "proposer_s": df["proposer_s"].sum(), "verifier_s": df["verifier_s"].sum(),
-            "acceptance_rate": None, "alpha": None, "c": None, "expected_speedup": None,
+            "proposer_s": df["proposer_s"].sum(),
+            "verifier_s": df["verifier_s"].sum(),
+            "acceptance_rate": None,
+            "alpha": None,
+            "c": None,
+            "expected_speedup": None,
             "acceptance_by_position": None,
         }
         s = steps[steps["arm"] == arm]
@@ -164,8 +206,12 @@ def summarize(turns: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
             alpha = accepted / (accepted + rejections) if accepted + rejections else None
             c = (s["proposer_s"].sum() / proposed) / plain_s_per_token
             row.update(
-                acceptance_rate=accepted / proposed, alpha=alpha, c=c,
-                expected_speedup=leviathan_speedup(alpha, row["k"], c) if alpha is not None else None,
+                acceptance_rate=accepted / proposed,
+                alpha=alpha,
+                c=c,
+                expected_speedup=leviathan_speedup(alpha, row["k"], c)
+                if alpha is not None
+                else None,
                 acceptance_by_position=acceptance_by_position(s, row["k"]),
             )
         rows.append(row)

@@ -21,6 +21,16 @@ from kakeya_lab.experiments.sweeps import Sweep, load_sweep, run_id_for, run_swe
 from kakeya_lab.resume import ResumeMismatch
 
 __all__ = [
-    "RESERVED_PARAMETERS", "ResumeMismatch", "RunFailed", "Sweep", "build_index", "load_sweep",
-    "notebook_parameters", "notebook_sha256", "params_digest", "run_id_for", "run_notebook", "run_sweep",
+    "RESERVED_PARAMETERS",
+    "ResumeMismatch",
+    "RunFailed",
+    "Sweep",
+    "build_index",
+    "load_sweep",
+    "notebook_parameters",
+    "notebook_sha256",
+    "params_digest",
+    "run_id_for",
+    "run_notebook",
+    "run_sweep",
 ]

@@ -12,6 +12,7 @@ from kakeya_lab.durable import write_parquet_atomic
 
 INDEX_NAME = "index.parquet"
 
+
 def _flatten_headline(metrics: dict, prefix: str = "", depth: int = 0) -> dict[str, Any]:
     """Scalars of a metrics dict, flattened to ``a.b.c`` keys (at most three levels)."""
     out: dict[str, Any] = {}
@@ -35,9 +36,14 @@ def build_index(results_root: str | Path = "results") -> pd.DataFrame:
         except (OSError, json.JSONDecodeError):
             continue
         row = {
-            "experiment": run.get("experiment"), "run_id": run.get("run_id"), "status": run.get("status"),
-            "notebook": run.get("notebook"), "started": run.get("started"), "ended": run.get("ended"),
-            "run_dir": str(record.parent), "error": (run.get("error") or {}).get("message"),
+            "experiment": run.get("experiment"),
+            "run_id": run.get("run_id"),
+            "status": run.get("status"),
+            "notebook": run.get("notebook"),
+            "started": run.get("started"),
+            "ended": run.get("ended"),
+            "run_dir": str(record.parent),
+            "error": (run.get("error") or {}).get("message"),
         }
         for key, value in (run.get("parameters") or {}).items():
             row[f"param.{key}"] = json.dumps(value) if isinstance(value, list | dict) else value
@@ -55,6 +61,8 @@ def build_index(results_root: str | Path = "results") -> pd.DataFrame:
     if len(index):
         for col in index.columns:
             if index[col].dtype == object:
-                index[col] = index[col].map(lambda v: v if v is None or isinstance(v, str) else json.dumps(v))
+                index[col] = index[col].map(
+                    lambda v: v if v is None or isinstance(v, str) else json.dumps(v)
+                )
     write_parquet_atomic(results_root / INDEX_NAME, index)
     return index

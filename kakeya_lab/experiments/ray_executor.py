@@ -18,9 +18,13 @@ def run_on_ray(sweep: Sweep, todo, results_root: Path, address: str | None, bar)
     if started_here:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     try:
-        task = ray.remote(num_cpus=sweep.ray.get("num_cpus", 1), num_gpus=sweep.ray.get("num_gpus", 0))(execute_run)
+        task = ray.remote(
+            num_cpus=sweep.ray.get("num_cpus", 1), num_gpus=sweep.ray.get("num_gpus", 0)
+        )(execute_run)
         pending = {
-            task.remote(str(sweep.notebook), run["parameters"], str(results_root.resolve()), sweep.name, rid): rid
+            task.remote(
+                str(sweep.notebook), run["parameters"], str(results_root.resolve()), sweep.name, rid
+            ): rid
             for run, rid in todo
         }
         outcomes = []

@@ -100,7 +100,12 @@ def run_notebook(
         "error": None,
     }
     write_json_atomic(run_dir / "run.json", record)
-    injected = {**parameters, "run_dir": str(run_dir.resolve()), "run_id": run_id, "experiment": experiment}
+    injected = {
+        **parameters,
+        "run_dir": str(run_dir.resolve()),
+        "run_id": run_id,
+        "experiment": experiment,
+    }
     try:
         pm.execute_notebook(
             str(notebook),
@@ -114,15 +119,18 @@ def run_notebook(
         record.update(
             status="failed",
             ended=now_iso(),
-            error={"type": type(exc).__name__, "message": str(exc)[-4000:],
-                   "traceback": traceback.format_exc()[-8000:]},
+            error={
+                "type": type(exc).__name__,
+                "message": str(exc)[-4000:],
+                "traceback": traceback.format_exc()[-8000:],
+            },
         )
         write_json_atomic(run_dir / "run.json", record)
         if isinstance(exc, KeyboardInterrupt):
             raise
-        raise RunFailed(f"{notebook.name} failed: {type(exc).__name__}: {str(exc)[-500:]}", run_dir) from exc
+        raise RunFailed(
+            f"{notebook.name} failed: {type(exc).__name__}: {str(exc)[-500:]}", run_dir
+        ) from exc
     record.update(status="completed", ended=now_iso())
     write_json_atomic(run_dir / "run.json", record)
     return run_dir
-
-

@@ -48,7 +48,9 @@ class Sweep:
     def runs(self, profile: str | None = None) -> list[dict[str, Any]]:
         """Every run's parameters (profile defaults, then one grid point), with ``repeat``."""
         if profile is not None and profile not in self.profiles:
-            raise ValueError(f"unknown profile {profile!r}; {self.name} has {sorted(self.profiles)}")
+            raise ValueError(
+                f"unknown profile {profile!r}; {self.name} has {sorted(self.profiles)}"
+            )
         base = dict(self.profiles.get(profile, {})) if profile else {}
         names = list(self.grid)
         out = []
@@ -74,7 +76,9 @@ def load_sweep(path: str | Path) -> Sweep:
         raise ValueError(f"{path}: a sweep needs at least a 'notebook' key")
     notebook = (path.parent / doc["notebook"]).resolve()
     if not notebook.is_file():
-        raise ValueError(f"{path}: notebook {doc['notebook']!r} not found (relative to the YAML file)")
+        raise ValueError(
+            f"{path}: notebook {doc['notebook']!r} not found (relative to the YAML file)"
+        )
     grid = doc.get("grid") or {}
     if not isinstance(grid, dict) or not all(isinstance(v, list) and v for v in grid.values()):
         raise ValueError(f"{path}: 'grid' must map parameter names to non-empty lists")
@@ -87,8 +91,15 @@ def load_sweep(path: str | Path) -> Sweep:
     profiles = doc.get("profiles") or {}
     if not isinstance(profiles, dict) or not all(isinstance(v, dict) for v in profiles.values()):
         raise ValueError(f"{path}: 'profiles' must map names to parameter dicts")
-    return Sweep(name=doc.get("name", path.stem), notebook=notebook, grid=grid, repeats=repeats,
-                 profiles=profiles, executor=executor, ray=doc.get("ray") or {})
+    return Sweep(
+        name=doc.get("name", path.stem),
+        notebook=notebook,
+        grid=grid,
+        repeats=repeats,
+        profiles=profiles,
+        executor=executor,
+        ray=doc.get("ray") or {},
+    )
 
 
 def run_id_for(parameters: dict, repeat: int) -> str:
@@ -109,7 +120,10 @@ def _run_record(run_dir: Path) -> dict | None:
 def _check_same_run(run_dir: Path, record: dict, notebook: Path, parameters: dict) -> None:
     """Refuse to skip or extend a run folder that another notebook or parameters made."""
     expected = {"notebook_sha256": notebook_sha256(notebook), "parameters": parameters}
-    found = {"notebook_sha256": record.get("notebook_sha256"), "parameters": record.get("parameters")}
+    found = {
+        "notebook_sha256": record.get("notebook_sha256"),
+        "parameters": record.get("parameters"),
+    }
     diff = differences(found, json.loads(json.dumps(expected, default=str)))
     if diff:
         raise ResumeMismatch(
@@ -118,21 +132,43 @@ def _check_same_run(run_dir: Path, record: dict, notebook: Path, parameters: dic
         )
 
 
-def execute_run(notebook: str, parameters: dict, results_root: str, experiment: str, run_id: str) -> dict:
+def execute_run(
+    notebook: str, parameters: dict, results_root: str, experiment: str, run_id: str
+) -> dict:
     """One sweep run; never raises for a failing notebook (the failure is recorded)."""
     try:
-        run_dir = run_notebook(notebook, parameters, results_root=results_root, experiment=experiment,
-                               run_id=run_id, progress=False)
+        run_dir = run_notebook(
+            notebook,
+            parameters,
+            results_root=results_root,
+            experiment=experiment,
+            run_id=run_id,
+            progress=False,
+        )
         return {"run_id": run_id, "status": "completed", "run_dir": str(run_dir)}
     except RunFailed as exc:
-        return {"run_id": run_id, "status": "failed", "run_dir": str(exc.run_dir), "error": str(exc)}
+        return {
+            "run_id": run_id,
+            "status": "failed",
+            "run_dir": str(exc.run_dir),
+            "error": str(exc),
+        }
     except ValueError as exc:  # bad parameters: recorded in a run folder of its own
         run_dir = Path(results_root) / experiment / run_id
-        write_json_atomic(run_dir / "run.json", {
-            "notebook": notebook, "notebook_sha256": notebook_sha256(notebook), "experiment": experiment, "run_id": run_id, "parameters": parameters,
-            "status": "failed", "started": now_iso(), "ended": now_iso(),
-            "error": {"type": type(exc).__name__, "message": str(exc), "traceback": None},
-        })
+        write_json_atomic(
+            run_dir / "run.json",
+            {
+                "notebook": notebook,
+                "notebook_sha256": notebook_sha256(notebook),
+                "experiment": experiment,
+                "run_id": run_id,
+                "parameters": parameters,
+                "status": "failed",
+                "started": now_iso(),
+                "ended": now_iso(),
+                "error": {"type": type(exc).__name__, "message": str(exc), "traceback": None},
+            },
+        )
         return {"run_id": run_id, "status": "failed", "run_dir": str(run_dir), "error": str(exc)}
 
 
@@ -172,14 +208,26 @@ def run_sweep(
             _check_same_run(run_dir, record, sweep.notebook, run["parameters"])
         done = record is not None and record.get("status") == "completed"
         plan.append((run, run_id, done))
-    outcomes = [{"run_id": rid, "status": "skipped", "run_dir": str(results_root / sweep.name / rid)}
-                for _, rid, done in plan if done]
+    outcomes = [
+        {"run_id": rid, "status": "skipped", "run_dir": str(results_root / sweep.name / rid)}
+        for _, rid, done in plan
+        if done
+    ]
     todo = [(run, rid) for run, rid, done in plan if not done]
-    bar = tqdm(total=len(plan), initial=len(plan) - len(todo), desc=f"sweep {sweep.name}",
-               unit="run", disable=not progress)
+    bar = tqdm(
+        total=len(plan),
+        initial=len(plan) - len(todo),
+        desc=f"sweep {sweep.name}",
+        unit="run",
+        disable=not progress,
+    )
     if executor == "local":
         for run, rid in todo:
-            outcomes.append(execute_run(str(sweep.notebook), run["parameters"], str(results_root), sweep.name, rid))
+            outcomes.append(
+                execute_run(
+                    str(sweep.notebook), run["parameters"], str(results_root), sweep.name, rid
+                )
+            )
             bar.update(1)
             bar.set_postfix(failed=sum(o["status"] == "failed" for o in outcomes))
     else:

@@ -14,7 +14,6 @@ from kakeya_lab.models.errors import UnknownModelError
 __all__ = ["DEFAULT_MODEL", "REGISTRY", "ModelSpec", "get_spec"]
 
 
-
 @dataclass(frozen=True)
 class ModelSpec:
     """One named model in the registry.

@@ -94,9 +94,7 @@ def repair_hint(folder: Path, name: str | None) -> str:
 def _corrupt(folder: Path, name: str | None, problems: dict[str, str]) -> CorruptModelError:
     what = f"model {name!r} at {folder}" if name else f"model folder {folder}"
     listing = "; ".join(f"{fname}: {why}" for fname, why in problems.items())
-    return CorruptModelError(
-        f"{what} is corrupt: {listing}. {repair_hint(folder, name)}", problems
-    )
+    return CorruptModelError(f"{what} is corrupt: {listing}. {repair_hint(folder, name)}", problems)
 
 
 def _stamp(st: os.stat_result) -> dict[str, int]:
@@ -169,7 +167,9 @@ def _upgrade(
     _, got = sha256_files(present)
     for fname, info in listed.items():
         if got[fname] != info["sha256"]:
-            problems[fname] = f"sha256 {got[fname][:12]}…, manifest.json says {info['sha256'][:12]}…"
+            problems[fname] = (
+                f"sha256 {got[fname][:12]}…, manifest.json says {info['sha256'][:12]}…"
+            )
         elif stats[fname].st_size != info["size"]:
             problems[fname] = f"{stats[fname].st_size} bytes, manifest.json says {info['size']}"
     if problems:

@@ -55,7 +55,11 @@ class Admission:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         waited = time.monotonic() - t0
-                        how = "policy 'reject'" if self.policy == "reject" else f"queued {waited:.1f}s"
+                        how = (
+                            "policy 'reject'"
+                            if self.policy == "reject"
+                            else f"queued {waited:.1f}s"
+                        )
                         raise AdmissionRejected(
                             f"no free session slot ({how}): {exc}; close a session or retry later"
                         ) from None

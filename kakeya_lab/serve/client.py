@@ -51,24 +51,41 @@ class SessionClient:
     def append_ids(self, session_id: str, token_ids: Sequence[int]) -> pb.AppendReply:
         return self.stub.AppendTokens(
             pb.AppendRequest(session_id=session_id, token_ids=pb.TokenIds(ids=list(token_ids))),
-            timeout=self.timeout_s)
+            timeout=self.timeout_s,
+        )
 
     def append_text(self, session_id: str, text: str, role: str = "user") -> pb.AppendReply:
         field = {"user": "user_text", "assistant": "assistant_text"}[role]
-        return self.stub.AppendTokens(pb.AppendRequest(session_id=session_id, **{field: text}),
-                                      timeout=self.timeout_s)
+        return self.stub.AppendTokens(
+            pb.AppendRequest(session_id=session_id, **{field: text}), timeout=self.timeout_s
+        )
 
-    def stream(self, session_id: str, max_new_tokens: int, *, temperature: float = 0.0,
-               seed: int | None = None, proposer: str = "none", draft_length: int = 4,
-               stop_token_ids: Sequence[int] = ()) -> Iterator[pb.GenerateEvent]:
+    def stream(
+        self,
+        session_id: str,
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        proposer: str = "none",
+        draft_length: int = 4,
+        stop_token_ids: Sequence[int] = (),
+    ) -> Iterator[pb.GenerateEvent]:
         """The raw event stream (a call object: ``.cancel()`` stops generation)."""
         sampling = pb.Sampling(temperature=temperature)
         if seed is not None:
             sampling.seed = seed
-        return self.stub.Generate(pb.GenerateRequest(
-            session_id=session_id, max_new_tokens=max_new_tokens, sampling=sampling,
-            proposer=proposer, draft_length=draft_length, stop_token_ids=list(stop_token_ids)),
-            timeout=self.timeout_s)
+        return self.stub.Generate(
+            pb.GenerateRequest(
+                session_id=session_id,
+                max_new_tokens=max_new_tokens,
+                sampling=sampling,
+                proposer=proposer,
+                draft_length=draft_length,
+                stop_token_ids=list(stop_token_ids),
+            ),
+            timeout=self.timeout_s,
+        )
 
     def generate(self, session_id: str, max_new_tokens: int, **options) -> GeneratedReply:
         ids: list[int] = []
@@ -89,7 +106,8 @@ class SessionClient:
     def info(self, session_id: str, include_history: bool = False) -> pb.SessionInfo:
         return self.stub.GetSessionInfo(
             pb.SessionInfoRequest(session_id=session_id, include_history=include_history),
-            timeout=self.timeout_s)
+            timeout=self.timeout_s,
+        )
 
     def close_session(self, session_id: str) -> None:
         self.stub.CloseSession(pb.SessionRef(session_id=session_id), timeout=self.timeout_s)

@@ -87,13 +87,16 @@ class SessionService(pb_grpc.SessionServiceServicer):
         except Exception as exc:  # mapped to a status; the server keeps running
             self._fail(context, exc, method)
         finally:
-            self.served.metrics.request_latency.labels(f"grpc:{method}").observe(time.perf_counter() - t0)
+            self.served.metrics.request_latency.labels(f"grpc:{method}").observe(
+                time.perf_counter() - t0
+            )
 
     def CreateSession(self, request, context):
         def run():
             system = request.system_prompt if request.HasField("system_prompt") else None
             served, queued_s = self.served.create(origin="grpc", system_prompt=system)
             return pb.CreateSessionReply(session_id=served.id, queued_s=queued_s)
+
         return self._call(context, "CreateSession", run)
 
     def AppendTokens(self, request, context):
@@ -106,9 +109,14 @@ class SessionService(pb_grpc.SessionServiceServicer):
                 result = self.served.append_text(request.session_id, role, getattr(request, which))
             else:
                 raise ValueError("AppendTokens needs token_ids, user_text or assistant_text")
-            return pb.AppendReply(appended_tokens=result.appended, dropped_tokens=result.dropped,
-                                  latency_s=result.latency_s, history_len=result.history_len,
-                                  cache_len=result.cache_len)
+            return pb.AppendReply(
+                appended_tokens=result.appended,
+                dropped_tokens=result.dropped,
+                latency_s=result.latency_s,
+                history_len=result.history_len,
+                cache_len=result.cache_len,
+            )
+
         return self._call(context, "AppendTokens", run)
 
     def Generate(self, request, context) -> Iterator[pb.GenerateEvent]:
@@ -124,8 +132,10 @@ class SessionService(pb_grpc.SessionServiceServicer):
                 seed=s.seed if s.HasField("seed") else None,
             )
             options = GenerateOptions(
-                max_new_tokens=request.max_new_tokens, sampling=sampling,
-                stop_token_ids=tuple(request.stop_token_ids), proposer=request.proposer or "none",
+                max_new_tokens=request.max_new_tokens,
+                sampling=sampling,
+                stop_token_ids=tuple(request.stop_token_ids),
+                proposer=request.proposer or "none",
                 draft_length=request.draft_length or 4,
                 adaptive_draft_length=request.adaptive_draft_length,
             )
@@ -140,7 +150,9 @@ class SessionService(pb_grpc.SessionServiceServicer):
             self._fail(context, exc, "Generate")
         finally:
             events.close()
-            self.served.metrics.request_latency.labels("grpc:Generate").observe(time.perf_counter() - t0)
+            self.served.metrics.request_latency.labels("grpc:Generate").observe(
+                time.perf_counter() - t0
+            )
 
     def _event(self, event) -> pb.GenerateEvent:
         if isinstance(event, Token):
@@ -148,17 +160,33 @@ class SessionService(pb_grpc.SessionServiceServicer):
         if isinstance(event, HistoryTruncated):
             return pb.GenerateEvent(truncated=pb.HistoryTruncatedEvent(dropped=event.dropped))
         if isinstance(event, SpeculativeStep):
-            return pb.GenerateEvent(step=pb.SpeculativeStepEvent(
-                draft_length=event.draft_length, proposed=event.proposed, accepted=event.accepted,
-                emitted=event.emitted, proposer_s=event.proposer_s, verifier_s=event.verifier_s))
+            return pb.GenerateEvent(
+                step=pb.SpeculativeStepEvent(
+                    draft_length=event.draft_length,
+                    proposed=event.proposed,
+                    accepted=event.accepted,
+                    emitted=event.emitted,
+                    proposer_s=event.proposer_s,
+                    verifier_s=event.verifier_s,
+                )
+            )
         if isinstance(event, Done):
             c, t = _as_dict(event.counts), _as_dict(event.timings)
-            return pb.GenerateEvent(done=pb.DoneEvent(
-                stop_reason=event.stop_reason, generated_tokens=c["generated_tokens"],
-                verifier_forwards=c["verifier_forwards"], proposed=c["proposed"], accepted=c["accepted"],
-                history_len=c["history_len"], cache_len=c["cache_len"], kv_live_bytes=c["kv_live_bytes"],
-                total_s=t["total_s"], first_token_s=t["first_token_s"] or 0.0,
-                tokens_per_s=t["tokens_per_s"] or 0.0))
+            return pb.GenerateEvent(
+                done=pb.DoneEvent(
+                    stop_reason=event.stop_reason,
+                    generated_tokens=c["generated_tokens"],
+                    verifier_forwards=c["verifier_forwards"],
+                    proposed=c["proposed"],
+                    accepted=c["accepted"],
+                    history_len=c["history_len"],
+                    cache_len=c["cache_len"],
+                    kv_live_bytes=c["kv_live_bytes"],
+                    total_s=t["total_s"],
+                    first_token_s=t["first_token_s"] or 0.0,
+                    tokens_per_s=t["tokens_per_s"] or 0.0,
+                )
+            )
         raise TypeError(f"unknown event {type(event).__name__}")
 
     def GetSessionInfo(self, request, context):
@@ -167,18 +195,24 @@ class SessionService(pb_grpc.SessionServiceServicer):
             if not request.include_history:
                 info["history"] = []
             return pb.SessionInfo(**info)
+
         return self._call(context, "GetSessionInfo", run)
 
     def CloseSession(self, request, context):
         def run():
             self.served.close(request.session_id)
             return pb.CloseReply()
+
         return self._call(context, "CloseSession", run)
 
 
-def start_grpc_server(served: ServedSessions, host: str, port: int, *, max_workers: int = 32) -> tuple[grpc.Server, int]:
+def start_grpc_server(
+    served: ServedSessions, host: str, port: int, *, max_workers: int = 32
+) -> tuple[grpc.Server, int]:
     """Start the service on ``host:port`` (0: a free port); returns the server and its port."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc")
+    )
     pb_grpc.add_SessionServiceServicer_to_server(SessionService(served), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

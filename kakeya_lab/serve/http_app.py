@@ -58,7 +58,9 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported ({'type': 'text', 'text': ...})")
+                raise ValueError(
+                    "only text content parts are supported ({'type': 'text', 'text': ...})"
+                )
             parts.append(part["text"])
         return "".join(parts)
 
@@ -128,7 +130,9 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
     async def health() -> JSONResponse:
         if served.shutting_down.is_set():
             return JSONResponse({"status": "shutting_down"}, status_code=503)
-        return JSONResponse({"status": "ok", "model": served.model_name, "sessions": len(served.store)})
+        return JSONResponse(
+            {"status": "ok", "model": served.model_name, "sessions": len(served.store)}
+        )
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -137,8 +141,12 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [
-            {"id": served.model_name, "object": "model", "created": 0, "owned_by": "kakeya_lab"}]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": served.model_name, "object": "model", "created": 0, "owned_by": "kakeya_lab"}
+            ],
+        }
 
     @app.post("/v1/sessions")
     async def create_session() -> JSONResponse:
@@ -167,18 +175,29 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
         if req.n != 1:
             raise ValueError(f"n must be 1 (one choice per request), got {req.n}")
         if req.stop:
-            raise ValueError("stop strings are not supported: pass stop_token_ids (an extension field)")
+            raise ValueError(
+                "stop strings are not supported: pass stop_token_ids (an extension field)"
+            )
         max_new = req.max_completion_tokens or req.max_tokens or 256
         temperature = 0.0 if req.temperature is None else req.temperature
-        sampling = SamplingConfig(temperature=temperature, top_k=req.top_k if temperature > 0 else None,
-                                  top_p=req.top_p if temperature > 0 and req.top_p is not None else None,
-                                  seed=req.seed)
-        options = GenerateOptions(max_new_tokens=max_new, sampling=sampling,
-                                  stop_token_ids=tuple(req.stop_token_ids or ()), proposer=req.proposer,
-                                  draft_length=req.draft_length)
+        sampling = SamplingConfig(
+            temperature=temperature,
+            top_k=req.top_k if temperature > 0 else None,
+            top_p=req.top_p if temperature > 0 and req.top_p is not None else None,
+            seed=req.seed,
+        )
+        options = GenerateOptions(
+            max_new_tokens=max_new,
+            sampling=sampling,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            proposer=req.proposer,
+            draft_length=req.draft_length,
+        )
         served.check_options(options)
         if req.model not in (None, "", served.model_name):
-            raise ValueError(f"model {req.model!r} is not served here; this server serves {served.model_name!r}")
+            raise ValueError(
+                f"model {req.model!r} is not served here; this server serves {served.model_name!r}"
+            )
         return options
 
     def prepare(req: ChatCompletionRequest) -> tuple[GenerateOptions, Attached]:
@@ -189,22 +208,30 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
 
     def extension(att: Attached) -> dict:
         appended = att.appended
-        return {"session_id": att.session.id, "reused_tokens": att.reused_tokens,
-                "appended_tokens": appended.appended if appended else 0,
-                "prefill_s": appended.latency_s if appended else 0.0,
-                "history_len": appended.history_len if appended else att.reused_tokens,
-                "queued_s": att.queued_s}
+        return {
+            "session_id": att.session.id,
+            "reused_tokens": att.reused_tokens,
+            "appended_tokens": appended.appended if appended else 0,
+            "prefill_s": appended.latency_s if appended else 0.0,
+            "history_len": appended.history_len if appended else att.reused_tokens,
+            "queued_s": att.queued_s,
+        }
 
     def usage(att: Attached, completion_tokens: int) -> dict:
-        return {"prompt_tokens": att.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": att.prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": att.reused_tokens}}
+        return {
+            "prompt_tokens": att.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": att.prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": att.reused_tokens},
+        }
 
     def finish_reason(done: Done | None) -> str:
         return "length" if done is None or done.stop_reason == "max_tokens" else "stop"
 
     def text_of(ids: list[int]) -> str:
-        return tok.decode([t for t in ids if t not in served.store.eos_token_ids], skip_special_tokens=True)
+        return tok.decode(
+            [t for t in ids if t not in served.store.eos_token_ids], skip_special_tokens=True
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest):
@@ -217,9 +244,15 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
         created = int(time.time())
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         ext = extension(att)
-        base = {"id": cid, "created": created, "model": served.model_name, "session_id": att.session.id}
+        base = {
+            "id": cid,
+            "created": created,
+            "model": served.model_name,
+            "session_id": att.session.id,
+        }
 
         if not req.stream:
+
             def run() -> tuple[list[int], Done | None]:
                 ids: list[int] = []
                 done = None
@@ -229,6 +262,7 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
                     elif isinstance(event, Done):
                         done = event
                 return ids, done
+
             try:
                 ids, done = await run_in_threadpool(run)
             except Exception as exc:
@@ -236,13 +270,26 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
             finally:
                 served.detach(att.session, close=stateless)
                 metrics.request_latency.labels("http:chat").observe(time.perf_counter() - t0)
-            ext["generation"] = {"counts": _as_dict(done.counts), "timings": _as_dict(done.timings)} if done else None
-            return JSONResponse({
-                **base, "object": "chat.completion",
-                "choices": [{"index": 0, "finish_reason": finish_reason(done),
-                             "message": {"role": "assistant", "content": text_of(ids)}}],
-                "usage": usage(att, len(ids)), "kakeya": ext,
-            })
+            ext["generation"] = (
+                {"counts": _as_dict(done.counts), "timings": _as_dict(done.timings)}
+                if done
+                else None
+            )
+            return JSONResponse(
+                {
+                    **base,
+                    "object": "chat.completion",
+                    "choices": [
+                        {
+                            "index": 0,
+                            "finish_reason": finish_reason(done),
+                            "message": {"role": "assistant", "content": text_of(ids)},
+                        }
+                    ],
+                    "usage": usage(att, len(ids)),
+                    "kakeya": ext,
+                }
+            )
 
         try:
             events = await run_in_threadpool(served.generate, att.session.id, options)
@@ -252,8 +299,12 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
 
         async def sse() -> AsyncIterator[str]:
             def chunk(delta: dict, finish: str | None = None, **more) -> str:
-                body = {**base, "object": "chat.completion.chunk",
-                        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **more}
+                body = {
+                    **base,
+                    "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                    **more,
+                }
                 return f"data: {json.dumps(body)}\n\n"
 
             ids: list[int] = []
@@ -270,12 +321,16 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
                         text = text_of(ids)
                         if text.endswith("\ufffd"):
                             continue  # an incomplete UTF-8 sequence: wait for the next token
-                        delta, shown = text[len(shown):], text
+                        delta, shown = text[len(shown) :], text
                         if delta:
                             yield chunk({"content": delta})
                     elif isinstance(event, Done):
                         done = event
-                ext["generation"] = {"counts": _as_dict(done.counts), "timings": _as_dict(done.timings)} if done else None
+                ext["generation"] = (
+                    {"counts": _as_dict(done.counts), "timings": _as_dict(done.timings)}
+                    if done
+                    else None
+                )
                 yield chunk({}, finish_reason(done), usage=usage(att, len(ids)), kakeya=ext)
                 yield "data: [DONE]\n\n"
             except Exception as exc:  # headers are sent: report in-band, then end the stream
@@ -283,14 +338,22 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
                 metrics.errors.labels(str(status)).inc()
                 yield f"data: {json.dumps(body)}\n\n"
             finally:
-                with anyio.CancelScope(shield=True):  # also on disconnect: keep exactly what was sent
+                with anyio.CancelScope(
+                    shield=True
+                ):  # also on disconnect: keep exactly what was sent
                     await anyio.to_thread.run_sync(events.close)
-                    await anyio.to_thread.run_sync(lambda: served.detach(att.session, close=stateless))
+                    await anyio.to_thread.run_sync(
+                        lambda: served.detach(att.session, close=stateless)
+                    )
                 metrics.request_latency.labels("http:chat_stream").observe(time.perf_counter() - t0)
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
-    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes, on_refuse=lambda: metrics.errors.labels("413").inc())
+    app.add_middleware(
+        BodyLimit,
+        max_body_bytes=max_body_bytes,
+        on_refuse=lambda: metrics.errors.labels("413").inc(),
+    )
     return app
 
 
@@ -308,10 +371,14 @@ class BodyLimit:
             length = dict(scope["headers"]).get(b"content-length", b"")
             if length.isdigit() and int(length) > self.max_body_bytes:
                 self.on_refuse()
-                body = {"error": {
-                    "message": f"request body of {int(length)} bytes is larger than this server's limit "
-                               f"{self.max_body_bytes}: send a shorter conversation (or continue a session)",
-                    "type": "request_too_large", "code": 413}}
+                body = {
+                    "error": {
+                        "message": f"request body of {int(length)} bytes is larger than this server's limit "
+                        f"{self.max_body_bytes}: send a shorter conversation (or continue a session)",
+                        "type": "request_too_large",
+                        "code": 413,
+                    }
+                }
                 await JSONResponse(body, status_code=413)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

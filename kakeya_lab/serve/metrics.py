@@ -30,34 +30,63 @@ class ServeMetrics:
         r = self.registry
         ProcessCollector(registry=r)  # process_resident_memory_bytes, open fds, cpu seconds
         Gauge("kakeya_sessions_open", "Open sessions", registry=r).set_function(open_sessions)
-        Gauge("kakeya_kv_live_bytes", "Bytes of K and V held by all sessions' caches",
-              registry=r).set_function(kv_live_bytes)
-        self.sessions_created = Counter("kakeya_sessions_created_total", "Sessions created",
-                                        ["origin"], registry=r)
-        self.sessions_closed = Counter("kakeya_sessions_closed_total", "Sessions closed",
-                                       ["reason"], registry=r)
-        self.admission = Counter("kakeya_admission_total", "Session admission outcomes",
-                                 ["outcome"], registry=r)
-        self.appended_tokens = Counter("kakeya_appended_tokens_total",
-                                       "Tokens prefilled by appends", registry=r)
-        self.generated_tokens = Counter("kakeya_generated_tokens_total",
-                                        "Tokens delivered by generation streams", registry=r)
-        self.prefix_reuse = Counter("kakeya_prefix_reuse_total",
-                                    "HTTP requests by session reuse outcome", ["result"], registry=r)
-        self.reused_tokens = Counter("kakeya_reused_prompt_tokens_total",
-                                     "Prompt tokens served from an existing session (not prefilled)",
-                                     registry=r)
-        self.streams_ended = Counter("kakeya_streams_total", "Generation streams by how they ended",
-                                     ["end"], registry=r)
-        self.errors = Counter("kakeya_request_errors_total", "Failed requests by status",
-                              ["status"], registry=r)
-        self.append_latency = Histogram("kakeya_append_latency_seconds", "Append (prefill) latency",
-                                        buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.first_token_latency = Histogram("kakeya_first_token_latency_seconds",
-                                             "Generate call to first token",
-                                             buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.token_latency = Histogram("kakeya_inter_token_latency_seconds",
-                                       "Time between delivered tokens",
-                                       buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.request_latency = Histogram("kakeya_request_latency_seconds", "Whole request latency",
-                                         ["endpoint"], buckets=_LATENCY_BUCKETS_S, registry=r)
+        Gauge(
+            "kakeya_kv_live_bytes", "Bytes of K and V held by all sessions' caches", registry=r
+        ).set_function(kv_live_bytes)
+        self.sessions_created = Counter(
+            "kakeya_sessions_created_total", "Sessions created", ["origin"], registry=r
+        )
+        self.sessions_closed = Counter(
+            "kakeya_sessions_closed_total", "Sessions closed", ["reason"], registry=r
+        )
+        self.admission = Counter(
+            "kakeya_admission_total", "Session admission outcomes", ["outcome"], registry=r
+        )
+        self.appended_tokens = Counter(
+            "kakeya_appended_tokens_total", "Tokens prefilled by appends", registry=r
+        )
+        self.generated_tokens = Counter(
+            "kakeya_generated_tokens_total", "Tokens delivered by generation streams", registry=r
+        )
+        self.prefix_reuse = Counter(
+            "kakeya_prefix_reuse_total",
+            "HTTP requests by session reuse outcome",
+            ["result"],
+            registry=r,
+        )
+        self.reused_tokens = Counter(
+            "kakeya_reused_prompt_tokens_total",
+            "Prompt tokens served from an existing session (not prefilled)",
+            registry=r,
+        )
+        self.streams_ended = Counter(
+            "kakeya_streams_total", "Generation streams by how they ended", ["end"], registry=r
+        )
+        self.errors = Counter(
+            "kakeya_request_errors_total", "Failed requests by status", ["status"], registry=r
+        )
+        self.append_latency = Histogram(
+            "kakeya_append_latency_seconds",
+            "Append (prefill) latency",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.first_token_latency = Histogram(
+            "kakeya_first_token_latency_seconds",
+            "Generate call to first token",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.token_latency = Histogram(
+            "kakeya_inter_token_latency_seconds",
+            "Time between delivered tokens",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.request_latency = Histogram(
+            "kakeya_request_latency_seconds",
+            "Whole request latency",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )

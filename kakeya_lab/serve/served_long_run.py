@@ -40,8 +40,13 @@ def _server_rss(http_base: str) -> int:
 
 
 def run_served_long_run(
-    grpc_target: str, http_base: str, user_turns: Sequence[str], *, max_new_tokens: int = 32,
-    model: str | None = None, arms: Sequence[str] = ARMS,
+    grpc_target: str,
+    http_base: str,
+    user_turns: Sequence[str],
+    *,
+    max_new_tokens: int = 32,
+    model: str | None = None,
+    arms: Sequence[str] = ARMS,
 ) -> pd.DataFrame:
     """Drive ``user_turns`` through the server with every arm in ``arms``; one row per
     (arm, turn). ``http_base`` is ``http://HOST:PORT`` (no ``/v1``)."""
@@ -61,9 +66,20 @@ def run_served_long_run(
                     if arm == "grpc_session":
                         row = _grpc_turn(client, sid, text, max_new_tokens)
                     else:
-                        row = _http_turn(oc, model, conversations[arm], text, max_new_tokens,
-                                         reuse=arm == "http_reuse")
-                    row.update(arm=arm, turn=i, wall_s=time.perf_counter() - t0, rss_bytes=_server_rss(http_base))
+                        row = _http_turn(
+                            oc,
+                            model,
+                            conversations[arm],
+                            text,
+                            max_new_tokens,
+                            reuse=arm == "http_reuse",
+                        )
+                    row.update(
+                        arm=arm,
+                        turn=i,
+                        wall_s=time.perf_counter() - t0,
+                        rss_bytes=_server_rss(http_base),
+                    )
                     rows.append(row)
         finally:
             if sid is not None:
@@ -83,24 +99,44 @@ def _grpc_turn(client: SessionClient, sid: str, text: str, max_new_tokens: int) 
     done = reply.done
     n = max(1, done.generated_tokens)
     return {
-        "user_tokens": appended.appended_tokens, "appended_tokens": appended.appended_tokens,
+        "user_tokens": appended.appended_tokens,
+        "appended_tokens": appended.appended_tokens,
         "cached_tokens": appended.history_len - appended.appended_tokens,
-        "append_latency_s": appended.latency_s, "first_token_s": appended.latency_s + done.first_token_s,
-        "generate_s": done.total_s, "decode_s_per_token": done.total_s / n,
-        "generated_tokens": done.generated_tokens, "stop_reason": done.stop_reason,
-        "kv_live_bytes": done.kv_live_bytes, "cache_len": done.cache_len, "history_len": done.history_len,
+        "append_latency_s": appended.latency_s,
+        "first_token_s": appended.latency_s + done.first_token_s,
+        "generate_s": done.total_s,
+        "decode_s_per_token": done.total_s / n,
+        "generated_tokens": done.generated_tokens,
+        "stop_reason": done.stop_reason,
+        "kv_live_bytes": done.kv_live_bytes,
+        "cache_len": done.cache_len,
+        "history_len": done.history_len,
         "request_s": request_s,
         "client_overhead_s_per_token": (request_s - appended.latency_s - done.total_s) / n,
-        "reply": reply.text, "session_id": sid, "error": None,
+        "reply": reply.text,
+        "session_id": sid,
+        "error": None,
     }
 
 
-def _http_turn(oc: openai.OpenAI, model: str, messages: list[dict], text: str, max_new_tokens: int,
-               *, reuse: bool) -> dict:
+def _http_turn(
+    oc: openai.OpenAI,
+    model: str,
+    messages: list[dict],
+    text: str,
+    max_new_tokens: int,
+    *,
+    reuse: bool,
+) -> dict:
     messages.append({"role": "user", "content": text})
     t = time.perf_counter()
-    resp = oc.chat.completions.create(model=model, messages=messages, max_tokens=max_new_tokens,
-                                      temperature=0.0, extra_body={"reuse": reuse})
+    resp = oc.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_new_tokens,
+        temperature=0.0,
+        extra_body={"reuse": reuse},
+    )
     request_s = time.perf_counter() - t
     content = resp.choices[0].message.content or ""
     messages.append({"role": "assistant", "content": content})
@@ -108,14 +144,21 @@ def _http_turn(oc: openai.OpenAI, model: str, messages: list[dict], text: str, m
     counts, timings = ext["generation"]["counts"], ext["generation"]["timings"]
     n = max(1, counts["generated_tokens"])
     return {
-        "user_tokens": ext["appended_tokens"], "appended_tokens": ext["appended_tokens"],
+        "user_tokens": ext["appended_tokens"],
+        "appended_tokens": ext["appended_tokens"],
         "cached_tokens": resp.usage.prompt_tokens_details.cached_tokens,
-        "append_latency_s": ext["prefill_s"], "first_token_s": ext["prefill_s"] + (timings["first_token_s"] or 0.0),
-        "generate_s": timings["total_s"], "decode_s_per_token": timings["total_s"] / n,
+        "append_latency_s": ext["prefill_s"],
+        "first_token_s": ext["prefill_s"] + (timings["first_token_s"] or 0.0),
+        "generate_s": timings["total_s"],
+        "decode_s_per_token": timings["total_s"] / n,
         "generated_tokens": counts["generated_tokens"],
         "stop_reason": "eos" if resp.choices[0].finish_reason == "stop" else "max_tokens",
-        "kv_live_bytes": counts["kv_live_bytes"], "cache_len": counts["cache_len"],
-        "history_len": counts["history_len"], "request_s": request_s,
+        "kv_live_bytes": counts["kv_live_bytes"],
+        "cache_len": counts["cache_len"],
+        "history_len": counts["history_len"],
+        "request_s": request_s,
         "client_overhead_s_per_token": (request_s - ext["prefill_s"] - timings["total_s"]) / n,
-        "reply": content, "session_id": ext["session_id"], "error": None,
+        "reply": content,
+        "session_id": ext["session_id"],
+        "error": None,
     }

@@ -47,14 +47,22 @@ class ServeOptions:
 def build_served(loaded, cache: SinkWindowConfig, options: ServeOptions) -> ServedSessions:
     """The serving layer over a fresh store for ``loaded`` (a :class:`LoadedModel`)."""
     store_policy = "evict_lru" if options.admission == "evict_lru" else "reject"
-    store = SessionStore(loaded.model, cache, capacity=options.capacity, policy=store_policy,
-                         idle_ttl_s=options.idle_ttl_s)
+    store = SessionStore(
+        loaded.model,
+        cache,
+        capacity=options.capacity,
+        policy=store_policy,
+        idle_ttl_s=options.idle_ttl_s,
+    )
     admission = Admission("queue" if options.admission == "queue" else "reject", options.max_wait_s)
-    return ServedSessions(store, loaded.tokenizer, admission, options.limits,
-                          model_name=loaded.description.name)
+    return ServedSessions(
+        store, loaded.tokenizer, admission, options.limits, model_name=loaded.description.name
+    )
 
 
-def run_server(loaded, cache: SinkWindowConfig, options: ServeOptions, *, prog: str = "kakeya-lab serve") -> int:
+def run_server(
+    loaded, cache: SinkWindowConfig, options: ServeOptions, *, prog: str = "kakeya-lab serve"
+) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit status (0 after a clean shutdown)."""
     served = build_served(loaded, cache, options)
     stop = threading.Event()
@@ -62,17 +70,29 @@ def run_server(loaded, cache: SinkWindowConfig, options: ServeOptions, *, prog: 
         signal.signal(sig, lambda *_: stop.set())
 
     grpc_server, grpc_port = start_grpc_server(served, options.host, options.grpc_port)
-    sock = socket.socket(socket.AF_INET6 if ":" in options.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(
+        socket.AF_INET6 if ":" in options.host else socket.AF_INET, socket.SOCK_STREAM
+    )
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((options.host, options.http_port))
     except OSError as exc:
         grpc_server.stop(0)
-        raise OSError(f"cannot bind the HTTP port {options.host}:{options.http_port}: {exc}") from exc
+        raise OSError(
+            f"cannot bind the HTTP port {options.host}:{options.http_port}: {exc}"
+        ) from exc
     http_port = sock.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(create_app(served), log_level="warning", lifespan="off",
-                                         timeout_graceful_shutdown=options.shutdown_grace_s))
-    http_thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="http", daemon=True)
+    http = uvicorn.Server(
+        uvicorn.Config(
+            create_app(served),
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=options.shutdown_grace_s,
+        )
+    )
+    http_thread = threading.Thread(
+        target=http.run, kwargs={"sockets": [sock]}, name="http", daemon=True
+    )
     http_thread.start()
     deadline = time.monotonic() + 30
     while not http.started and http_thread.is_alive() and time.monotonic() < deadline:
@@ -83,11 +103,13 @@ def run_server(loaded, cache: SinkWindowConfig, options: ServeOptions, *, prog: 
 
     d = loaded.description
     budget = cache.budget if cache.budget is not None else "unbounded"
-    print(f"{prog}: ready: model {d.name} (weights sha256 {d.weight_sha256[:16]}, {getattr(d, 'backend', 'torch')}, {d.dtype}); "
-          f"cache sink {cache.sink} window {cache.window} ({budget} tokens, {cache.positions} positions); "
-          f"capacity {options.capacity} ({options.admission}); "
-          f"gRPC {options.host}:{grpc_port}; HTTP http://{options.host}:{http_port}/v1",
-          flush=True)
+    print(
+        f"{prog}: ready: model {d.name} (weights sha256 {d.weight_sha256[:16]}, {getattr(d, 'backend', 'torch')}, {d.dtype}); "
+        f"cache sink {cache.sink} window {cache.window} ({budget} tokens, {cache.positions} positions); "
+        f"capacity {options.capacity} ({options.admission}); "
+        f"gRPC {options.host}:{grpc_port}; HTTP http://{options.host}:{http_port}/v1",
+        flush=True,
+    )
 
     stop.wait()
     print(f"{prog}: stopping: ending active streams", file=sys.stderr, flush=True)
@@ -96,5 +118,7 @@ def run_server(loaded, cache: SinkWindowConfig, options: ServeOptions, *, prog: 
     http.should_exit = True
     http_thread.join(timeout=options.shutdown_grace_s + 5)
     left = len(served.store)
-    print(f"{prog}: stopped ({left} session(s) dropped with the process)", file=sys.stderr, flush=True)
+    print(
+        f"{prog}: stopped ({left} session(s) dropped with the process)", file=sys.stderr, flush=True
+    )
     return 0

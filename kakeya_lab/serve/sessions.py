@@ -104,8 +104,14 @@ def _as_dict(value: object) -> dict:
 class ServedSessions:
     """Thread-safe serving layer over one store (see the module docstring)."""
 
-    def __init__(self, store: SessionStore, tokenizer, admission: Admission,
-                 limits: ServeLimits = ServeLimits(), model_name: str = "model"):
+    def __init__(
+        self,
+        store: SessionStore,
+        tokenizer,
+        admission: Admission,
+        limits: ServeLimits = ServeLimits(),
+        model_name: str = "model",
+    ):
         self.store = store
         self.tokenizer = tokenizer
         self.admission = admission
@@ -114,7 +120,9 @@ class ServedSessions:
         self._sessions: dict[str, ServedSession] = {}
         self._lock = threading.Lock()  # guards _sessions and in_use flags only
         self.shutting_down = threading.Event()
-        self.metrics = ServeMetrics(open_sessions=lambda: len(self.store), kv_live_bytes=self._kv_live_bytes)
+        self.metrics = ServeMetrics(
+            open_sessions=lambda: len(self.store), kv_live_bytes=self._kv_live_bytes
+        )
         self._sampling_arg = "sampling" in inspect.signature(store.generate).parameters
 
     # ---------------------------------------------------------------- helpers
@@ -145,8 +153,9 @@ class ServedSessions:
         return served
 
     # -------------------------------------------------------------- lifecycle
-    def create(self, *, origin: str, implicit: bool = False,
-               system_prompt: str | None = None) -> tuple[ServedSession, float]:
+    def create(
+        self, *, origin: str, implicit: bool = False, system_prompt: str | None = None
+    ) -> tuple[ServedSession, float]:
         """Admit and open a session; returns it and the seconds spent queued."""
         self.check_running()
         chat = ChatTemplate(self.tokenizer, system=system_prompt) if origin == "grpc" else None
@@ -250,7 +259,9 @@ class ServedSessions:
     def render_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template, ending with
         the assistant generation prompt."""
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def attach(self, prompt_ids: list[int], *, session_id: str | None, reuse: bool) -> Attached:
@@ -267,7 +278,9 @@ class ServedSessions:
             served = self.get(session_id)
             with self._lock:
                 if served.in_use:
-                    raise SessionInUse(f"session {session_id!r} is serving another request; retry after it")
+                    raise SessionInUse(
+                        f"session {session_id!r} is serving another request; retry after it"
+                    )
                 served.in_use = True
             history = self.store.verifier(session_id).history_token_ids
             if prompt_ids[: len(history)] != history:
@@ -309,8 +322,9 @@ class ServedSessions:
                     s.in_use = False
         return best
 
-    def _attach_append(self, served: ServedSession, prompt_ids: list[int], reused: int,
-                       queued_s: float) -> Attached:
+    def _attach_append(
+        self, served: ServedSession, prompt_ids: list[int], reused: int, queued_s: float
+    ) -> Attached:
         new = prompt_ids[reused:]
         try:
             appended = self._append(served, self._check_size(new)) if new else None
@@ -318,8 +332,13 @@ class ServedSessions:
             # a session opened for this request and left empty is closed, not leaked
             self.detach(served, close=served.implicit and served.appended_tokens == 0)
             raise
-        return Attached(served, reused_tokens=reused, prompt_tokens=len(prompt_ids),
-                        appended=appended, queued_s=queued_s)
+        return Attached(
+            served,
+            reused_tokens=reused,
+            prompt_tokens=len(prompt_ids),
+            appended=appended,
+            queued_s=queued_s,
+        )
 
     def detach(self, served: ServedSession, *, close: bool = False) -> None:
         """Release a session bound by :meth:`attach` (closing it for stateless requests)."""
@@ -335,18 +354,28 @@ class ServedSessions:
     # --------------------------------------------------------------- generate
     def check_options(self, options: GenerateOptions) -> None:
         """Validate a generation request before any state changes."""
-        inputs.count(options.max_new_tokens, "max_new_tokens", minimum=1,
-                     maximum=self.limits.max_new_tokens,
-                     hint=f"this server's limit is {self.limits.max_new_tokens}")
+        inputs.count(
+            options.max_new_tokens,
+            "max_new_tokens",
+            minimum=1,
+            maximum=self.limits.max_new_tokens,
+            hint=f"this server's limit is {self.limits.max_new_tokens}",
+        )
         inputs.count(options.draft_length, "draft_length", minimum=1, maximum=64)
         if options.stop_token_ids:
             inputs.stop_token_ids(list(options.stop_token_ids), self.store.vocab_size)
         kind = (options.proposer or "none").partition(":")[0]
         if kind not in ("none", "ngram"):
-            raise ValueError(f"proposer {options.proposer!r} is not served: use none or ngram[:SIZES]")
+            raise ValueError(
+                f"proposer {options.proposer!r} is not served: use none or ngram[:SIZES]"
+            )
 
-    def generate(self, session_id: str, options: GenerateOptions,
-                 cancelled: Callable[[], bool] = lambda: False) -> Iterator[Event]:
+    def generate(
+        self,
+        session_id: str,
+        options: GenerateOptions,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> Iterator[Event]:
         """The session's events for one generation (arguments checked before the first event).
 
         Stops before computing the next token once ``cancelled()`` is true; raises
@@ -357,23 +386,38 @@ class ServedSessions:
         self.check_running()
         self.check_options(options)
         served = self.get(session_id)
-        proposer = make_proposer(options.proposer or "none", self.store.model, self.store.config, self.tokenizer)
+        proposer = make_proposer(
+            options.proposer or "none", self.store.model, self.store.config, self.tokenizer
+        )
         if self._sampling_arg:
             stream = self.store.generate(
-                session_id, options.max_new_tokens, options.sampling,
-                stop_token_ids=list(options.stop_token_ids) or None, proposer=proposer,
-                draft_length=options.draft_length, adaptive_draft_length=options.adaptive_draft_length,
+                session_id,
+                options.max_new_tokens,
+                options.sampling,
+                stop_token_ids=list(options.stop_token_ids) or None,
+                proposer=proposer,
+                draft_length=options.draft_length,
+                adaptive_draft_length=options.adaptive_draft_length,
             )
         else:  # the store's older keyword form
             s = options.sampling
             stream = self.store.generate(
-                session_id, options.max_new_tokens, s.temperature, s.seed, top_k=s.top_k, top_p=s.top_p,
-                stop_token_ids=list(options.stop_token_ids) or None, proposer=proposer,
-                k=options.draft_length, adaptive_k=options.adaptive_draft_length,
+                session_id,
+                options.max_new_tokens,
+                s.temperature,
+                s.seed,
+                top_k=s.top_k,
+                top_p=s.top_p,
+                stop_token_ids=list(options.stop_token_ids) or None,
+                proposer=proposer,
+                k=options.draft_length,
+                adaptive_k=options.adaptive_draft_length,
             )
         return self._events(served, stream, cancelled)
 
-    def _events(self, served: ServedSession, stream, cancelled: Callable[[], bool]) -> Iterator[Event]:
+    def _events(
+        self, served: ServedSession, stream, cancelled: Callable[[], bool]
+    ) -> Iterator[Event]:
         delivered: list[int] = []
         end = "error"
         t0 = last = time.perf_counter()
