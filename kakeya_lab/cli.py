@@ -19,7 +19,10 @@ Exit status: 0 on success; 1 when a run ran but failed (a notebook raised, a swe
 failing runs, every turn of a long run failed); 2 for user errors (bad or inconsistent
 arguments, unknown model, model not available offline, a resume with other settings),
 printed as one line on stderr without a traceback and before anything is written; 130 on
-Ctrl-C. Anything else is a bug and keeps its traceback.
+Ctrl-C. ``long-run`` stopped by SIGTERM or SIGINT finishes the turn under way, writes its
+checkpoint and a partial report (``partial: true``, ``abort_reason`` the signal's name) and
+exits 128 + the signal number (143 for SIGTERM, 130 for SIGINT): not a failure of the run,
+which resumes when run again. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -490,12 +494,18 @@ def cmd_long_run(args: argparse.Namespace) -> int:
     _check_int("--probe-every", args.probe_every, 0)
     _check_positive("--duration-s", args.duration_s)
     _check_positive("--reprefill-cap-s", args.reprefill_cap_s)
+    _check_positive("--turn-spacing-s", args.turn_spacing_s)
+    _check_positive("--report-every-s", args.report_every_s, allow_zero=True)
+    _check_positive("--seconds-per-bucket", args.seconds_per_bucket)
+    report_every_s = args.report_every_s or None  # 0: by turns only
     try:
         arms = standard_arms(args.sink, args.window, args.positions,
                              names=[a.strip() for a in args.arms.split(",") if a.strip()])
         check_run_arguments(turns=args.turns, max_new_tokens=args.max_new_tokens,
                             checkpoint_every=args.checkpoint_every, duration_s=args.duration_s,
-                            reprefill_cap_s=args.reprefill_cap_s, turns_per_bucket=args.turns_per_bucket)
+                            reprefill_cap_s=args.reprefill_cap_s, turns_per_bucket=args.turns_per_bucket,
+                            turn_spacing_s=args.turn_spacing_s, report_every_s=report_every_s,
+                            seconds_per_bucket=args.seconds_per_bucket)
         probe = FactProbe(every=args.probe_every) if args.probe_every else None
     except ValueError as exc:
         raise UserError(f"--arms: {exc}") from exc
@@ -505,22 +515,42 @@ def cmd_long_run(args: argparse.Namespace) -> int:
     turns = chained_user_turns(chitchat_conversations("dev"), args.turns)
     header = run_header(experiment="long_run", run_id=out.resolve().name, model=loaded.description,
                         cache=arms[next(iter(arms))].config.to_dict(),
-                        extra={"arms": list(arms), "turns": args.turns, "max_new_tokens": args.max_new_tokens})
+                        extra={"arms": list(arms), "turns": args.turns, "max_new_tokens": args.max_new_tokens,
+                               "turn_spacing_s": args.turn_spacing_s, "duration_limit_s": args.duration_s})
+
+    def write_report(run) -> None:
+        fields = run.report_fields()
+        write_metrics(out, header, {**fields, "arms": run.summary},
+                      headline={**fields, "arms": long_run_headline(run.summary)})
+
     try:
         run = run_long(loaded, arms, turns, max_new_tokens=args.max_new_tokens, out_dir=out,
                        checkpoint_every=args.checkpoint_every, duration_s=args.duration_s, probe=probe,
                        reprefill_cap_s=args.reprefill_cap_s, turns_per_bucket=args.turns_per_bucket,
+                       seconds_per_bucket=args.seconds_per_bucket, turn_spacing_s=args.turn_spacing_s,
+                       report_every_s=report_every_s, on_report=write_report,
                        force_new=args.force_new, progress=not args.quiet)
     except DegenerateRun as exc:
         print(f"{PROG}: run failed: {' '.join(str(exc).split())} (checkpoint in {out})", file=sys.stderr)
         return EXIT_RUN_FAILED
-    write_metrics(out, header, {"arms": run.summary}, headline=long_run_headline(run.summary))
     for arm, s in run.summary.items():
         drift = s.get("latency_drift_p50_by_turns", {}).get("append_latency_s", {})
         shown = f"{drift['drift_pct']:.1f}%" if drift.get("drift_pct") is not None else "not measured"
-        print(f"{arm:12s} turns {s['turns']:5d}  errors {s['errors']}  kv_bounded {s.get('kv_bounded')}  "
-              f"prefill_bounded {s.get('prefill_bounded')}  append p50 drift {shown}"
+        lat = (s.get("latency") or {}).get("turn_latency_s") or {}
+        p50 = f"{lat['p50']:.3f}s" if lat.get("p50") is not None else "-"
+        p95 = f"{lat['p95']:.3f}s" if lat.get("p95") is not None else "-"
+        v = s.get("verdicts") or {}
+        print(f"{arm:12s} turns {s['turns']:5d}  errors {s['errors']}  turn p50 {p50} p95 {p95}  "
+              f"kv_bounded turns/time {(v.get('kv_bounded') or {}).get('by_turns')}/"
+              f"{(v.get('kv_bounded') or {}).get('by_time')}  "
+              f"prefill_bounded turns/time {(v.get('prefill_bounded') or {}).get('by_turns')}/"
+              f"{(v.get('prefill_bounded') or {}).get('by_time')}  append p50 drift {shown}"
               + (f"  stopped: {s['stopped']}" if s.get("stopped") else ""))
+    if run.abort_reason is not None:
+        signum = int(getattr(signal, run.abort_reason))
+        print(f"{PROG}: stopped by {run.abort_reason} after {int(run.turns['turn'].max()) + 1 if len(run.turns) else 0} "
+              f"round(s); partial report in {out / 'metrics.json'}; run again to resume", file=sys.stderr)
+        return 128 + signum
     failed = [arm for arm, s in run.summary.items() if s.get("errors")]
     if failed:
         print(f"{PROG}: arm(s) {', '.join(failed)} stopped on a failing turn (see turns.csv)", file=sys.stderr)
@@ -546,6 +576,12 @@ def add_long_run_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--probe-every", type=int, default=25, help="0: no recall probes")
     p.add_argument("--reprefill-cap-s", type=float, default=30.0)
     p.add_argument("--turns-per-bucket", type=int, default=50)
+    p.add_argument("--seconds-per-bucket", type=float, default=600.0,
+                   help="wall-clock bucket length of the time-bucket table and verdicts")
+    p.add_argument("--turn-spacing-s", type=float, default=None,
+                   help="start turns this many seconds apart in wall-clock time (default: back to back)")
+    p.add_argument("--report-every-s", type=float, default=600.0,
+                   help="also checkpoint and write a partial report this often (0: by turns only)")
     p.add_argument("--force-new", action="store_true",
                    help="start over in OUT_DIR instead of resuming its checkpoint")
     p.add_argument("--quiet", action="store_true")
