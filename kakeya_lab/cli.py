@@ -499,8 +499,14 @@ def cmd_long_run(args: argparse.Namespace) -> int:
     _check_positive("--seconds-per-bucket", args.seconds_per_bucket)
     report_every_s = args.report_every_s or None  # 0: by turns only
     try:
-        arms = standard_arms(args.sink, args.window, args.positions,
-                             names=[a.strip() for a in args.arms.split(",") if a.strip()])
+        names = [a.strip() for a in args.arms.split(",") if a.strip()]
+        if args.proposer is not None and "speculative" not in names:
+            raise UserError("--proposer is for the speculative arm: add it, e.g. --arms sink_window,speculative")
+        if "speculative" in names and args.proposer is None:
+            raise UserError("the speculative arm needs --proposer, e.g. --proposer ngram")
+        _check_int("--draft-length", args.draft_length, 1)
+        arms = standard_arms(args.sink, args.window, args.positions, names=names,
+                             proposer=args.proposer, draft_length=args.draft_length)
         check_run_arguments(turns=args.turns, max_new_tokens=args.max_new_tokens,
                             checkpoint_every=args.checkpoint_every, duration_s=args.duration_s,
                             reprefill_cap_s=args.reprefill_cap_s, turns_per_bucket=args.turns_per_bucket,
@@ -567,7 +573,10 @@ def add_long_run_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--turns", type=int, default=100)
     p.add_argument("--duration-s", type=float, default=None, help="stop after this wall time instead")
     p.add_argument("--arms", default="sink_window,full_cache,reprefill",
-                   help="comma-separated: sink_window, full_cache, reprefill")
+                   help="comma-separated: sink_window, full_cache, reprefill, speculative")
+    p.add_argument("--proposer", default=None,
+                   help="the speculative arm's proposer: ngram[:SIZES], early-exit:LAYERS or draft:MODEL")
+    p.add_argument("--draft-length", type=int, default=4, help="draft tokens per step of the speculative arm")
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=1020)
     p.add_argument("--positions", choices=["global", "rolling"], default="global")

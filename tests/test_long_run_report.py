@@ -5,7 +5,12 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from kakeya_lab.bench.aggregate import aggregate_arm, bucket_table, kv_live_range, latency_percentiles
+from kakeya_lab.bench.aggregate import (
+    aggregate_arm,
+    bucket_table,
+    kv_live_range,
+    latency_percentiles,
+)
 from kakeya_lab.bench.long_run import long_run_headline
 from kakeya_lab.plots import bucket_figure
 
