@@ -7,6 +7,7 @@
     kakeya-lab run NOTEBOOK [-p NAME VALUE ...] [--results DIR] [--experiment NAME]
     kakeya-lab sweep FILE.yaml [--profile smoke|full] [--executor local|ray] [--force-new]
     kakeya-lab long-run OUT_DIR [--turns N | --duration-s S] [--arms ...] [--window W] [--force-new]
+    kakeya-lab long-run OUT_DIR --endpoint grpc://HOST:PORT --endpoint http://HOST:PORT [--turns N]
     kakeya-lab align capture OUT_DIR [--domain chitchat|code|prose] [--split train|dev] ...
 
 Layout: :func:`build_parser` builds the whole argparse tree; every leaf sub-command sets
@@ -486,6 +487,10 @@ def cmd_long_run(args: argparse.Namespace) -> int:
     from kakeya_lab.models import load_model
     from kakeya_lab.results import run_header, write_metrics
 
+    if args.endpoint:
+        return _long_run_served(args)
+    if args.arms is None:
+        args.arms = "sink_window,full_cache,reprefill"
     _check_cache(args)
     for flag, value in (("--turns", args.turns), ("--max-new-tokens", args.max_new_tokens),
                         ("--checkpoint-every", args.checkpoint_every),
@@ -564,6 +569,82 @@ def cmd_long_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _long_run_served(args: argparse.Namespace) -> int:
+    """``long-run --endpoint ...``: the served arms against a running ``kakeya-lab serve``
+    (not checkpointed: a served run is written once, at its end)."""
+    from kakeya_lab.bench.long_run.served import (
+        SERVED_ARMS,
+        check_served_arms,
+        parse_endpoints,
+        server_cache,
+        summarize_served,
+    )
+    from kakeya_lab.bench.long_run.summary import long_run_headline
+    from kakeya_lab.data import chained_user_turns, chitchat_conversations
+    from kakeya_lab.durable import write_csv_atomic
+    from kakeya_lab.models.load import resolve
+    from kakeya_lab.results import run_header, write_metrics
+
+    try:
+        endpoints = parse_endpoints(args.endpoint)
+    except ValueError as exc:
+        raise UserError(f"--endpoint: {exc}") from exc
+    for flag, value in (("--turns", args.turns), ("--max-new-tokens", args.max_new_tokens),
+                        ("--turns-per-bucket", args.turns_per_bucket)):
+        _check_int(flag, value, 1)
+    _check_positive("--seconds-per-bucket", args.seconds_per_bucket)
+    for flag, value in (("--duration-s", args.duration_s), ("--turn-spacing-s", args.turn_spacing_s),
+                        ("--proposer", args.proposer)):
+        if value is not None:
+            raise UserError(f"{flag} is not supported with --endpoint (the served run is a fixed number of --turns)")
+    try:
+        names = check_served_arms([a.strip() for a in (args.arms or ",".join(SERVED_ARMS)).split(",") if a.strip()])
+    except ValueError as exc:
+        raise UserError(f"--arms: {exc}") from exc
+    out = _check_out_dir(args.out_dir)
+    if not args.force_new and any((out / n).exists() for n in ("turns.csv", "metrics.json", "checkpoint.json")):
+        raise UserError(f"{out} already holds a run; a served run does not resume: use another folder or --force-new")
+    _check_model(args.model)
+    from kakeya_lab.serve.served_long_run import run_served_long_run
+
+    found = resolve(args.model, pull_if_missing=False, progress=False)  # identity only, no weights loaded
+    try:
+        served_model = _served_model_name(endpoints.http_base)
+        cache = server_cache(endpoints.grpc_target)
+    except Exception as exc:  # an unreachable server is the user's to fix
+        raise UserError(f"--endpoint: cannot reach the server ({type(exc).__name__}: {exc}); "
+                        "is `kakeya-lab serve` running there?") from exc
+    if served_model != found.name:
+        raise UserError(f"the server runs {served_model!r}, not --model {found.name!r}: pass --model {served_model}")
+    turns = chained_user_turns(chitchat_conversations("dev"), args.turns)
+    header = run_header(experiment="long_run", run_id=out.resolve().name,
+                        model={"name": found.name, "weight_sha256": found.weight_sha256, "architecture": None,
+                               "random": False},
+                        extra={"arms": names, "turns": args.turns, "max_new_tokens": args.max_new_tokens,
+                               "endpoints": {"grpc": endpoints.grpc_target, "http": endpoints.http_base},
+                               "server_cache": cache})
+    table = run_served_long_run(endpoints.grpc_target, endpoints.http_base, turns,
+                                max_new_tokens=args.max_new_tokens, model=served_model, arms=names)
+    summary = summarize_served(table, cache, turns_per_bucket=args.turns_per_bucket,
+                               seconds_per_bucket=args.seconds_per_bucket)
+    wall = table["wall_s"].dropna()
+    fields = {"partial": False, "abort_reason": None, "duration_s": float(wall.max()) if len(wall) else 0.0}
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv_atomic(out / "turns.csv", table)
+    write_metrics(out, header, {**fields, "arms": summary}, headline={**fields, "arms": long_run_headline(summary)})
+    for arm, s in summary.items():
+        lat = (s.get("latency") or {}).get("turn_latency_s") or {}
+        print(f"{arm:14s} turns {s['turns']:5d}  errors {s['errors']}  turn p50 {lat.get('p50')}  "
+              f"p95 {lat.get('p95')}  kv_bounded {s.get('kv_bounded')}  prefill_bounded {s.get('prefill_bounded')}")
+    return 0
+
+
+def _served_model_name(http_base: str) -> str:
+    import httpx
+
+    return httpx.get(f"{http_base}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
 def add_long_run_parser(subparsers: argparse._SubParsersAction) -> None:
     from kakeya_lab.models import DEFAULT_MODEL
 
@@ -572,8 +653,12 @@ def add_long_run_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--turns", type=int, default=100)
     p.add_argument("--duration-s", type=float, default=None, help="stop after this wall time instead")
-    p.add_argument("--arms", default="sink_window,full_cache,reprefill",
-                   help="comma-separated: sink_window, full_cache, reprefill, speculative")
+    p.add_argument("--arms", default=None,
+                   help="comma-separated: sink_window, full_cache, reprefill, speculative (default: the "
+                        "first three); with --endpoint: grpc_session, http_reuse, http_stateless (default: all)")
+    p.add_argument("--endpoint", action="append", default=None, metavar="URL",
+                   help="drive a running `kakeya-lab serve` instead of an in-process model: give both "
+                        "--endpoint grpc://HOST:PORT and --endpoint http://HOST:PORT")
     p.add_argument("--proposer", default=None,
                    help="the speculative arm's proposer: ngram[:SIZES], early-exit:LAYERS or draft:MODEL")
     p.add_argument("--draft-length", type=int, default=4, help="draft tokens per step of the speculative arm")
