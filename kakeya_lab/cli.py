@@ -532,7 +532,7 @@ def cmd_long_run(args: argparse.Namespace) -> int:
     def write_report(run) -> None:
         fields = run.report_fields()
         write_metrics(out, header, {**fields, "arms": run.summary},
-                      headline={**fields, "arms": long_run_headline(run.summary)})
+                      headline={**long_run_headline(run.summary), **fields})
 
     try:
         run = run_long(loaded, arms, turns, max_new_tokens=args.max_new_tokens, out_dir=out,
@@ -631,7 +631,7 @@ def _long_run_served(args: argparse.Namespace) -> int:
     fields = {"partial": False, "abort_reason": None, "duration_s": float(wall.max()) if len(wall) else 0.0}
     out.mkdir(parents=True, exist_ok=True)
     write_csv_atomic(out / "turns.csv", table)
-    write_metrics(out, header, {**fields, "arms": summary}, headline={**fields, "arms": long_run_headline(summary)})
+    write_metrics(out, header, {**fields, "arms": summary}, headline={**long_run_headline(summary), **fields})
     for arm, s in summary.items():
         lat = (s.get("latency") or {}).get("turn_latency_s") or {}
         print(f"{arm:14s} turns {s['turns']:5d}  errors {s['errors']}  turn p50 {lat.get('p50')}  "
