@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pandas as pd
@@ -35,6 +36,25 @@ def test_paced_turns_start_spacing_apart_and_time_reports_are_partial(tmp_path, 
     fast = run_long(tiny_model, standard_arms(4, 16, names=("sink_window",)), TURNS[:4], max_new_tokens=2,
                     progress=False)
     assert fast.duration_s < 0.9
+
+
+def test_sigint_in_process_ends_the_run_with_a_partial_report(tmp_path, tiny_model):
+    reports = []
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        run = run_long(tiny_model, standard_arms(4, 16, names=("sink_window",)), TURNS, max_new_tokens=2,
+                       out_dir=tmp_path / "run", turn_spacing_s=0.3, on_report=reports.append, progress=False)
+    finally:
+        timer.cancel()
+    assert run.partial and run.abort_reason == "SIGINT" and reports[-1].abort_reason == "SIGINT"
+    done = json.loads((tmp_path / "run" / "checkpoint.json").read_text())["next_turn"]
+    assert 1 <= done < len(TURNS) and list(run.turns["turn"]) == list(range(done))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back
+    # control: resumed without a signal, the run completes (pacing is part of the strict settings)
+    again = run_long(tiny_model, standard_arms(4, 16, names=("sink_window",)), TURNS, max_new_tokens=2,
+                     out_dir=tmp_path / "run", turn_spacing_s=0.3, progress=False)
+    assert not again.partial and again.abort_reason is None and list(again.turns["turn"]) == list(range(len(TURNS)))
 
 
 def test_duration_limit_stops_starting_rounds(tiny_model):
