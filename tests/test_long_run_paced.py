@@ -59,8 +59,8 @@ def test_sigint_in_process_ends_the_run_with_a_partial_report(tmp_path, tiny_mod
 
 def test_duration_limit_stops_starting_rounds(tiny_model):
     run = run_long(tiny_model, standard_arms(4, 16, names=("sink_window",)), TURNS, max_new_tokens=2,
-                   duration_s=0.5, turn_spacing_s=0.2, progress=False)
-    assert list(run.turns["turn"]) == [0, 1, 2]  # rounds at 0, 0.2, 0.4 s; none at 0.6 s
+                   duration_s=1.0, turn_spacing_s=0.4, progress=False)
+    assert list(run.turns["turn"]) == [0, 1, 2]  # rounds at 0, 0.4, 0.8 s; none at 1.2 s
 
 
 def test_bad_pacing_arguments_are_refused_before_running(tiny_model):
