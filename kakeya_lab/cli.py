@@ -7,6 +7,7 @@
     kakeya-lab run NOTEBOOK [-p NAME VALUE ...] [--results DIR] [--experiment NAME]
     kakeya-lab sweep FILE.yaml [--profile smoke|full] [--executor local|ray] [--force-new]
     kakeya-lab long-run OUT_DIR [--turns N | --duration-s S] [--arms ...] [--window W] [--force-new]
+    kakeya-lab long-run OUT_DIR --endpoint grpc://HOST:PORT --endpoint http://HOST:PORT [--turns N]
     kakeya-lab align capture OUT_DIR [--domain chitchat|code|prose] [--split train|dev] ...
 
 Layout: :func:`build_parser` builds the whole argparse tree; every leaf sub-command sets
@@ -19,7 +20,10 @@ Exit status: 0 on success; 1 when a run ran but failed (a notebook raised, a swe
 failing runs, every turn of a long run failed); 2 for user errors (bad or inconsistent
 arguments, unknown model, model not available offline, a resume with other settings),
 printed as one line on stderr without a traceback and before anything is written; 130 on
-Ctrl-C. Anything else is a bug and keeps its traceback.
+Ctrl-C. ``long-run`` stopped by SIGTERM or SIGINT finishes the turn under way, writes its
+checkpoint and a partial report (``partial: true``, ``abort_reason`` the signal's name) and
+exits 128 + the signal number (143 for SIGTERM, 130 for SIGINT): not a failure of the run,
+which resumes when run again. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -482,6 +487,10 @@ def cmd_long_run(args: argparse.Namespace) -> int:
     from kakeya_lab.models import load_model
     from kakeya_lab.results import run_header, write_metrics
 
+    if args.endpoint:
+        return _long_run_served(args)
+    if args.arms is None:
+        args.arms = "sink_window,full_cache,reprefill"
     _check_cache(args)
     for flag, value in (("--turns", args.turns), ("--max-new-tokens", args.max_new_tokens),
                         ("--checkpoint-every", args.checkpoint_every),
@@ -490,12 +499,24 @@ def cmd_long_run(args: argparse.Namespace) -> int:
     _check_int("--probe-every", args.probe_every, 0)
     _check_positive("--duration-s", args.duration_s)
     _check_positive("--reprefill-cap-s", args.reprefill_cap_s)
+    _check_positive("--turn-spacing-s", args.turn_spacing_s)
+    _check_positive("--report-every-s", args.report_every_s, allow_zero=True)
+    _check_positive("--seconds-per-bucket", args.seconds_per_bucket)
+    report_every_s = args.report_every_s or None  # 0: by turns only
     try:
-        arms = standard_arms(args.sink, args.window, args.positions,
-                             names=[a.strip() for a in args.arms.split(",") if a.strip()])
+        names = [a.strip() for a in args.arms.split(",") if a.strip()]
+        if args.proposer is not None and "speculative" not in names:
+            raise UserError("--proposer is for the speculative arm: add it, e.g. --arms sink_window,speculative")
+        if "speculative" in names and args.proposer is None:
+            raise UserError("the speculative arm needs --proposer, e.g. --proposer ngram")
+        _check_int("--draft-length", args.draft_length, 1)
+        arms = standard_arms(args.sink, args.window, args.positions, names=names,
+                             proposer=args.proposer, draft_length=args.draft_length)
         check_run_arguments(turns=args.turns, max_new_tokens=args.max_new_tokens,
                             checkpoint_every=args.checkpoint_every, duration_s=args.duration_s,
-                            reprefill_cap_s=args.reprefill_cap_s, turns_per_bucket=args.turns_per_bucket)
+                            reprefill_cap_s=args.reprefill_cap_s, turns_per_bucket=args.turns_per_bucket,
+                            turn_spacing_s=args.turn_spacing_s, report_every_s=report_every_s,
+                            seconds_per_bucket=args.seconds_per_bucket)
         probe = FactProbe(every=args.probe_every) if args.probe_every else None
     except ValueError as exc:
         raise UserError(f"--arms: {exc}") from exc
@@ -505,27 +526,123 @@ def cmd_long_run(args: argparse.Namespace) -> int:
     turns = chained_user_turns(chitchat_conversations("dev"), args.turns)
     header = run_header(experiment="long_run", run_id=out.resolve().name, model=loaded.description,
                         cache=arms[next(iter(arms))].config.to_dict(),
-                        extra={"arms": list(arms), "turns": args.turns, "max_new_tokens": args.max_new_tokens})
+                        extra={"arms": list(arms), "turns": args.turns, "max_new_tokens": args.max_new_tokens,
+                               "turn_spacing_s": args.turn_spacing_s, "duration_limit_s": args.duration_s})
+
+    def write_report(run) -> None:
+        fields = run.report_fields()
+        write_metrics(out, header, {**fields, "arms": run.summary},
+                      headline={**long_run_headline(run.summary), **fields})
+
     try:
         run = run_long(loaded, arms, turns, max_new_tokens=args.max_new_tokens, out_dir=out,
                        checkpoint_every=args.checkpoint_every, duration_s=args.duration_s, probe=probe,
                        reprefill_cap_s=args.reprefill_cap_s, turns_per_bucket=args.turns_per_bucket,
+                       seconds_per_bucket=args.seconds_per_bucket, turn_spacing_s=args.turn_spacing_s,
+                       report_every_s=report_every_s, on_report=write_report,
                        force_new=args.force_new, progress=not args.quiet)
     except DegenerateRun as exc:
         print(f"{PROG}: run failed: {' '.join(str(exc).split())} (checkpoint in {out})", file=sys.stderr)
         return EXIT_RUN_FAILED
-    write_metrics(out, header, {"arms": run.summary}, headline=long_run_headline(run.summary))
     for arm, s in run.summary.items():
         drift = s.get("latency_drift_p50_by_turns", {}).get("append_latency_s", {})
         shown = f"{drift['drift_pct']:.1f}%" if drift.get("drift_pct") is not None else "not measured"
-        print(f"{arm:12s} turns {s['turns']:5d}  errors {s['errors']}  kv_bounded {s.get('kv_bounded')}  "
-              f"prefill_bounded {s.get('prefill_bounded')}  append p50 drift {shown}"
+        lat = (s.get("latency") or {}).get("turn_latency_s") or {}
+        p50 = f"{lat['p50']:.3f}s" if lat.get("p50") is not None else "-"
+        p95 = f"{lat['p95']:.3f}s" if lat.get("p95") is not None else "-"
+        v = s.get("verdicts") or {}
+        print(f"{arm:12s} turns {s['turns']:5d}  errors {s['errors']}  turn p50 {p50} p95 {p95}  "
+              f"kv_bounded turns/time {(v.get('kv_bounded') or {}).get('by_turns')}/"
+              f"{(v.get('kv_bounded') or {}).get('by_time')}  "
+              f"prefill_bounded turns/time {(v.get('prefill_bounded') or {}).get('by_turns')}/"
+              f"{(v.get('prefill_bounded') or {}).get('by_time')}  append p50 drift {shown}"
               + (f"  stopped: {s['stopped']}" if s.get("stopped") else ""))
+    if run.abort_reason is not None:
+        signum = int(getattr(signal, run.abort_reason))
+        print(f"{PROG}: stopped by {run.abort_reason} after {int(run.turns['turn'].max()) + 1 if len(run.turns) else 0} "
+              f"round(s); partial report in {out / 'metrics.json'}; run again to resume", file=sys.stderr)
+        return 128 + signum
     failed = [arm for arm, s in run.summary.items() if s.get("errors")]
     if failed:
         print(f"{PROG}: arm(s) {', '.join(failed)} stopped on a failing turn (see turns.csv)", file=sys.stderr)
         return EXIT_RUN_FAILED
     return 0
+
+
+def _long_run_served(args: argparse.Namespace) -> int:
+    """``long-run --endpoint ...``: the served arms against a running ``kakeya-lab serve``
+    (not checkpointed: a served run is written once, at its end)."""
+    from kakeya_lab.bench.long_run.served import (
+        SERVED_ARMS,
+        check_served_arms,
+        parse_endpoints,
+        server_cache,
+        summarize_served,
+    )
+    from kakeya_lab.bench.long_run.summary import long_run_headline
+    from kakeya_lab.data import chained_user_turns, chitchat_conversations
+    from kakeya_lab.durable import write_csv_atomic
+    from kakeya_lab.models.load import resolve
+    from kakeya_lab.results import run_header, write_metrics
+
+    try:
+        endpoints = parse_endpoints(args.endpoint)
+    except ValueError as exc:
+        raise UserError(f"--endpoint: {exc}") from exc
+    for flag, value in (("--turns", args.turns), ("--max-new-tokens", args.max_new_tokens),
+                        ("--turns-per-bucket", args.turns_per_bucket)):
+        _check_int(flag, value, 1)
+    _check_positive("--seconds-per-bucket", args.seconds_per_bucket)
+    for flag, value in (("--duration-s", args.duration_s), ("--turn-spacing-s", args.turn_spacing_s),
+                        ("--proposer", args.proposer)):
+        if value is not None:
+            raise UserError(f"{flag} is not supported with --endpoint (the served run is a fixed number of --turns)")
+    try:
+        names = check_served_arms([a.strip() for a in (args.arms or ",".join(SERVED_ARMS)).split(",") if a.strip()])
+    except ValueError as exc:
+        raise UserError(f"--arms: {exc}") from exc
+    out = _check_out_dir(args.out_dir)
+    if not args.force_new and any((out / n).exists() for n in ("turns.csv", "metrics.json", "checkpoint.json")):
+        raise UserError(f"{out} already holds a run; a served run does not resume: use another folder or --force-new")
+    _check_model(args.model)
+    from kakeya_lab.serve.served_long_run import run_served_long_run
+
+    found = resolve(args.model, pull_if_missing=False, progress=False)  # identity only, no weights loaded
+    try:
+        served_model = _served_model_name(endpoints.http_base)
+        cache = server_cache(endpoints.grpc_target)
+    except Exception as exc:  # an unreachable server is the user's to fix
+        raise UserError(f"--endpoint: cannot reach the server ({type(exc).__name__}: {exc}); "
+                        "is `kakeya-lab serve` running there?") from exc
+    if served_model != found.name:
+        raise UserError(f"the server runs {served_model!r}, not --model {found.name!r}: pass --model {served_model}")
+    turns = chained_user_turns(chitchat_conversations("dev"), args.turns)
+    header = run_header(experiment="long_run", run_id=out.resolve().name,
+                        model={"name": found.name, "weight_sha256": found.weight_sha256, "architecture": None,
+                               "random": False},
+                        extra={"arms": names, "turns": args.turns, "max_new_tokens": args.max_new_tokens,
+                               "endpoints": {"grpc": endpoints.grpc_target, "http": endpoints.http_base},
+                               "server_cache": cache})
+    table = run_served_long_run(endpoints.grpc_target, endpoints.http_base, turns,
+                                max_new_tokens=args.max_new_tokens, model=served_model, arms=names)
+    summary = summarize_served(table, cache, turns_per_bucket=args.turns_per_bucket,
+                               seconds_per_bucket=args.seconds_per_bucket)
+    wall = table["wall_s"].dropna()
+    fields = {"partial": False, "abort_reason": None, "duration_s": float(wall.max()) if len(wall) else 0.0}
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv_atomic(out / "turns.csv", table)
+    write_metrics(out, header, {**fields, "arms": summary}, headline={**long_run_headline(summary), **fields})
+    for arm, s in summary.items():
+        lat = (s.get("latency") or {}).get("turn_latency_s") or {}
+        print(f"{arm:14s} turns {s['turns']:5d}  errors {s['errors']}  turn p50 {lat.get('p50')}  "
+              f"p95 {lat.get('p95')}  kv_bounded {s.get('kv_bounded')}  prefill_bounded {s.get('prefill_bounded')}")
+    return 0
+
+
+def _served_model_name(http_base: str) -> str:
+    import httpx
+
+    return httpx.get(f"{http_base}/v1/models", timeout=30).json()["data"][0]["id"]
 
 
 def add_long_run_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -536,8 +653,15 @@ def add_long_run_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--turns", type=int, default=100)
     p.add_argument("--duration-s", type=float, default=None, help="stop after this wall time instead")
-    p.add_argument("--arms", default="sink_window,full_cache,reprefill",
-                   help="comma-separated: sink_window, full_cache, reprefill")
+    p.add_argument("--arms", default=None,
+                   help="comma-separated: sink_window, full_cache, reprefill, speculative (default: the "
+                        "first three); with --endpoint: grpc_session, http_reuse, http_stateless (default: all)")
+    p.add_argument("--endpoint", action="append", default=None, metavar="URL",
+                   help="drive a running `kakeya-lab serve` instead of an in-process model: give both "
+                        "--endpoint grpc://HOST:PORT and --endpoint http://HOST:PORT")
+    p.add_argument("--proposer", default=None,
+                   help="the speculative arm's proposer: ngram[:SIZES], early-exit:LAYERS or draft:MODEL")
+    p.add_argument("--draft-length", type=int, default=4, help="draft tokens per step of the speculative arm")
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=1020)
     p.add_argument("--positions", choices=["global", "rolling"], default="global")
@@ -546,6 +670,12 @@ def add_long_run_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--probe-every", type=int, default=25, help="0: no recall probes")
     p.add_argument("--reprefill-cap-s", type=float, default=30.0)
     p.add_argument("--turns-per-bucket", type=int, default=50)
+    p.add_argument("--seconds-per-bucket", type=float, default=600.0,
+                   help="wall-clock bucket length of the time-bucket table and verdicts")
+    p.add_argument("--turn-spacing-s", type=float, default=None,
+                   help="start turns this many seconds apart in wall-clock time (default: back to back)")
+    p.add_argument("--report-every-s", type=float, default=600.0,
+                   help="also checkpoint and write a partial report this often (0: by turns only)")
     p.add_argument("--force-new", action="store_true",
                    help="start over in OUT_DIR instead of resuming its checkpoint")
     p.add_argument("--quiet", action="store_true")

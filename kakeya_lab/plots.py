@@ -206,3 +206,33 @@ def speedup_vs_k_figure(summary: pd.DataFrame) -> go.Figure:
     fig.update_layout(title="Speedup vs draft length k (held-out chit-chat)", xaxis_title="k",
                       yaxis_title="× plain tokens/s", xaxis_dtick=1, height=400)
     return fig
+
+
+def bucket_figure(summary: dict[str, dict], by: str = "time", title: str | None = None) -> go.Figure:
+    """The bucket table of a long run's report (``buckets_by_time`` or ``buckets_by_turns``
+    of every arm's summary): p50 and p95 turn latency and mean ``kv_live_bytes`` per bucket,
+    one colour per arm (p95 dashed)."""
+    if by not in ("time", "turns"):
+        raise ValueError(f"by must be 'time' or 'turns', got {by!r}")
+    key = f"buckets_by_{by}"
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("turn latency per bucket", "mean KV bytes per bucket"))
+    for arm, s in summary.items():
+        rows = pd.DataFrame(s.get(key) or [], columns=["index", "turns", "p50_s", "p95_s", "kv_live_bytes_mean"])
+        if by == "time":
+            x = rows["index"] * float(s.get("seconds_per_bucket") or 600.0) / 60.0
+        else:
+            x = rows["index"] * int(s.get("turns_per_bucket") or 50)
+        common = dict(mode="lines+markers", legendgroup=arm, customdata=rows["turns"])
+        fig.add_trace(go.Scatter(x=x, y=rows["p50_s"] * 1e3, name=f"{arm} p50", line=dict(color=_color(arm)),
+                                 hovertemplate="%{y:.1f} ms (%{customdata} turns)", **common), 1, 1)
+        fig.add_trace(go.Scatter(x=x, y=rows["p95_s"] * 1e3, name=f"{arm} p95",
+                                 line=dict(color=_color(arm), dash="dash"),
+                                 hovertemplate="%{y:.1f} ms (%{customdata} turns)", **common), 1, 1)
+        fig.add_trace(go.Scatter(x=x, y=rows["kv_live_bytes_mean"] / 2**20, name=f"{arm} KV",
+                                 line=dict(color=_color(arm)), showlegend=False,
+                                 hovertemplate="%{y:.2f} MiB (%{customdata} turns)", **common), 1, 2)
+    fig.update_xaxes(title_text="bucket start (minutes)" if by == "time" else "bucket start (turn)")
+    fig.update_yaxes(title_text="ms", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title_text="MiB", rangemode="tozero", row=1, col=2)
+    fig.update_layout(title=title or f"Long run by {'wall-clock' if by == 'time' else 'turn'} bucket", height=380)
+    return fig

@@ -211,15 +211,93 @@ def repetition_rate(token_ids: list[int], n: int = 4) -> float:
     return 0.0 if not grams else 1.0 - len(set(grams)) / len(grams)
 
 
+LATENCY_COLUMNS = ("turn_latency_s", "append_latency_s", "first_token_s", "generate_s", "decode_s_per_token")
+
+
+def with_turn_latency(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with ``turn_latency_s`` = append + generate seconds (append alone when the
+    table has no ``generate_s``); an existing ``turn_latency_s`` is kept."""
+    if "turn_latency_s" in df or "append_latency_s" not in df:
+        return df
+    gen = df["generate_s"].fillna(0.0) if "generate_s" in df else 0.0
+    return df.assign(turn_latency_s=df["append_latency_s"] + gen)
+
+
+def percentiles(values: pd.Series) -> dict:
+    """``p50``, ``p95`` (linear interpolation) and ``mean`` of the non-missing values; all
+    None when there are none."""
+    v = values.dropna().astype(float)
+    if v.empty:
+        return {"p50": None, "p95": None, "mean": None, "count": 0}
+    return {"p50": float(v.quantile(0.5)), "p95": float(v.quantile(0.95)), "mean": float(v.mean()),
+            "count": int(len(v))}
+
+
+def latency_percentiles(df: pd.DataFrame) -> dict:
+    """p50 / p95 / mean (seconds) of every latency column present."""
+    df = with_turn_latency(df)
+    return {col: percentiles(df[col]) for col in LATENCY_COLUMNS if col in df}
+
+
+def kv_live_range(df: pd.DataFrame) -> dict:
+    """Minimum, mean and maximum ``kv_live_bytes`` over the turns (None without turns)."""
+    v = df["kv_live_bytes"].dropna() if "kv_live_bytes" in df else pd.Series(dtype=float)
+    if v.empty:
+        return {"min_bytes": None, "mean_bytes": None, "max_bytes": None}
+    return {"min_bytes": int(v.min()), "mean_bytes": float(v.mean()), "max_bytes": int(v.max())}
+
+
+def bucket_table(
+    df: pd.DataFrame, by: str = "turns", size: float | None = None, column: str = "turn_latency_s",
+) -> list[dict]:
+    """One row per bucket (by ``turns`` or wall ``time``): ``index``, ``turns`` (rows in
+    it), ``full`` (see :func:`full_buckets`), ``p50_s`` / ``p95_s`` / ``mean_s`` of
+    ``column`` and ``kv_live_bytes_mean``. Empty buckets in between are not listed."""
+    df = with_turn_latency(df)
+    if df.empty:
+        return []
+    buckets = bucket_of(df, by, size)
+    full = set(full_buckets(df, by, size))
+    rows = []
+    for b in sorted(buckets.unique()):
+        part = df[buckets == b]
+        stats = percentiles(part[column]) if column in part else percentiles(pd.Series(dtype=float))
+        kv = part["kv_live_bytes"].dropna() if "kv_live_bytes" in part else pd.Series(dtype=float)
+        rows.append({
+            "index": int(b), "turns": int(len(part)), "full": int(b) in full,
+            "p50_s": stats["p50"], "p95_s": stats["p95"], "mean_s": stats["mean"],
+            "kv_live_bytes_mean": float(kv.mean()) if len(kv) else None,
+        })
+    return rows
+
+
 def aggregate_arm(
     df: pd.DataFrame, *, budget_tokens: int | None, budget_bytes: int | None,
     turns_per_bucket: int = TURNS_PER_BUCKET, seconds_per_bucket: float = SECONDS_PER_BUCKET,
 ) -> dict:
-    """Every aggregate of one arm, by turns and by time."""
+    """Every aggregate of one arm, by turns and by time.
+
+    Report fields: ``turns``, ``errors``, ``duration_s`` (wall time of the arm's last
+    turn), ``latency`` (p50/p95/mean per latency column), ``kv_live_bytes`` (min/mean/max),
+    ``buckets_by_turns`` and ``buckets_by_time`` (:func:`bucket_table`, with
+    ``turns_per_bucket`` and ``seconds_per_bucket`` beside), ``kv_bounded_by_{turns,time}``
+    and ``prefill_bounded_by_{turns,time}`` (full verdicts) and ``verdicts`` (the four
+    booleans); ``kv_bounded`` / ``prefill_bounded`` are the turn-bucket verdicts."""
     ok = df[df["error"].isna()] if "error" in df else df
     out: dict = {"turns": int(len(df)), "errors": int(len(df) - len(ok))}
+    wall = df["wall_s"].dropna() if "wall_s" in df else pd.Series(dtype=float)
+    out["duration_s"] = float(wall.max()) if len(wall) else None
+    out["turns_per_bucket"] = int(turns_per_bucket)
+    out["seconds_per_bucket"] = float(seconds_per_bucket)
+    out["latency"] = latency_percentiles(ok)
+    out["kv_live_bytes"] = kv_live_range(ok)
+    out["buckets_by_turns"] = bucket_table(ok, "turns", turns_per_bucket)
+    out["buckets_by_time"] = bucket_table(ok, "time", seconds_per_bucket)
     if ok.empty:
         out["kv_bounded"] = False
+        out["prefill_bounded"] = False
+        out["verdicts"] = {"kv_bounded": {"by_turns": False, "by_time": False},
+                           "prefill_bounded": {"by_turns": False, "by_time": False}}
         out["reason"] = "no successful turns"
         return out
     start = first_full_turn(ok, budget_tokens)
@@ -234,6 +312,10 @@ def aggregate_arm(
         }
     out["kv_bounded"] = out["kv_bounded_by_turns"]["bounded"]
     out["prefill_bounded"] = out["prefill_bounded_by_turns"]["bounded"]
+    out["verdicts"] = {
+        kind: {f"by_{by}": bool(out[f"{kind}_by_{by}"]["bounded"]) for by in ("turns", "time")}
+        for kind in ("kv_bounded", "prefill_bounded")
+    }
     out["rss_drift"] = rss_drift(ok, start_turn=start, size=turns_per_bucket)
     out["eos_rate"] = float((ok["stop_reason"] == "eos").mean())
     if "repetition" in ok:

@@ -6,7 +6,9 @@ Arms (:mod:`.arms`, :func:`standard_arms`):
 * ``full_cache`` — the same runtime with a cache that never evicts (memory grows);
 * ``reprefill`` — stateless, OpenAI-style: every turn re-prefills the whole conversation
   into a fresh cache, as an HTTP chat endpoint does (latency grows). It stops once a turn
-  takes longer than ``reprefill_cap_s``, which is recorded.
+  takes longer than ``reprefill_cap_s``, which is recorded;
+* ``speculative`` — the ``sink_window`` runtime decoding speculatively with a proposer
+  (greedy: its replies equal ``sink_window``'s turn by turn).
 
 Each turn (:mod:`.turn`) appends only the new chat-templated user message (stateful arms)
 and generates a greedy reply (EOS or ``max_new_tokens``). Arms alternate turn by turn, so
@@ -17,9 +19,14 @@ history length, process RSS and truncation (:class:`TurnRecord`). Quality probes
 planted in the first turn is asked for every ``probe.every`` turns on a provisional block
 that is rolled back, and EOS and repetition rates are recorded.
 
-Results are checkpointed atomically every ``checkpoint_every`` turns into ``out_dir``
-(:mod:`.checkpoint`); :func:`run_long` resumes from the checkpoint only with the same
-settings, and loses no completed turn. Summaries: :mod:`.summary`.
+Turns can be paced in wall-clock time (``turn_spacing_s``) and the run limited in time
+(``duration_s``). Results are checkpointed atomically every ``checkpoint_every`` turns
+and every ``report_every_s`` seconds into ``out_dir`` (:mod:`.checkpoint`), each time with
+a partial report; SIGTERM / SIGINT end the run after the turn under way with a final
+partial report (``partial``, ``abort_reason``). :func:`run_long` resumes from the
+checkpoint only with the same settings, and loses no completed turn. Summaries
+(p50/p95, KV min/mean/max, bucket tables by turns and by wall time, both verdicts):
+:mod:`.summary` and :mod:`kakeya_lab.bench.aggregate`.
 """
 
 from kakeya_lab.bench.long_run.arms import ARM_NAMES, Arm, standard_arms

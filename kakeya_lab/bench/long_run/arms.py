@@ -7,28 +7,54 @@ from dataclasses import dataclass
 
 from kakeya_lab.cache import SinkWindowConfig
 
-ARM_NAMES = ("sink_window", "full_cache", "reprefill")
+ARM_NAMES = ("sink_window", "full_cache", "reprefill", "speculative")
+PROPOSER_KINDS = ("ngram", "early-exit", "draft")
 
 
 @dataclass(frozen=True)
 class Arm:
-    """One way of serving the conversation. ``stateless``: a fresh cache every turn."""
+    """One way of serving the conversation. ``stateless``: a fresh cache every turn;
+    ``proposer``: a :func:`~kakeya_lab.proposers.make_proposer` spec for speculative
+    decoding with ``draft_length`` drafts (None: plain decoding)."""
 
     name: str
     config: SinkWindowConfig
     stateless: bool = False
+    proposer: str | None = None
+    draft_length: int = 4
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "config": self.config.to_dict(), "stateless": self.stateless}
+        out = {"name": self.name, "config": self.config.to_dict(), "stateless": self.stateless}
+        if self.proposer is not None:  # plain arms keep the settings older checkpoints saved
+            out.update(proposer=self.proposer, draft_length=self.draft_length)
+        return out
+
+
+def check_proposer_spec(spec: str | None) -> None:
+    """Raise ValueError unless ``spec`` names a proposer (``ngram[:SIZES]``,
+    ``early-exit:LAYERS``, ``draft:MODEL``) — checked without a model."""
+    kind, _, arg = (spec or "").partition(":")
+    if kind not in PROPOSER_KINDS:
+        raise ValueError(f"the speculative arm needs a proposer: ngram[:SIZES], early-exit:LAYERS or "
+                         f"draft:MODEL, got {spec!r}")
+    if kind == "ngram" and arg and not all(n.strip().isdigit() and int(n) >= 1 for n in arg.split(",")):
+        raise ValueError(f"bad n-gram sizes in {spec!r}: write them like ngram:3,2,1")
+    if kind == "early-exit" and not (arg.isdigit() and int(arg) >= 1):
+        raise ValueError(f"bad layer count in {spec!r}: write it like early-exit:8")
+    if kind == "draft" and not arg:
+        raise ValueError(f"no draft model in {spec!r}: write it like draft:MODEL")
 
 
 def standard_arms(
     sink: int, window: int, positions: str = "global",
-    names: Sequence[str] = ARM_NAMES,
+    names: Sequence[str] = ("sink_window", "full_cache", "reprefill"), *,
+    proposer: str | None = None, draft_length: int = 4,
 ) -> dict[str, Arm]:
     """``sink_window`` (our runtime, bounded cache), ``full_cache`` (the same runtime, a
     cache that never evicts) and ``reprefill`` (stateless: the whole conversation is
-    prefilled into a fresh cache every turn, as an HTTP chat endpoint does).
+    prefilled into a fresh cache every turn, as an HTTP chat endpoint does) and
+    ``speculative`` (the ``sink_window`` runtime decoding speculatively with
+    ``proposer``; greedy, so its replies equal ``sink_window``'s).
 
     Raises ValueError for an unknown, repeated or missing arm name or a bad cache size
     (before any model is needed)."""
@@ -45,6 +71,15 @@ def standard_arms(
         "full_cache": Arm("full_cache", full),
         "reprefill": Arm("reprefill", full, stateless=True),
     }
+    bounded = SinkWindowConfig(sink=sink, window=window, positions=positions) if (
+        {"sink_window", "speculative"} & set(names)) else None
     if "sink_window" in names:
-        known["sink_window"] = Arm("sink_window", SinkWindowConfig(sink=sink, window=window, positions=positions))
+        known["sink_window"] = Arm("sink_window", bounded)
+    if "speculative" in names:
+        check_proposer_spec(proposer)
+        if isinstance(draft_length, bool) or not isinstance(draft_length, int) or draft_length < 1:
+            raise ValueError(f"draft_length must be an integer >= 1, got {draft_length!r}")
+        known["speculative"] = Arm("speculative", bounded, proposer=proposer, draft_length=draft_length)
+    elif proposer is not None:
+        raise ValueError("a proposer was given but no speculative arm: add 'speculative' to the arms")
     return {n: known[n] for n in names}

@@ -54,6 +54,7 @@ class ArmState:
     store: SessionStore | None = None
     sid: str | None = None
     stopped: str | None = None  # why this arm stopped early
+    proposer: object | None = None  # the speculative arm's proposer (rebuilt on resume)
 
 
 @dataclass
@@ -72,10 +73,20 @@ def new_session(loaded, arm: Arm) -> tuple[SessionStore, str]:
     return store, store.create()
 
 
+def new_proposer(loaded, arm: Arm):
+    """The arm's proposer (None for plain decoding). It resynchronises from the context
+    it is given, so a fresh one serves a resumed run."""
+    if arm.proposer is None:
+        return None
+    from kakeya_lab.proposers import make_proposer
+
+    return make_proposer(arm.proposer, loaded.model, arm.config, loaded.tokenizer)
+
+
 def fresh_progress(loaded, arms: Mapping[str, Arm]) -> Progress:
     states = {}
     for name, arm in arms.items():
-        state = ArmState(arm, ChatTemplate(loaded.tokenizer))
+        state = ArmState(arm, ChatTemplate(loaded.tokenizer), proposer=new_proposer(loaded, arm))
         if not arm.stateless:
             state.store, state.sid = new_session(loaded, arm)
         states[name] = state
@@ -91,7 +102,7 @@ def load_progress(path: Path, loaded, arms: Mapping[str, Arm], settings: dict) -
     for name, arm in arms.items():
         s = saved["arms"][name]
         state = ArmState(arm, ChatTemplate.from_state(loaded.tokenizer, s["chat"]), list(s["history_ids"]),
-                         stopped=s["stopped"])
+                         stopped=s["stopped"], proposer=new_proposer(loaded, arm))
         if not arm.stateless and state.history_ids:
             state.store, state.sid = new_session(loaded, arm)
             state.store.append(state.sid, state.history_ids)  # replay: same cache as before

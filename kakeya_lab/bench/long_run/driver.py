@@ -3,8 +3,10 @@ checkpointed, resumable (strictly), refusing meaningless results."""
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,12 +35,21 @@ from kakeya_lab.session import SessionStore, model_eos_ids
 
 @dataclass
 class LongRun:
-    """A finished (or time-limited) run: the per-turn table, the arms, their summaries."""
+    """A run's report: the per-turn table, the arms, their summaries. ``partial``: the run
+    is not over (a periodic report, or a run stopped by a signal, ``abort_reason`` then
+    names it, e.g. ``"SIGTERM"``); ``duration_s``: wall time of the run so far."""
 
     turns: pd.DataFrame
     arms: dict[str, Arm]
     summary: dict[str, dict]
     states: dict[str, ArmState]
+    partial: bool = False
+    abort_reason: str | None = None
+    duration_s: float = 0.0
+
+    def report_fields(self) -> dict:
+        """The run-level report fields: ``partial``, ``abort_reason``, ``duration_s``."""
+        return {"partial": self.partial, "abort_reason": self.abort_reason, "duration_s": self.duration_s}
 
     def session(self, arm: str) -> tuple[SessionStore, str]:
         state = self.states[arm]
@@ -47,7 +58,8 @@ class LongRun:
 
 def check_run_arguments(
     *, turns: int, max_new_tokens: int, checkpoint_every: int, duration_s: float | None,
-    reprefill_cap_s: float | None, turns_per_bucket: int,
+    reprefill_cap_s: float | None, turns_per_bucket: int, turn_spacing_s: float | None = None,
+    report_every_s: float | None = None, seconds_per_bucket: float = 600.0,
 ) -> None:
     """Raise ValueError for any argument of :func:`run_long` that cannot work (no model needed)."""
     def integer(name: str, value: object, minimum: int) -> None:
@@ -65,6 +77,33 @@ def check_run_arguments(
     integer("turns_per_bucket", turns_per_bucket, 1)
     positive("duration_s", duration_s)
     positive("reprefill_cap_s", reprefill_cap_s)
+    positive("turn_spacing_s", turn_spacing_s)
+    positive("report_every_s", report_every_s)
+    positive("seconds_per_bucket", seconds_per_bucket)
+
+
+class _Signals:
+    """SIGTERM / SIGINT set a flag that the driver checks between turns (the turn under
+    way finishes first). Installed only in the main thread; restored on exit."""
+
+    def __init__(self) -> None:
+        self.caught: str | None = None
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._catch)
+        return self
+
+    def _catch(self, signum: int, frame) -> None:
+        if self.caught is not None and signum == signal.SIGINT:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.caught = signal.Signals(signum).name
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
 
 
 def run_long(
@@ -79,25 +118,43 @@ def run_long(
     probe: FactProbe | None = None,
     reprefill_cap_s: float | None = 30.0,
     turns_per_bucket: int = 50,
+    seconds_per_bucket: float = 600.0,
+    turn_spacing_s: float | None = None,
+    report_every_s: float | None = 600.0,
+    on_report: Callable[[LongRun], None] | None = None,
+    catch_signals: bool = True,
     force_new: bool = False,
     progress: bool = True,
 ) -> LongRun:
     """Drive every arm through ``user_turns`` (cycled when ``duration_s`` asks for more).
 
-    With ``out_dir`` the run checkpoints there every ``checkpoint_every`` turns and resumes
-    from an existing checkpoint — only with the same model, arms, caches, generation
-    settings and turns (else :class:`~kakeya_lab.resume.ResumeMismatch` names the
-    difference); ``force_new`` starts over instead. Raises
-    :class:`~kakeya_lab.bench.long_run.records.DegenerateRun` on meaningless numbers (zero
-    KV bytes, every turn failed). A failing turn stops its arm; the others go on.
+    With ``out_dir`` the run checkpoints there every ``checkpoint_every`` turns and every
+    ``report_every_s`` seconds of wall time, and resumes from an existing checkpoint —
+    only with the same model, arms, caches, generation settings and turns (else
+    :class:`~kakeya_lab.resume.ResumeMismatch` names the difference); ``force_new`` starts
+    over instead. Every checkpoint also writes ``turns.csv`` and calls ``on_report`` with
+    a partial :class:`LongRun` (``partial=True``); the end of the run calls it once more.
+
+    ``turn_spacing_s``: round ``i`` starts ``i * turn_spacing_s`` seconds after the run's
+    origin (at once if it is already late). ``duration_s``: no round starts after that
+    wall time. ``catch_signals``: SIGTERM / SIGINT stop the run after the turn under way,
+    save the checkpoint, and return a report with ``partial=True`` and ``abort_reason``
+    the signal's name (a second SIGINT raises KeyboardInterrupt at once).
+
+    Raises :class:`~kakeya_lab.bench.long_run.records.DegenerateRun` on meaningless
+    numbers (zero KV bytes, every turn failed). A failing turn stops its arm; the others go on.
     """
     turns = list(user_turns)
     if not arms:
         raise ValueError("no arms to run")
     check_run_arguments(turns=len(turns), max_new_tokens=max_new_tokens, checkpoint_every=checkpoint_every,
-                        duration_s=duration_s, reprefill_cap_s=reprefill_cap_s, turns_per_bucket=turns_per_bucket)
+                        duration_s=duration_s, reprefill_cap_s=reprefill_cap_s, turns_per_bucket=turns_per_bucket,
+                        turn_spacing_s=turn_spacing_s, report_every_s=report_every_s,
+                        seconds_per_bucket=seconds_per_bucket)
     settings = run_settings(loaded, arms, turns, max_new_tokens=max_new_tokens, probe=probe,
                             reprefill_cap_s=reprefill_cap_s, turns_per_bucket=turns_per_bucket)
+    if turn_spacing_s is not None:
+        settings["turn_spacing_s"] = turn_spacing_s  # pacing shapes latencies: resume only with the same
     out = Path(out_dir) if out_dir is not None else None
     checkpoint = out / CHECKPOINT if out is not None else None
     if out is not None and force_new:
@@ -107,25 +164,62 @@ def run_long(
     else:
         state = fresh_progress(loaded, arms)
 
-    def save(wall_s: float) -> None:
+    def report(wall_s: float, partial: bool, abort_reason: str | None = None) -> LongRun:
         if checkpoint is not None:
             refuse_degenerate(state.rows)
             state.wall_s = wall_s
             save_progress(checkpoint, state, settings)
+        run = _finish(loaded, arms, state, out, turns_per_bucket, seconds_per_bucket)
+        run.partial, run.abort_reason, run.duration_s = partial, abort_reason, wall_s
+        if on_report is not None and state.rows:
+            on_report(run)
+        return run
 
     t0 = time.perf_counter() - state.wall_s
+    last_report = time.perf_counter()
     limit = len(turns) if duration_s is None else None
     bar = tqdm(total=limit, initial=state.next_turn, desc="long run", unit="turn", disable=not progress)
-    while (limit is None or state.next_turn < limit) and (duration_s is None or time.perf_counter() - t0 < duration_s):
-        _run_round(loaded, state, turns, max_new_tokens, t0, probe, reprefill_cap_s)
-        bar.update(1)
-        if state.next_turn % checkpoint_every == 0:
-            save(time.perf_counter() - t0)
-    bar.close()
-    save(time.perf_counter() - t0)
+    with _Signals() if catch_signals else _NoSignals() as signals:
+        while (limit is None or state.next_turn < limit) and not signals.caught:
+            if turn_spacing_s is not None:
+                _wait_until(t0 + state.next_turn * turn_spacing_s, signals)
+                if signals.caught:
+                    break
+            if duration_s is not None and time.perf_counter() - t0 >= duration_s:
+                break
+            _run_round(loaded, state, turns, max_new_tokens, t0, probe, reprefill_cap_s)
+            bar.update(1)
+            now = time.perf_counter()
+            due_by_time = report_every_s is not None and now - last_report >= report_every_s
+            if state.next_turn % checkpoint_every == 0 or due_by_time:
+                report(now - t0, partial=True)
+                last_report = time.perf_counter()
+        bar.close()
+        reason = signals.caught
+        final = report(time.perf_counter() - t0, partial=reason is not None, abort_reason=reason)
     refuse_degenerate(state.rows)
-    refuse_all_failed(state.rows)
-    return _finish(loaded, arms, state, out, turns_per_bucket)
+    if reason is None:
+        refuse_all_failed(state.rows)
+    return final
+
+
+class _NoSignals:
+    caught: str | None = None
+
+    def __enter__(self) -> _NoSignals:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _wait_until(when: float, signals) -> None:
+    """Sleep until ``time.perf_counter() >= when``, waking early on a caught signal."""
+    while not signals.caught:
+        left = when - time.perf_counter()
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.1))
 
 
 def _run_round(loaded, state: Progress, turns: list[str], max_new_tokens: int, t0: float,
@@ -156,12 +250,16 @@ def _run_round(loaded, state: Progress, turns: list[str], max_new_tokens: int, t
     state.next_turn = i + 1
 
 
-def _finish(loaded, arms: Mapping[str, Arm], state: Progress, out: Path | None, turns_per_bucket: int) -> LongRun:
+def _finish(loaded, arms: Mapping[str, Arm], state: Progress, out: Path | None, turns_per_bucket: int,
+            seconds_per_bucket: float) -> LongRun:
     table = pd.DataFrame(state.rows)
     if "error" not in table:
         table["error"] = None
+    if "arm" not in table:
+        table["arm"] = pd.Series(dtype=str)
     budgets = {n: analytic_kv_budget_bytes(loaded.model, a.config) for n, a in arms.items()}
-    summary = summarize_long_run(table, arms, budgets, turns_per_bucket=turns_per_bucket)
+    summary = summarize_long_run(table, arms, budgets, turns_per_bucket=turns_per_bucket,
+                                 seconds_per_bucket=seconds_per_bucket)
     for name, arm_state in state.states.items():
         summary[name]["stopped"] = arm_state.stopped
     if out is not None:

@@ -35,6 +35,10 @@ class TurnRecord:
     probe_distance_tokens: int | None = None
     probe_reply: str | None = None
     error: str | None = None
+    proposed: int = 0  # draft tokens proposed (speculative arm)
+    accepted: int = 0  # of which the verifier accepted
+    tau: float | None = None  # tokens per verifier forward
+    proposer_s: float = 0.0
 
 
 def refuse_degenerate(rows: list[dict]) -> None:

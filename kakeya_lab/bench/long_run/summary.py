@@ -12,7 +12,7 @@ from kakeya_lab.bench.long_run.arms import Arm
 
 def summarize_long_run(
     table: pd.DataFrame, arms: Mapping[str, Arm], budget_bytes: Mapping[str, int | None],
-    *, turns_per_bucket: int = 50,
+    *, turns_per_bucket: int = 50, seconds_per_bucket: float = 600.0,
 ) -> dict[str, dict]:
     """:func:`~kakeya_lab.bench.aggregate.aggregate_arm` for every arm, plus quality probes.
     ``budget_bytes``: the analytic KV budget per arm (None for caches that never evict)."""
@@ -20,7 +20,7 @@ def summarize_long_run(
     for name, arm in arms.items():
         df = table[table["arm"] == name]
         summary = aggregate_arm(df, budget_tokens=arm.config.budget, budget_bytes=budget_bytes[name],
-                                turns_per_bucket=turns_per_bucket)
+                                turns_per_bucket=turns_per_bucket, seconds_per_bucket=seconds_per_bucket)
         summary["budget_bytes"] = budget_bytes[name]
         if "probe_recalled" in df and df["probe_recalled"].notna().any():
             probes = df[df["probe_recalled"].notna()]
@@ -38,10 +38,22 @@ def long_run_headline(summary: dict[str, dict]) -> dict[str, dict]:
     out = {}
     for arm, s in summary.items():
         drift = s.get("latency_drift_p50_by_turns", {}).get("append_latency_s", {})
+        verdicts = s.get("verdicts", {})
+        turn_latency = (s.get("latency") or {}).get("turn_latency_s") or {}
+        kv = s.get("kv_live_bytes") or {}
         out[arm] = {
             "turns": s.get("turns"),
+            "errors": s.get("errors"),
+            "duration_s": s.get("duration_s"),
             "kv_bounded": s.get("kv_bounded"),
             "prefill_bounded": s.get("prefill_bounded"),
+            "kv_bounded_by_time": (verdicts.get("kv_bounded") or {}).get("by_time"),
+            "prefill_bounded_by_time": (verdicts.get("prefill_bounded") or {}).get("by_time"),
+            "turn_latency_p50_s": turn_latency.get("p50"),
+            "turn_latency_p95_s": turn_latency.get("p95"),
+            "kv_live_bytes_min": kv.get("min_bytes"),
+            "kv_live_bytes_mean": kv.get("mean_bytes"),
+            "kv_live_bytes_max": kv.get("max_bytes"),
             "append_p50_drift_pct": drift.get("drift_pct"),
             "append_last_over_first_bucket": s.get("append_latency_last_over_first_bucket"),
             "rss_drift_pct": (s.get("rss_drift") or {}).get("drift_pct"),

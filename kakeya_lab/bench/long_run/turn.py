@@ -28,7 +28,8 @@ def run_turn(
     else:
         appended = state.store.append(state.sid, delta)
     state.history_ids += delta
-    result = collect_reply(state.store.generate(state.sid, max_new_tokens))
+    result = collect_reply(state.store.generate(state.sid, max_new_tokens, proposer=state.proposer,
+                                                draft_length=arm.draft_length))
     reply, done = result.token_ids, result.done
     truncated = appended.dropped > 0 or result.truncated_dropped is not None
     state.history_ids += reply
@@ -44,6 +45,8 @@ def run_turn(
         rss_bytes=psutil.Process().memory_info().rss, truncated=truncated,
         dropped_total=info.history_len - info.cache_len, wall_s=time.perf_counter() - t0,
         repetition=repetition_rate(reply), reply=reply_text,
+        proposed=done.counts.proposed, accepted=done.counts.accepted, tau=done.counts.tau,
+        proposer_s=done.timings.proposer_s,
     )
     if probe is not None and (turn + 1) % probe.every == 0:
         answer = probe_recall(state.store, state.sid, state.chat, probe, eos_ids)
