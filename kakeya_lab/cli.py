@@ -78,7 +78,9 @@ def _check_positive(name: str, value: float | None, *, allow_zero: bool = False)
         return
     ok = math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
     if not ok:
-        raise UserError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value}")
+        raise UserError(
+            f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value}"
+        )
 
 
 def _check_cache(args: argparse.Namespace):
@@ -88,7 +90,9 @@ def _check_cache(args: argparse.Namespace):
     _check_int("--sink", args.sink, 0, MAX_CACHE_TOKENS)
     _check_int("--window", args.window, 1, MAX_CACHE_TOKENS)
     try:
-        return SinkWindowConfig(sink=args.sink, window=args.window, positions=getattr(args, "positions", "global"))
+        return SinkWindowConfig(
+            sink=args.sink, window=args.window, positions=getattr(args, "positions", "global")
+        )
     except ValueError as exc:
         raise UserError(str(exc)) from exc
 
@@ -145,7 +149,9 @@ def _check_proposer(spec: str) -> None:
     if kind == "draft" and arg:
         _check_model(arg, "--proposer draft:")
         return
-    raise UserError(f"unknown proposer {spec!r}: use none, ngram[:SIZES], early-exit:LAYERS or draft:MODEL")
+    raise UserError(
+        f"unknown proposer {spec!r}: use none, ngram[:SIZES], early-exit:LAYERS or draft:MODEL"
+    )
 
 
 def _human_size(n: int | None) -> str:
@@ -322,8 +328,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UserError(str(exc)) from exc
     interactive = sys.stdin.isatty()
-    print(f"{loaded.description.name}: sink {config.sink}, window {config.window}, "
-          f"{config.positions} positions, proposer {args.proposer}. /info, /quit.", file=sys.stderr)
+    print(
+        f"{loaded.description.name}: sink {config.sink}, window {config.window}, "
+        f"{config.positions} positions, proposer {args.proposer}. /info, /quit.",
+        file=sys.stderr,
+    )
     while True:
         try:
             line = input("you> " if interactive else "")
@@ -349,7 +358,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if isinstance(event, Token):
                 reply.append(event.id)
                 text_now = tok.decode(reply, skip_special_tokens=True)
-                print(text_now[len(shown):], end="", flush=True)
+                print(text_now[len(shown) :], end="", flush=True)
                 shown = text_now
             elif isinstance(event, HistoryTruncated):
                 truncated = True
@@ -384,9 +393,17 @@ def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--proposer", default="none",
-                   help="none | ngram | early-exit:LAYERS | draft:MODEL (speculative decoding)")
-    p.add_argument("--draft-length", type=int, default=4, help="tokens drafted per verifier forward (speculative decoding)")
+    p.add_argument(
+        "--proposer",
+        default="none",
+        help="none | ngram | early-exit:LAYERS | draft:MODEL (speculative decoding)",
+    )
+    p.add_argument(
+        "--draft-length",
+        type=int,
+        default=4,
+        help="tokens drafted per verifier forward (speculative decoding)",
+    )
     p.set_defaults(func=cmd_chat)
 
 
@@ -412,7 +429,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     params = _parse_parameters(args.parameter)
     try:
         run_dir = run_notebook(
-            args.notebook, params, results_root=args.results, experiment=args.experiment,
+            args.notebook,
+            params,
+            results_root=args.results,
+            experiment=args.experiment,
             progress=not args.quiet,
         )
     except (FileNotFoundError, ValueError) as exc:
@@ -427,8 +447,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 def add_run_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("run", help="execute a parameterised notebook into a run folder")
     p.add_argument("notebook")
-    p.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"),
-                   help="notebook parameter (value parsed as YAML); repeatable")
+    p.add_argument(
+        "-p",
+        "--parameter",
+        nargs=2,
+        action="append",
+        metavar=("NAME", "VALUE"),
+        help="notebook parameter (value parsed as YAML); repeatable",
+    )
     p.add_argument("--results", default="results", help="results root (default: results)")
     p.add_argument("--experiment", default=None, help="run folder group (default: notebook name)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -444,14 +470,23 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     try:
         sweep = load_sweep(args.file)
-        outcomes = run_sweep(sweep, profile=args.profile, results_root=args.results,
-                             executor=args.executor, ray_address=args.ray_address, progress=not args.quiet,
-                             force_new=args.force_new)
+        outcomes = run_sweep(
+            sweep,
+            profile=args.profile,
+            results_root=args.results,
+            executor=args.executor,
+            ray_address=args.ray_address,
+            progress=not args.quiet,
+            force_new=args.force_new,
+        )
     except (FileNotFoundError, ValueError) as exc:
         raise UserError(str(exc)) from exc
     counts = outcomes["status"].value_counts().to_dict() if len(outcomes) else {}
-    print(f"{sweep.name}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) +
-          f"; index: {args.results}/index.parquet")
+    print(
+        f"{sweep.name}: "
+        + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+        + f"; index: {args.results}/index.parquet"
+    )
     for row in outcomes[outcomes["status"] == "failed"].itertuples() if len(outcomes) else []:
         print(f"  failed {row.run_id}: {row.error}", file=sys.stderr)
     return EXIT_RUN_FAILED if counts.get("failed") else 0
@@ -461,11 +496,18 @@ def add_sweep_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("sweep", help="run a sweep file (notebook x parameter grid)")
     p.add_argument("file")
     p.add_argument("--profile", default=None, help="a profile of the file, e.g. smoke or full")
-    p.add_argument("--executor", choices=["local", "ray"], default=None, help="override the file's executor")
-    p.add_argument("--ray-address", default=None, help="Ray cluster address (default: start one locally)")
+    p.add_argument(
+        "--executor", choices=["local", "ray"], default=None, help="override the file's executor"
+    )
+    p.add_argument(
+        "--ray-address", default=None, help="Ray cluster address (default: start one locally)"
+    )
     p.add_argument("--results", default="results")
-    p.add_argument("--force-new", action="store_true",
-                   help="re-run runs whose folders hold another notebook version or other parameters")
+    p.add_argument(
+        "--force-new",
+        action="store_true",
+        help="re-run runs whose folders hold another notebook version or other parameters",
+    )
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_sweep)
 
@@ -492,9 +534,12 @@ def cmd_long_run(args: argparse.Namespace) -> int:
     if args.arms is None:
         args.arms = "sink_window,full_cache,reprefill"
     _check_cache(args)
-    for flag, value in (("--turns", args.turns), ("--max-new-tokens", args.max_new_tokens),
-                        ("--checkpoint-every", args.checkpoint_every),
-                        ("--turns-per-bucket", args.turns_per_bucket)):
+    for flag, value in (
+        ("--turns", args.turns),
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--checkpoint-every", args.checkpoint_every),
+        ("--turns-per-bucket", args.turns_per_bucket),
+    ):
         _check_int(flag, value, 1)
     _check_int("--probe-every", args.probe_every, 0)
     _check_positive("--duration-s", args.duration_s)
@@ -506,17 +551,31 @@ def cmd_long_run(args: argparse.Namespace) -> int:
     try:
         names = [a.strip() for a in args.arms.split(",") if a.strip()]
         if args.proposer is not None and "speculative" not in names:
-            raise UserError("--proposer is for the speculative arm: add it, e.g. --arms sink_window,speculative")
+            raise UserError(
+                "--proposer is for the speculative arm: add it, e.g. --arms sink_window,speculative"
+            )
         if "speculative" in names and args.proposer is None:
             raise UserError("the speculative arm needs --proposer, e.g. --proposer ngram")
         _check_int("--draft-length", args.draft_length, 1)
-        arms = standard_arms(args.sink, args.window, args.positions, names=names,
-                             proposer=args.proposer, draft_length=args.draft_length)
-        check_run_arguments(turns=args.turns, max_new_tokens=args.max_new_tokens,
-                            checkpoint_every=args.checkpoint_every, duration_s=args.duration_s,
-                            reprefill_cap_s=args.reprefill_cap_s, turns_per_bucket=args.turns_per_bucket,
-                            turn_spacing_s=args.turn_spacing_s, report_every_s=report_every_s,
-                            seconds_per_bucket=args.seconds_per_bucket)
+        arms = standard_arms(
+            args.sink,
+            args.window,
+            args.positions,
+            names=names,
+            proposer=args.proposer,
+            draft_length=args.draft_length,
+        )
+        check_run_arguments(
+            turns=args.turns,
+            max_new_tokens=args.max_new_tokens,
+            checkpoint_every=args.checkpoint_every,
+            duration_s=args.duration_s,
+            reprefill_cap_s=args.reprefill_cap_s,
+            turns_per_bucket=args.turns_per_bucket,
+            turn_spacing_s=args.turn_spacing_s,
+            report_every_s=report_every_s,
+            seconds_per_bucket=args.seconds_per_bucket,
+        )
         probe = FactProbe(every=args.probe_every) if args.probe_every else None
     except ValueError as exc:
         raise UserError(f"--arms: {exc}") from exc
@@ -524,47 +583,85 @@ def cmd_long_run(args: argparse.Namespace) -> int:
     _check_model(args.model)
     loaded = load_model(args.model, progress=not args.quiet)
     turns = chained_user_turns(chitchat_conversations("dev"), args.turns)
-    header = run_header(experiment="long_run", run_id=out.resolve().name, model=loaded.description,
-                        cache=arms[next(iter(arms))].config.to_dict(),
-                        extra={"arms": list(arms), "turns": args.turns, "max_new_tokens": args.max_new_tokens,
-                               "turn_spacing_s": args.turn_spacing_s, "duration_limit_s": args.duration_s})
+    header = run_header(
+        experiment="long_run",
+        run_id=out.resolve().name,
+        model=loaded.description,
+        cache=arms[next(iter(arms))].config.to_dict(),
+        extra={
+            "arms": list(arms),
+            "turns": args.turns,
+            "max_new_tokens": args.max_new_tokens,
+            "turn_spacing_s": args.turn_spacing_s,
+            "duration_limit_s": args.duration_s,
+        },
+    )
 
     def write_report(run) -> None:
         fields = run.report_fields()
-        write_metrics(out, header, {**fields, "arms": run.summary},
-                      headline={**long_run_headline(run.summary), **fields})
+        write_metrics(
+            out,
+            header,
+            {**fields, "arms": run.summary},
+            headline={**long_run_headline(run.summary), **fields},
+        )
 
     try:
-        run = run_long(loaded, arms, turns, max_new_tokens=args.max_new_tokens, out_dir=out,
-                       checkpoint_every=args.checkpoint_every, duration_s=args.duration_s, probe=probe,
-                       reprefill_cap_s=args.reprefill_cap_s, turns_per_bucket=args.turns_per_bucket,
-                       seconds_per_bucket=args.seconds_per_bucket, turn_spacing_s=args.turn_spacing_s,
-                       report_every_s=report_every_s, on_report=write_report,
-                       force_new=args.force_new, progress=not args.quiet)
+        run = run_long(
+            loaded,
+            arms,
+            turns,
+            max_new_tokens=args.max_new_tokens,
+            out_dir=out,
+            checkpoint_every=args.checkpoint_every,
+            duration_s=args.duration_s,
+            probe=probe,
+            reprefill_cap_s=args.reprefill_cap_s,
+            turns_per_bucket=args.turns_per_bucket,
+            seconds_per_bucket=args.seconds_per_bucket,
+            turn_spacing_s=args.turn_spacing_s,
+            report_every_s=report_every_s,
+            on_report=write_report,
+            force_new=args.force_new,
+            progress=not args.quiet,
+        )
     except DegenerateRun as exc:
-        print(f"{PROG}: run failed: {' '.join(str(exc).split())} (checkpoint in {out})", file=sys.stderr)
+        print(
+            f"{PROG}: run failed: {' '.join(str(exc).split())} (checkpoint in {out})",
+            file=sys.stderr,
+        )
         return EXIT_RUN_FAILED
     for arm, s in run.summary.items():
         drift = s.get("latency_drift_p50_by_turns", {}).get("append_latency_s", {})
-        shown = f"{drift['drift_pct']:.1f}%" if drift.get("drift_pct") is not None else "not measured"
+        shown = (
+            f"{drift['drift_pct']:.1f}%" if drift.get("drift_pct") is not None else "not measured"
+        )
         lat = (s.get("latency") or {}).get("turn_latency_s") or {}
         p50 = f"{lat['p50']:.3f}s" if lat.get("p50") is not None else "-"
         p95 = f"{lat['p95']:.3f}s" if lat.get("p95") is not None else "-"
         v = s.get("verdicts") or {}
-        print(f"{arm:12s} turns {s['turns']:5d}  errors {s['errors']}  turn p50 {p50} p95 {p95}  "
-              f"kv_bounded turns/time {(v.get('kv_bounded') or {}).get('by_turns')}/"
-              f"{(v.get('kv_bounded') or {}).get('by_time')}  "
-              f"prefill_bounded turns/time {(v.get('prefill_bounded') or {}).get('by_turns')}/"
-              f"{(v.get('prefill_bounded') or {}).get('by_time')}  append p50 drift {shown}"
-              + (f"  stopped: {s['stopped']}" if s.get("stopped") else ""))
+        print(
+            f"{arm:12s} turns {s['turns']:5d}  errors {s['errors']}  turn p50 {p50} p95 {p95}  "
+            f"kv_bounded turns/time {(v.get('kv_bounded') or {}).get('by_turns')}/"
+            f"{(v.get('kv_bounded') or {}).get('by_time')}  "
+            f"prefill_bounded turns/time {(v.get('prefill_bounded') or {}).get('by_turns')}/"
+            f"{(v.get('prefill_bounded') or {}).get('by_time')}  append p50 drift {shown}"
+            + (f"  stopped: {s['stopped']}" if s.get("stopped") else "")
+        )
     if run.abort_reason is not None:
         signum = int(getattr(signal, run.abort_reason))
-        print(f"{PROG}: stopped by {run.abort_reason} after {int(run.turns['turn'].max()) + 1 if len(run.turns) else 0} "
-              f"round(s); partial report in {out / 'metrics.json'}; run again to resume", file=sys.stderr)
+        print(
+            f"{PROG}: stopped by {run.abort_reason} after {int(run.turns['turn'].max()) + 1 if len(run.turns) else 0} "
+            f"round(s); partial report in {out / 'metrics.json'}; run again to resume",
+            file=sys.stderr,
+        )
         return 128 + signum
     failed = [arm for arm, s in run.summary.items() if s.get("errors")]
     if failed:
-        print(f"{PROG}: arm(s) {', '.join(failed)} stopped on a failing turn (see turns.csv)", file=sys.stderr)
+        print(
+            f"{PROG}: arm(s) {', '.join(failed)} stopped on a failing turn (see turns.csv)",
+            file=sys.stderr,
+        )
         return EXIT_RUN_FAILED
     return 0
 
@@ -589,53 +686,102 @@ def _long_run_served(args: argparse.Namespace) -> int:
         endpoints = parse_endpoints(args.endpoint)
     except ValueError as exc:
         raise UserError(f"--endpoint: {exc}") from exc
-    for flag, value in (("--turns", args.turns), ("--max-new-tokens", args.max_new_tokens),
-                        ("--turns-per-bucket", args.turns_per_bucket)):
+    for flag, value in (
+        ("--turns", args.turns),
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--turns-per-bucket", args.turns_per_bucket),
+    ):
         _check_int(flag, value, 1)
     _check_positive("--seconds-per-bucket", args.seconds_per_bucket)
-    for flag, value in (("--duration-s", args.duration_s), ("--turn-spacing-s", args.turn_spacing_s),
-                        ("--proposer", args.proposer)):
+    for flag, value in (
+        ("--duration-s", args.duration_s),
+        ("--turn-spacing-s", args.turn_spacing_s),
+        ("--proposer", args.proposer),
+    ):
         if value is not None:
-            raise UserError(f"{flag} is not supported with --endpoint (the served run is a fixed number of --turns)")
+            raise UserError(
+                f"{flag} is not supported with --endpoint (the served run is a fixed number of --turns)"
+            )
     try:
-        names = check_served_arms([a.strip() for a in (args.arms or ",".join(SERVED_ARMS)).split(",") if a.strip()])
+        names = check_served_arms(
+            [a.strip() for a in (args.arms or ",".join(SERVED_ARMS)).split(",") if a.strip()]
+        )
     except ValueError as exc:
         raise UserError(f"--arms: {exc}") from exc
     out = _check_out_dir(args.out_dir)
-    if not args.force_new and any((out / n).exists() for n in ("turns.csv", "metrics.json", "checkpoint.json")):
-        raise UserError(f"{out} already holds a run; a served run does not resume: use another folder or --force-new")
+    if not args.force_new and any(
+        (out / n).exists() for n in ("turns.csv", "metrics.json", "checkpoint.json")
+    ):
+        raise UserError(
+            f"{out} already holds a run; a served run does not resume: use another folder or --force-new"
+        )
     _check_model(args.model)
     from kakeya_lab.serve.served_long_run import run_served_long_run
 
-    found = resolve(args.model, pull_if_missing=False, progress=False)  # identity only, no weights loaded
+    found = resolve(
+        args.model, pull_if_missing=False, progress=False
+    )  # identity only, no weights loaded
     try:
         served_model = _served_model_name(endpoints.http_base)
         cache = server_cache(endpoints.grpc_target)
     except Exception as exc:  # an unreachable server is the user's to fix
-        raise UserError(f"--endpoint: cannot reach the server ({type(exc).__name__}: {exc}); "
-                        "is `kakeya-lab serve` running there?") from exc
+        raise UserError(
+            f"--endpoint: cannot reach the server ({type(exc).__name__}: {exc}); "
+            "is `kakeya-lab serve` running there?"
+        ) from exc
     if served_model != found.name:
-        raise UserError(f"the server runs {served_model!r}, not --model {found.name!r}: pass --model {served_model}")
+        raise UserError(
+            f"the server runs {served_model!r}, not --model {found.name!r}: pass --model {served_model}"
+        )
     turns = chained_user_turns(chitchat_conversations("dev"), args.turns)
-    header = run_header(experiment="long_run", run_id=out.resolve().name,
-                        model={"name": found.name, "weight_sha256": found.weight_sha256, "architecture": None,
-                               "random": False},
-                        extra={"arms": names, "turns": args.turns, "max_new_tokens": args.max_new_tokens,
-                               "endpoints": {"grpc": endpoints.grpc_target, "http": endpoints.http_base},
-                               "server_cache": cache})
-    table = run_served_long_run(endpoints.grpc_target, endpoints.http_base, turns,
-                                max_new_tokens=args.max_new_tokens, model=served_model, arms=names)
-    summary = summarize_served(table, cache, turns_per_bucket=args.turns_per_bucket,
-                               seconds_per_bucket=args.seconds_per_bucket)
+    header = run_header(
+        experiment="long_run",
+        run_id=out.resolve().name,
+        model={
+            "name": found.name,
+            "weight_sha256": found.weight_sha256,
+            "architecture": None,
+            "random": False,
+        },
+        extra={
+            "arms": names,
+            "turns": args.turns,
+            "max_new_tokens": args.max_new_tokens,
+            "endpoints": {"grpc": endpoints.grpc_target, "http": endpoints.http_base},
+            "server_cache": cache,
+        },
+    )
+    table = run_served_long_run(
+        endpoints.grpc_target,
+        endpoints.http_base,
+        turns,
+        max_new_tokens=args.max_new_tokens,
+        model=served_model,
+        arms=names,
+    )
+    summary = summarize_served(
+        table,
+        cache,
+        turns_per_bucket=args.turns_per_bucket,
+        seconds_per_bucket=args.seconds_per_bucket,
+    )
     wall = table["wall_s"].dropna()
-    fields = {"partial": False, "abort_reason": None, "duration_s": float(wall.max()) if len(wall) else 0.0}
+    fields = {
+        "partial": False,
+        "abort_reason": None,
+        "duration_s": float(wall.max()) if len(wall) else 0.0,
+    }
     out.mkdir(parents=True, exist_ok=True)
     write_csv_atomic(out / "turns.csv", table)
-    write_metrics(out, header, {**fields, "arms": summary}, headline={**long_run_headline(summary), **fields})
+    write_metrics(
+        out, header, {**fields, "arms": summary}, headline={**long_run_headline(summary), **fields}
+    )
     for arm, s in summary.items():
         lat = (s.get("latency") or {}).get("turn_latency_s") or {}
-        print(f"{arm:14s} turns {s['turns']:5d}  errors {s['errors']}  turn p50 {lat.get('p50')}  "
-              f"p95 {lat.get('p95')}  kv_bounded {s.get('kv_bounded')}  prefill_bounded {s.get('prefill_bounded')}")
+        print(
+            f"{arm:14s} turns {s['turns']:5d}  errors {s['errors']}  turn p50 {lat.get('p50')}  "
+            f"p95 {lat.get('p95')}  kv_bounded {s.get('kv_bounded')}  prefill_bounded {s.get('prefill_bounded')}"
+        )
     return 0
 
 
@@ -652,16 +798,31 @@ def add_long_run_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("out_dir")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--turns", type=int, default=100)
-    p.add_argument("--duration-s", type=float, default=None, help="stop after this wall time instead")
-    p.add_argument("--arms", default=None,
-                   help="comma-separated: sink_window, full_cache, reprefill, speculative (default: the "
-                        "first three); with --endpoint: grpc_session, http_reuse, http_stateless (default: all)")
-    p.add_argument("--endpoint", action="append", default=None, metavar="URL",
-                   help="drive a running `kakeya-lab serve` instead of an in-process model: give both "
-                        "--endpoint grpc://HOST:PORT and --endpoint http://HOST:PORT")
-    p.add_argument("--proposer", default=None,
-                   help="the speculative arm's proposer: ngram[:SIZES], early-exit:LAYERS or draft:MODEL")
-    p.add_argument("--draft-length", type=int, default=4, help="draft tokens per step of the speculative arm")
+    p.add_argument(
+        "--duration-s", type=float, default=None, help="stop after this wall time instead"
+    )
+    p.add_argument(
+        "--arms",
+        default=None,
+        help="comma-separated: sink_window, full_cache, reprefill, speculative (default: the "
+        "first three); with --endpoint: grpc_session, http_reuse, http_stateless (default: all)",
+    )
+    p.add_argument(
+        "--endpoint",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="drive a running `kakeya-lab serve` instead of an in-process model: give both "
+        "--endpoint grpc://HOST:PORT and --endpoint http://HOST:PORT",
+    )
+    p.add_argument(
+        "--proposer",
+        default=None,
+        help="the speculative arm's proposer: ngram[:SIZES], early-exit:LAYERS or draft:MODEL",
+    )
+    p.add_argument(
+        "--draft-length", type=int, default=4, help="draft tokens per step of the speculative arm"
+    )
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=1020)
     p.add_argument("--positions", choices=["global", "rolling"], default="global")
@@ -670,14 +831,29 @@ def add_long_run_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--probe-every", type=int, default=25, help="0: no recall probes")
     p.add_argument("--reprefill-cap-s", type=float, default=30.0)
     p.add_argument("--turns-per-bucket", type=int, default=50)
-    p.add_argument("--seconds-per-bucket", type=float, default=600.0,
-                   help="wall-clock bucket length of the time-bucket table and verdicts")
-    p.add_argument("--turn-spacing-s", type=float, default=None,
-                   help="start turns this many seconds apart in wall-clock time (default: back to back)")
-    p.add_argument("--report-every-s", type=float, default=600.0,
-                   help="also checkpoint and write a partial report this often (0: by turns only)")
-    p.add_argument("--force-new", action="store_true",
-                   help="start over in OUT_DIR instead of resuming its checkpoint")
+    p.add_argument(
+        "--seconds-per-bucket",
+        type=float,
+        default=600.0,
+        help="wall-clock bucket length of the time-bucket table and verdicts",
+    )
+    p.add_argument(
+        "--turn-spacing-s",
+        type=float,
+        default=None,
+        help="start turns this many seconds apart in wall-clock time (default: back to back)",
+    )
+    p.add_argument(
+        "--report-every-s",
+        type=float,
+        default=600.0,
+        help="also checkpoint and write a partial report this often (0: by turns only)",
+    )
+    p.add_argument(
+        "--force-new",
+        action="store_true",
+        help="start over in OUT_DIR instead of resuming its checkpoint",
+    )
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_long_run)
 
@@ -694,21 +870,39 @@ def _serve_options(args: argparse.Namespace):
     for name in ("grpc_port", "http_port"):
         port = getattr(args, name)
         if not 0 <= port <= 65535:
-            raise UserError(f"--{name.replace('_', '-')} must be in 0..65535 (0: a free port), got {port}")
+            raise UserError(
+                f"--{name.replace('_', '-')} must be in 0..65535 (0: a free port), got {port}"
+            )
     if args.grpc_port and args.grpc_port == args.http_port:
-        raise UserError(f"--grpc-port and --http-port are both {args.grpc_port}: give two different ports")
+        raise UserError(
+            f"--grpc-port and --http-port are both {args.grpc_port}: give two different ports"
+        )
     try:
         ipaddress.ip_address(args.host)
     except ValueError:
-        raise UserError(f"--host must be an IP address such as 127.0.0.1, got {args.host!r}") from None
+        raise UserError(
+            f"--host must be an IP address such as 127.0.0.1, got {args.host!r}"
+        ) from None
     checks = [
         (args.capacity >= 1, f"--capacity must be >= 1, got {args.capacity}"),
         (args.max_wait_s >= 0, f"--max-wait-s must be >= 0, got {args.max_wait_s}"),
-        (args.idle_ttl_s is None or args.idle_ttl_s > 0, f"--idle-ttl-s must be > 0, got {args.idle_ttl_s}"),
-        (args.max_append_tokens >= 1, f"--max-append-tokens must be >= 1, got {args.max_append_tokens}"),
-        (args.max_new_tokens_limit >= 1, f"--max-new-tokens-limit must be >= 1, got {args.max_new_tokens_limit}"),
-        (args.backend == "torch", f"--backend {args.backend}: served sessions run on the torch backend only "
-                                  "(the session store drives a torch verifier); use --backend torch"),
+        (
+            args.idle_ttl_s is None or args.idle_ttl_s > 0,
+            f"--idle-ttl-s must be > 0, got {args.idle_ttl_s}",
+        ),
+        (
+            args.max_append_tokens >= 1,
+            f"--max-append-tokens must be >= 1, got {args.max_append_tokens}",
+        ),
+        (
+            args.max_new_tokens_limit >= 1,
+            f"--max-new-tokens-limit must be >= 1, got {args.max_new_tokens_limit}",
+        ),
+        (
+            args.backend == "torch",
+            f"--backend {args.backend}: served sessions run on the torch backend only "
+            "(the session store drives a torch verifier); use --backend torch",
+        ),
     ]
     for ok, message in checks:
         if not ok:
@@ -721,11 +915,20 @@ def _serve_options(args: argparse.Namespace):
         from kakeya_lab.serve.server import ServeOptions
         from kakeya_lab.serve.sessions import ServeLimits
     except ImportError as exc:
-        raise UserError(f"`serve` needs the serve extra ({exc.name} is missing): pip install -e .[serve]") from exc
+        raise UserError(
+            f"`serve` needs the serve extra ({exc.name} is missing): pip install -e .[serve]"
+        ) from exc
     options = ServeOptions(
-        host=args.host, grpc_port=args.grpc_port, http_port=args.http_port, capacity=args.capacity,
-        admission=args.admission, max_wait_s=args.max_wait_s, idle_ttl_s=args.idle_ttl_s,
-        limits=ServeLimits(max_append_tokens=args.max_append_tokens, max_new_tokens=args.max_new_tokens_limit),
+        host=args.host,
+        grpc_port=args.grpc_port,
+        http_port=args.http_port,
+        capacity=args.capacity,
+        admission=args.admission,
+        max_wait_s=args.max_wait_s,
+        idle_ttl_s=args.idle_ttl_s,
+        limits=ServeLimits(
+            max_append_tokens=args.max_append_tokens, max_new_tokens=args.max_new_tokens_limit
+        ),
     )
     return cache, options
 
@@ -749,20 +952,26 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     from kakeya_lab.models import DEFAULT_MODEL
 
     p = subparsers.add_parser(
-        "serve", help="serve sessions: gRPC session API + OpenAI-compatible HTTP",
+        "serve",
+        help="serve sessions: gRPC session API + OpenAI-compatible HTTP",
         description="Serve one model's sessions over gRPC (CreateSession, AppendTokens, Generate, "
         "GetSessionInfo, CloseSession) and an OpenAI-compatible HTTP endpoint (/v1/chat/completions, "
         "/v1/models, /health, /metrics) in one process. Port 0 picks a free port; the ready line "
-        "names both. SIGTERM ends active streams with a clear status and exits 0.")
+        "names both. SIGTERM ends active streams with a clear status and exits 0.",
+    )
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--backend", default="torch", choices=["torch", "mlx"])
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=1020)
     p.add_argument("--positions", choices=["global", "rolling"], default="global")
     p.add_argument("--capacity", type=int, default=8, help="open sessions at most")
-    p.add_argument("--admission", choices=["reject", "queue", "evict_lru"], default="reject",
-                   help="when full: reject (RESOURCE_EXHAUSTED / 429), queue up to --max-wait-s, "
-                   "or close the least recently used session")
+    p.add_argument(
+        "--admission",
+        choices=["reject", "queue", "evict_lru"],
+        default="reject",
+        help="when full: reject (RESOURCE_EXHAUSTED / 429), queue up to --max-wait-s, "
+        "or close the least recently used session",
+    )
     p.add_argument("--max-wait-s", type=float, default=10.0, help="queue admission: longest wait")
     p.add_argument("--idle-ttl-s", type=float, default=None, help="close sessions idle this long")
     p.add_argument("--host", default="127.0.0.1")
@@ -783,32 +992,51 @@ def cmd_align_capture(args: argparse.Namespace) -> int:
     from kakeya_lab.models import load_model
 
     config = _check_cache(args)
-    for flag, value in (("--conversations", args.conversations), ("--turns", args.turns),
-                        ("--max-new-tokens", args.max_new_tokens), ("--top-k", args.top_k),
-                        ("--shard-size", args.shard_size)):
+    for flag, value in (
+        ("--conversations", args.conversations),
+        ("--turns", args.turns),
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--top-k", args.top_k),
+        ("--shard-size", args.shard_size),
+    ):
         _check_int(flag, value, 1)
     if args.min_confidence is not None and not 0.0 < args.min_confidence <= 1.0:
         raise UserError(f"--min-confidence must be in (0, 1], got {args.min_confidence}")
     _check_out_dir(args.out_dir)
     _check_model(args.model)
     convs = domain_conversations(args.domain, args.split, limit=args.conversations)
-    options = CaptureOptions(top_k=args.top_k, turns_per_conversation=args.turns,
-                             max_new_tokens=args.max_new_tokens, shard_size=args.shard_size,
-                             min_confidence=args.min_confidence, replies=args.replies)
+    options = CaptureOptions(
+        top_k=args.top_k,
+        turns_per_conversation=args.turns,
+        max_new_tokens=args.max_new_tokens,
+        shard_size=args.shard_size,
+        min_confidence=args.min_confidence,
+        replies=args.replies,
+    )
     loaded = load_model(args.model, progress=not args.quiet)
-    manifest = capture_rollouts(loaded, convs, args.out_dir, split=args.split, options=options,
-                                config=config,
-                                progress=not args.quiet)
+    manifest = capture_rollouts(
+        loaded,
+        convs,
+        args.out_dir,
+        split=args.split,
+        options=options,
+        config=config,
+        progress=not args.quiet,
+    )
     rows = sum(s["rows"] for s in manifest["shards"])
     tokens = sum(s["tokens"] for s in manifest["shards"])
-    print(f"{args.out_dir}: {rows} conversations, {tokens} tokens in {len(manifest['shards'])} shards")
+    print(
+        f"{args.out_dir}: {rows} conversations, {tokens} tokens in {len(manifest['shards'])} shards"
+    )
     return 0
 
 
 def add_align_parser(subparsers: argparse._SubParsersAction) -> None:
     from kakeya_lab.models import DEFAULT_MODEL
 
-    align = subparsers.add_parser("align", help="proposer alignment: rollouts, training, evaluation")
+    align = subparsers.add_parser(
+        "align", help="proposer alignment: rollouts, training, evaluation"
+    )
     sub = align.add_subparsers(dest="align_command", metavar="ALIGN_COMMAND")
     align.set_defaults(func=lambda _args: _usage(align))
     p = sub.add_parser("capture", help="capture verifier rollouts into a datasets folder")
@@ -822,8 +1050,12 @@ def add_align_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=20)
     p.add_argument("--shard-size", type=int, default=8)
     p.add_argument("--min-confidence", type=float, default=None)
-    p.add_argument("--replies", default="generate", choices=["generate", "dataset"],
-                   help="verifier-generated replies, or the conversation's own (teacher forcing)")
+    p.add_argument(
+        "--replies",
+        default="generate",
+        choices=["generate", "dataset"],
+        help="verifier-generated replies, or the conversation's own (teacher forcing)",
+    )
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=252)
     p.add_argument("--quiet", action="store_true")

@@ -54,24 +54,35 @@ def kv_bytes_figure(
     for arm, df in turns.groupby("arm", sort=False):
         fig.add_trace(
             go.Scatter(
-                x=df["history_len"], y=df["kv_live_bytes"] / 2**20, mode="lines+markers",
-                name=arm, line=dict(color=_color(arm)),
-                customdata=df["turn"], hovertemplate="turn %{customdata}<br>%{y:.2f} MiB",
+                x=df["history_len"],
+                y=df["kv_live_bytes"] / 2**20,
+                mode="lines+markers",
+                name=arm,
+                line=dict(color=_color(arm)),
+                customdata=df["turn"],
+                hovertemplate="turn %{customdata}<br>%{y:.2f} MiB",
             )
         )
     if budget_bytes:
         fig.add_hline(
-            y=budget_bytes / 2**20, line_dash="dash", line_color="gray",
+            y=budget_bytes / 2**20,
+            line_dash="dash",
+            line_color="gray",
             annotation_text="budget (sink + window)",
         )
     fig.update_layout(
-        title=title, xaxis_title="history length (tokens)", yaxis_title="MiB",
-        yaxis_rangemode="tozero", height=380,
+        title=title,
+        xaxis_title="history length (tokens)",
+        yaxis_title="MiB",
+        yaxis_rangemode="tozero",
+        height=380,
     )
     return fig
 
 
-def tau_by_k_figure(summary: pd.DataFrame, title: str = "Tokens per verifier forward (tau) by draft length") -> go.Figure:
+def tau_by_k_figure(
+    summary: pd.DataFrame, title: str = "Tokens per verifier forward (tau) by draft length"
+) -> go.Figure:
     fig = go.Figure()
     for proposer, df in summary[summary["arm"] != "plain"].groupby("proposer", sort=False):
         fig.add_trace(go.Scatter(x=df["k"], y=df["tau"], mode="lines+markers", name=proposer))
@@ -87,10 +98,15 @@ def acceptance_by_position_figure(summary: pd.DataFrame) -> go.Figure:
         acc = row.get("acceptance_by_position")
         if acc is None or not isinstance(acc, list):
             continue
-        fig.add_trace(go.Scatter(x=list(range(1, len(acc) + 1)), y=acc, mode="lines+markers", name=row["arm"]))
+        fig.add_trace(
+            go.Scatter(x=list(range(1, len(acc) + 1)), y=acc, mode="lines+markers", name=row["arm"])
+        )
     fig.update_layout(
-        title="Acceptance by draft position", xaxis_title="draft position",
-        yaxis_title="P(accepted | proposed)", yaxis_range=[0, 1.02], height=380,
+        title="Acceptance by draft position",
+        xaxis_title="draft position",
+        yaxis_title="P(accepted | proposed)",
+        yaxis_range=[0, 1.02],
+        height=380,
     )
     return fig
 
@@ -100,10 +116,18 @@ def speedup_figure(summary: pd.DataFrame) -> go.Figure:
     spec = summary[summary["arm"] != "plain"]
     fig = go.Figure()
     fig.add_trace(go.Bar(x=spec["arm"], y=spec["speedup"], name="measured"))
-    fig.add_trace(go.Bar(x=spec["arm"], y=spec["expected_speedup"], name="expected (Leviathan, measured a, c)"))
+    fig.add_trace(
+        go.Bar(
+            x=spec["arm"], y=spec["expected_speedup"], name="expected (Leviathan, measured a, c)"
+        )
+    )
     fig.add_hline(y=1.0, line_dash="dot", line_color="gray")
-    fig.update_layout(title="Speedup over plain decoding (same verifier, cache and turns)",
-                      barmode="group", yaxis_title="× plain tokens/s", height=400)
+    fig.update_layout(
+        title="Speedup over plain decoding (same verifier, cache and turns)",
+        barmode="group",
+        yaxis_title="× plain tokens/s",
+        height=400,
+    )
     return fig
 
 
@@ -113,7 +137,9 @@ def speculative_turns_figure(turns: pd.DataFrame) -> go.Figure:
     for arm, df in turns[turns["arm"] != "plain"].groupby("arm", sort=False):
         common = dict(mode="markers", name=arm, legendgroup=arm)
         fig.add_trace(go.Scatter(x=df["history_len"], y=df["tau"], **common), 1, 1)
-        fig.add_trace(go.Scatter(x=df["history_len"], y=df["speedup"], showlegend=False, **common), 1, 2)
+        fig.add_trace(
+            go.Scatter(x=df["history_len"], y=df["speedup"], showlegend=False, **common), 1, 2
+        )
     fig.update_xaxes(title_text="history length (tokens)")
     fig.update_layout(height=380, title="Speculation across the session")
     return fig
@@ -123,8 +149,15 @@ def rss_figure(turns: pd.DataFrame) -> go.Figure:
     """Process RSS after each turn (one process holds every arm, so the lines overlap)."""
     fig = go.Figure()
     for arm, df in turns.groupby("arm", sort=False):
-        fig.add_trace(go.Scatter(x=df["turn"], y=df["rss_bytes"] / 2**30, mode="lines", name=arm,
-                                 line=dict(color=_color(arm))))
+        fig.add_trace(
+            go.Scatter(
+                x=df["turn"],
+                y=df["rss_bytes"] / 2**30,
+                mode="lines",
+                name=arm,
+                line=dict(color=_color(arm)),
+            )
+        )
     fig.update_layout(title="Process RSS", xaxis_title="turn", yaxis_title="GiB", height=340)
     return fig
 
@@ -132,14 +165,27 @@ def rss_figure(turns: pd.DataFrame) -> go.Figure:
 def recall_figure(turns: pd.DataFrame, window: int | None = None) -> go.Figure:
     """Planted-fact recall (1/0) against the distance to the fact, per arm."""
     fig = go.Figure()
-    probes = turns[turns["probe_recalled"].notna()] if "probe_recalled" in turns else turns.iloc[0:0]
+    probes = (
+        turns[turns["probe_recalled"].notna()] if "probe_recalled" in turns else turns.iloc[0:0]
+    )
     for arm, df in probes.groupby("arm", sort=False):
-        fig.add_trace(go.Scatter(x=df["probe_distance_tokens"], y=df["probe_recalled"].astype(float),
-                                 mode="markers", name=arm, marker=dict(color=_color(arm), size=9)))
+        fig.add_trace(
+            go.Scatter(
+                x=df["probe_distance_tokens"],
+                y=df["probe_recalled"].astype(float),
+                mode="markers",
+                name=arm,
+                marker=dict(color=_color(arm), size=9),
+            )
+        )
     if window:
         fig.add_vline(x=window, line_dash="dash", line_color="gray", annotation_text="window")
-    fig.update_layout(title="Recall of a fact planted in turn 0", xaxis_title="distance to the fact (tokens)",
-                      yaxis=dict(title="recalled", tickvals=[0, 1], range=[-0.1, 1.1]), height=340)
+    fig.update_layout(
+        title="Recall of a fact planted in turn 0",
+        xaxis_title="distance to the fact (tokens)",
+        yaxis=dict(title="recalled", tickvals=[0, 1], range=[-0.1, 1.1]),
+        height=340,
+    )
     return fig
 
 
@@ -148,16 +194,35 @@ def recall_figure(turns: pd.DataFrame, window: int | None = None) -> go.Figure:
 
 def training_curves_figure(histories: dict[str, pd.DataFrame]) -> go.Figure:
     """Training loss and held-out offline tau against step, one line per drafter."""
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("training loss (weighted total)",
-                                                        "held-out offline tau (greedy)"))
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        subplot_titles=("training loss (weighted total)", "held-out offline tau (greedy)"),
+    )
     for i, (name, h) in enumerate(histories.items()):
         color = px.colors.qualitative.Plotly[i % 10]
         t = h.dropna(subset=["train_total"])
-        fig.add_trace(go.Scatter(x=t["step"], y=t["train_total"], name=name, line_color=color,
-                                 legendgroup=name), row=1, col=1)
+        fig.add_trace(
+            go.Scatter(
+                x=t["step"], y=t["train_total"], name=name, line_color=color, legendgroup=name
+            ),
+            row=1,
+            col=1,
+        )
         e = h.dropna(subset=["offline_tau"])
-        fig.add_trace(go.Scatter(x=e["step"], y=e["offline_tau"], name=name, line_color=color,
-                                 legendgroup=name, showlegend=False, mode="lines+markers"), row=1, col=2)
+        fig.add_trace(
+            go.Scatter(
+                x=e["step"],
+                y=e["offline_tau"],
+                name=name,
+                line_color=color,
+                legendgroup=name,
+                showlegend=False,
+                mode="lines+markers",
+            ),
+            row=1,
+            col=2,
+        )
     fig.update_xaxes(title_text="step")
     fig.update_layout(height=380)
     return fig
@@ -168,14 +233,30 @@ def offline_acceptance_figure(histories: dict[str, pd.DataFrame]) -> go.Figure:
     rows = []
     for name, h in histories.items():
         e = h.dropna(subset=["offline_tau"])
-        cols = sorted((c for c in e.columns if c.startswith("accept_at_")), key=lambda c: int(c.rsplit("_", 1)[1]))
+        cols = sorted(
+            (c for c in e.columns if c.startswith("accept_at_")),
+            key=lambda c: int(c.rsplit("_", 1)[1]),
+        )
         for label, row in (("before", e.iloc[0]), ("after", e.iloc[-1])):
             for c in cols:
-                rows.append({"drafter": name, "when": label, "position": int(c.rsplit("_", 1)[1]) + 1,
-                             "accepted": row[c]})
+                rows.append(
+                    {
+                        "drafter": name,
+                        "when": label,
+                        "position": int(c.rsplit("_", 1)[1]) + 1,
+                        "accepted": row[c],
+                    }
+                )
     df = pd.DataFrame(rows)
-    fig = px.line(df, x="position", y="accepted", color="drafter", line_dash="when", markers=True,
-                  title="Held-out acceptance by draft position, before and after training (offline, greedy)")
+    fig = px.line(
+        df,
+        x="position",
+        y="accepted",
+        color="drafter",
+        line_dash="when",
+        markers=True,
+        title="Held-out acceptance by draft position, before and after training (offline, greedy)",
+    )
     fig.update_layout(yaxis_title="P(drafts 1..i all accepted)", xaxis_dtick=1, height=380)
     return fig
 
@@ -183,9 +264,16 @@ def offline_acceptance_figure(histories: dict[str, pd.DataFrame]) -> go.Figure:
 def domain_figure(summary: pd.DataFrame, metric: str = "tau") -> go.Figure:
     """``metric`` per domain and arm, held-out (dev) beside in-domain (train) prompts."""
     df = summary if metric == "tau" else summary[summary["arm"] != "plain"]
-    fig = px.bar(df, x="domain", y=metric, color="arm", barmode="group", facet_col="split",
-                 category_orders={"split": ["dev", "train"]},
-                 title=f"{metric} by domain: held-out (dev) vs in-domain (train) prompts")
+    fig = px.bar(
+        df,
+        x="domain",
+        y=metric,
+        color="arm",
+        barmode="group",
+        facet_col="split",
+        category_orders={"split": ["dev", "train"]},
+        title=f"{metric} by domain: held-out (dev) vs in-domain (train) prompts",
+    )
     if metric == "speedup":
         fig.add_hline(y=1.0, line_dash="dot", line_color="gray")
     fig.update_layout(height=400)
@@ -198,41 +286,97 @@ def speedup_vs_k_figure(summary: pd.DataFrame) -> go.Figure:
     fig = go.Figure()
     for i, (proposer, df) in enumerate(spec.groupby("proposer", sort=False)):
         color = px.colors.qualitative.Plotly[i % 10]
-        fig.add_trace(go.Scatter(x=df["k"], y=df["speedup"], name=f"{proposer} measured",
-                                 mode="lines+markers", line_color=color))
-        fig.add_trace(go.Scatter(x=df["k"], y=df["expected_speedup"], name=f"{proposer} expected",
-                                 mode="lines+markers", line=dict(color=color, dash="dash")))
+        fig.add_trace(
+            go.Scatter(
+                x=df["k"],
+                y=df["speedup"],
+                name=f"{proposer} measured",
+                mode="lines+markers",
+                line_color=color,
+            )
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=df["k"],
+                y=df["expected_speedup"],
+                name=f"{proposer} expected",
+                mode="lines+markers",
+                line=dict(color=color, dash="dash"),
+            )
+        )
     fig.add_hline(y=1.0, line_dash="dot", line_color="gray")
-    fig.update_layout(title="Speedup vs draft length k (held-out chit-chat)", xaxis_title="k",
-                      yaxis_title="× plain tokens/s", xaxis_dtick=1, height=400)
+    fig.update_layout(
+        title="Speedup vs draft length k (held-out chit-chat)",
+        xaxis_title="k",
+        yaxis_title="× plain tokens/s",
+        xaxis_dtick=1,
+        height=400,
+    )
     return fig
 
 
-def bucket_figure(summary: dict[str, dict], by: str = "time", title: str | None = None) -> go.Figure:
+def bucket_figure(
+    summary: dict[str, dict], by: str = "time", title: str | None = None
+) -> go.Figure:
     """The bucket table of a long run's report (``buckets_by_time`` or ``buckets_by_turns``
     of every arm's summary): p50 and p95 turn latency and mean ``kv_live_bytes`` per bucket,
     one colour per arm (p95 dashed)."""
     if by not in ("time", "turns"):
         raise ValueError(f"by must be 'time' or 'turns', got {by!r}")
     key = f"buckets_by_{by}"
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("turn latency per bucket", "mean KV bytes per bucket"))
+    fig = make_subplots(
+        rows=1, cols=2, subplot_titles=("turn latency per bucket", "mean KV bytes per bucket")
+    )
     for arm, s in summary.items():
-        rows = pd.DataFrame(s.get(key) or [], columns=["index", "turns", "p50_s", "p95_s", "kv_live_bytes_mean"])
+        rows = pd.DataFrame(
+            s.get(key) or [], columns=["index", "turns", "p50_s", "p95_s", "kv_live_bytes_mean"]
+        )
         if by == "time":
             x = rows["index"] * float(s.get("seconds_per_bucket") or 600.0) / 60.0
         else:
             x = rows["index"] * int(s.get("turns_per_bucket") or 50)
         common = dict(mode="lines+markers", legendgroup=arm, customdata=rows["turns"])
-        fig.add_trace(go.Scatter(x=x, y=rows["p50_s"] * 1e3, name=f"{arm} p50", line=dict(color=_color(arm)),
-                                 hovertemplate="%{y:.1f} ms (%{customdata} turns)", **common), 1, 1)
-        fig.add_trace(go.Scatter(x=x, y=rows["p95_s"] * 1e3, name=f"{arm} p95",
-                                 line=dict(color=_color(arm), dash="dash"),
-                                 hovertemplate="%{y:.1f} ms (%{customdata} turns)", **common), 1, 1)
-        fig.add_trace(go.Scatter(x=x, y=rows["kv_live_bytes_mean"] / 2**20, name=f"{arm} KV",
-                                 line=dict(color=_color(arm)), showlegend=False,
-                                 hovertemplate="%{y:.2f} MiB (%{customdata} turns)", **common), 1, 2)
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=rows["p50_s"] * 1e3,
+                name=f"{arm} p50",
+                line=dict(color=_color(arm)),
+                hovertemplate="%{y:.1f} ms (%{customdata} turns)",
+                **common,
+            ),
+            1,
+            1,
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=rows["p95_s"] * 1e3,
+                name=f"{arm} p95",
+                line=dict(color=_color(arm), dash="dash"),
+                hovertemplate="%{y:.1f} ms (%{customdata} turns)",
+                **common,
+            ),
+            1,
+            1,
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=rows["kv_live_bytes_mean"] / 2**20,
+                name=f"{arm} KV",
+                line=dict(color=_color(arm)),
+                showlegend=False,
+                hovertemplate="%{y:.2f} MiB (%{customdata} turns)",
+                **common,
+            ),
+            1,
+            2,
+        )
     fig.update_xaxes(title_text="bucket start (minutes)" if by == "time" else "bucket start (turn)")
     fig.update_yaxes(title_text="ms", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title_text="MiB", rangemode="tozero", row=1, col=2)
-    fig.update_layout(title=title or f"Long run by {'wall-clock' if by == 'time' else 'turn'} bucket", height=380)
+    fig.update_layout(
+        title=title or f"Long run by {'wall-clock' if by == 'time' else 'turn'} bucket", height=380
+    )
     return fig

@@ -116,11 +116,19 @@ class NgramProposer:
 
     name = "ngram"
 
-    def __init__(self, ngram_sizes: Sequence[int] = (3, 2, 1), max_lookback: int | None = None,
-                 check_tokens: int = 64):
+    def __init__(
+        self,
+        ngram_sizes: Sequence[int] = (3, 2, 1),
+        max_lookback: int | None = None,
+        check_tokens: int = 64,
+    ):
         if isinstance(ngram_sizes, (str, bytes)) or not hasattr(ngram_sizes, "__iter__"):
-            raise InputTypeError(f"ngram_sizes must be a sequence of integers >= 1, got {ngram_sizes!r}")
-        sizes = sorted({inputs.count(n, "an n-gram size", minimum=1) for n in ngram_sizes}, reverse=True)
+            raise InputTypeError(
+                f"ngram_sizes must be a sequence of integers >= 1, got {ngram_sizes!r}"
+            )
+        sizes = sorted(
+            {inputs.count(n, "an n-gram size", minimum=1) for n in ngram_sizes}, reverse=True
+        )
         if not sizes:
             raise ValueError("ngram_sizes is empty: give at least one n-gram size, e.g. (3, 2, 1)")
         self.ngram_sizes = sizes
@@ -166,7 +174,9 @@ class NgramProposer:
             if context[i] != seen[i]:
                 common = i
                 break
-        if lo > 0 and common - lo < self.check_tokens // 2:  # differs too far back: not an edit at the end
+        if (
+            lo > 0 and common - lo < self.check_tokens // 2
+        ):  # differs too far back: not an edit at the end
             common = 0
         self.work += 1
         if common < len(seen):
@@ -188,7 +198,9 @@ class NgramProposer:
                     continue
                 ends = self._ends[n].get(tuple(seen[length - n :]))
                 self.work += 1
-                if ends and ends[-1] - n >= length - window:  # the latest occurrence, inside the lookback
+                if (
+                    ends and ends[-1] - n >= length - window
+                ):  # the latest occurrence, inside the lookback
                     tokens = seen[ends[-1] : ends[-1] + draft_length]
                     break
         return Draft(tokens=tokens, probs=None, seconds=time.perf_counter() - t0)
@@ -197,7 +209,11 @@ class NgramProposer:
         return None
 
     def describe(self) -> dict:
-        return {"name": self.name, "ngram_sizes": self.ngram_sizes, "max_lookback": self.max_lookback}
+        return {
+            "name": self.name,
+            "ngram_sizes": self.ngram_sizes,
+            "max_lookback": self.max_lookback,
+        }
 
 
 class DraftModelProposer:
@@ -222,7 +238,11 @@ class DraftModelProposer:
         check_same_tokenizer(tokenizer, verifier_tokenizer)
         self.model = model
         self.config = config
-        self.label = label or getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
+        self.label = (
+            label
+            or getattr(getattr(model, "config", None), "name_or_path", "")
+            or type(model).__name__
+        )
         self.verifier = Verifier(model, config)
         self._next_logits: torch.Tensor | None = None
         self._rows: list[torch.Tensor] = []
@@ -280,8 +300,13 @@ def early_exit_model(model: PreTrainedModel, num_layers: int) -> PreTrainedModel
     """A causal LM made of ``model``'s embedding, first ``num_layers`` layers, final norm
     and lm_head — sharing the parameters (no copy)."""
     total = model.config.num_hidden_layers
-    num_layers = inputs.count(num_layers, "num_layers", minimum=1, maximum=total - 1,
-                              hint=f"early exit keeps fewer than the model's {total} layers")
+    num_layers = inputs.count(
+        num_layers,
+        "num_layers",
+        minimum=1,
+        maximum=total - 1,
+        hint=f"early exit keeps fewer than the model's {total} layers",
+    )
     cfg = copy.deepcopy(model.config)
     cfg.num_hidden_layers = num_layers
     if getattr(cfg, "layer_types", None) is not None:
@@ -337,7 +362,9 @@ def make_proposer(
     """
     usage = "use none, ngram[:SIZES], early-exit:LAYERS or draft:MODEL"
     if spec is not None and not isinstance(spec, str):
-        raise InputTypeError(f"proposer spec must be a string or None, got {type(spec).__name__} ({usage})")
+        raise InputTypeError(
+            f"proposer spec must be a string or None, got {type(spec).__name__} ({usage})"
+        )
     if spec in (None, "", "none"):
         return None
     kind, _, arg = spec.partition(":")
@@ -356,7 +383,10 @@ def make_proposer(
             draft_model = load_model(arg, dtype=next(model.parameters()).dtype)
         net = getattr(draft_model, "model", draft_model)
         return DraftModelProposer(
-            net, config, tokenizer=getattr(draft_model, "tokenizer", None),
-            verifier_tokenizer=tokenizer, label=arg,
+            net,
+            config,
+            tokenizer=getattr(draft_model, "tokenizer", None),
+            verifier_tokenizer=tokenizer,
+            label=arg,
         )
     raise ValueError(f"unknown proposer {spec!r}: {usage}")

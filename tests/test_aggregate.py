@@ -16,17 +16,19 @@ from kakeya_lab.bench.aggregate import (
 
 def table(kv, latency, cache_len, history=None, wall=None):
     n = len(kv)
-    return pd.DataFrame({
-        "turn": range(n),
-        "kv_live_bytes": kv,
-        "append_latency_s": latency,
-        "cache_len": cache_len,
-        "history_len": history or [10 * (i + 1) for i in range(n)],
-        "wall_s": wall or [60.0 * i for i in range(n)],
-        "stop_reason": ["eos"] * (n // 2) + ["max_tokens"] * (n - n // 2),
-        "rss_bytes": [1000] * n,
-        "error": [None] * n,
-    })
+    return pd.DataFrame(
+        {
+            "turn": range(n),
+            "kv_live_bytes": kv,
+            "append_latency_s": latency,
+            "cache_len": cache_len,
+            "history_len": history or [10 * (i + 1) for i in range(n)],
+            "wall_s": wall or [60.0 * i for i in range(n)],
+            "stop_reason": ["eos"] * (n // 2) + ["max_tokens"] * (n - n // 2),
+            "rss_bytes": [1000] * n,
+            "error": [None] * n,
+        }
+    )
 
 
 def test_kv_bounded_flat_after_fill():
@@ -43,13 +45,19 @@ def test_kv_bounded_rejects_growth_budget_and_degenerate():
     # first full bucket: turns 2-3 mean 410; last: turns 4-5 mean 450 -> 9.8% > 1%
     assert not out["bounded"] and out["max_relative_deviation"] == pytest.approx(40 / 410)
     over = table([100, 500, 500, 500], [0.1] * 4, [2, 8, 8, 8])
-    assert kv_bounded(over, budget_tokens=8, budget_bytes=400, size=1)["reason"] == "above the analytic budget"
+    assert (
+        kv_bounded(over, budget_tokens=8, budget_bytes=400, size=1)["reason"]
+        == "above the analytic budget"
+    )
     zero = table([0, 0, 0, 0], [0.1] * 4, [8, 8, 8, 8])
     assert "zero" in kv_bounded(zero, budget_tokens=8, budget_bytes=400, size=1)["reason"]
     empty = table([], [], [])
     assert kv_bounded(empty, budget_tokens=8, budget_bytes=400)["reason"] == "no turns"
     never = table([1, 2, 3], [0.1] * 3, [1, 2, 3])
-    assert kv_bounded(never, budget_tokens=8, budget_bytes=400, size=1)["reason"] == "the cache never filled"
+    assert (
+        kv_bounded(never, budget_tokens=8, budget_bytes=400, size=1)["reason"]
+        == "the cache never filled"
+    )
     full_cache = table([1, 2, 3], [0.1] * 3, [1, 2, 3])
     assert not kv_bounded(full_cache, budget_tokens=None, budget_bytes=None)["bounded"]
 
@@ -57,8 +65,12 @@ def test_kv_bounded_rejects_growth_budget_and_degenerate():
 def test_latency_drift_by_turn_buckets_and_time_buckets():
     df = table([1] * 4, [0.10, 0.30, 0.20, 0.60], [8] * 4, wall=[0, 100, 700, 1190])
     by_turns = latency_drift_p50(df, by="turns", size=2)  # p50 0.2 -> 0.4
-    assert by_turns["first_p50_s"] == pytest.approx(0.2) and by_turns["last_p50_s"] == pytest.approx(0.4)
-    assert by_turns["drift_s"] == pytest.approx(0.2) and by_turns["drift_pct"] == pytest.approx(100.0)
+    assert by_turns["first_p50_s"] == pytest.approx(0.2) and by_turns[
+        "last_p50_s"
+    ] == pytest.approx(0.4)
+    assert by_turns["drift_s"] == pytest.approx(0.2) and by_turns["drift_pct"] == pytest.approx(
+        100.0
+    )
     by_time = latency_drift_p50(df, by="time", size=600)  # same split by wall time
     assert by_time["drift_pct"] == pytest.approx(100.0)
     assert latency_drift_p50(df.iloc[0:0])["drift_s"] is None
@@ -75,7 +87,9 @@ def test_drift_over_fewer_than_two_full_buckets_is_not_measured():
     out = aggregate_arm(df, budget_tokens=8, budget_bytes=400, turns_per_bucket=4)
     assert out["append_latency_last_over_first_bucket"] is None
     assert out["rss_drift"]["drift_pct"] is None and "not measured" in out["rss_drift"]["reason"]
-    assert "not measured" in out["prefill_bounded_by_turns"]["reason"] and not out["prefill_bounded"]
+    assert (
+        "not measured" in out["prefill_bounded_by_turns"]["reason"] and not out["prefill_bounded"]
+    )
 
 
 def test_prefill_bounded_slope_and_drift():
@@ -95,7 +109,9 @@ def test_aggregate_arm_all_errors_and_rates():
     df = table([400] * 4, [0.1] * 4, [8] * 4)
     df["error"] = "boom"
     out = aggregate_arm(df, budget_tokens=8, budget_bytes=400)
-    assert out["kv_bounded"] is False and out["reason"] == "no successful turns" and out["errors"] == 4
+    assert (
+        out["kv_bounded"] is False and out["reason"] == "no successful turns" and out["errors"] == 4
+    )
     ok = table([100, 400, 400, 400, 400], [0.1] * 5, [4, 8, 8, 8, 8])
     out = aggregate_arm(ok, budget_tokens=8, budget_bytes=400, turns_per_bucket=2)
     assert out["kv_bounded"] and out["eos_rate"] == pytest.approx(2 / 5)

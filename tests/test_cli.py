@@ -24,10 +24,22 @@ CAPTURE = ["align", "capture", "{out}"]
 # (case id, argv with {out}/{tmp} placeholders, what the message must say)
 MISUSES = [
     ("long-run turns 0", [*LONG[:2], "--turns", "0"], "--turns must be >= 1"),
-    ("long-run checkpoint-every 0", [*LONG, "--checkpoint-every", "0"], "--checkpoint-every must be >= 1"),
-    ("long-run duration -1", [*LONG, "--duration-s", "-1"], "--duration-s must be a finite number > 0"),
+    (
+        "long-run checkpoint-every 0",
+        [*LONG, "--checkpoint-every", "0"],
+        "--checkpoint-every must be >= 1",
+    ),
+    (
+        "long-run duration -1",
+        [*LONG, "--duration-s", "-1"],
+        "--duration-s must be a finite number > 0",
+    ),
     ("long-run duration nan", [*LONG, "--duration-s", "nan"], "--duration-s"),
-    ("long-run max-new-tokens 0", [*LONG, "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (
+        "long-run max-new-tokens 0",
+        [*LONG, "--max-new-tokens", "0"],
+        "--max-new-tokens must be >= 1",
+    ),
     ("long-run window 0", [*LONG, "--window", "0"], "--window must be between 1 and"),
     ("long-run window 2**70", [*LONG, "--window", str(2**70)], "--window must be between 1 and"),
     ("long-run sink -1", [*LONG, "--sink", "-1"], "--sink must be between 0 and"),
@@ -38,28 +50,73 @@ MISUSES = [
     ("long-run turns not a number", [*LONG[:2], "--turns", "many"], "invalid int value: 'many'"),
     ("long-run probe-every -1", [*LONG, "--probe-every", "-1"], "--probe-every must be >= 0"),
     ("long-run reprefill cap 0", [*LONG, "--reprefill-cap-s", "0"], "--reprefill-cap-s"),
-    ("long-run turns-per-bucket 0", [*LONG, "--turns-per-bucket", "0"], "--turns-per-bucket must be >= 1"),
-    ("long-run unknown model", [*LONG, "--model", "no-such-model"], "'no-such-model' is not a registry model"),
-    ("long-run out is a file", ["long-run", "{tmp}/afile", "--turns", "3"], "exists and is not a folder"),
-    ("long-run out under a file", ["long-run", "{tmp}/afile/run", "--turns", "3"], "afile is not a folder"),
+    (
+        "long-run turns-per-bucket 0",
+        [*LONG, "--turns-per-bucket", "0"],
+        "--turns-per-bucket must be >= 1",
+    ),
+    (
+        "long-run unknown model",
+        [*LONG, "--model", "no-such-model"],
+        "'no-such-model' is not a registry model",
+    ),
+    (
+        "long-run out is a file",
+        ["long-run", "{tmp}/afile", "--turns", "3"],
+        "exists and is not a folder",
+    ),
+    (
+        "long-run out under a file",
+        ["long-run", "{tmp}/afile/run", "--turns", "3"],
+        "afile is not a folder",
+    ),
     ("capture out is a file", ["align", "capture", "{tmp}/afile"], "exists and is not a folder"),
     ("chat unknown proposer", [*CHAT, "--proposer", "oracle"], "unknown proposer 'oracle'"),
     ("chat early-exit not a number", [*CHAT, "--proposer", "early-exit:x"], "unknown proposer"),
-    ("chat draft model unknown", [*CHAT, "--proposer", "draft:no-such-model"], "is not a registry model"),
+    (
+        "chat draft model unknown",
+        [*CHAT, "--proposer", "draft:no-such-model"],
+        "is not a registry model",
+    ),
     ("chat draft length 0", [*CHAT, "--draft-length", "0"], "--draft-length must be >= 1"),
-    ("chat temperature -1", [*CHAT, "--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (
+        "chat temperature -1",
+        [*CHAT, "--temperature", "-1"],
+        "--temperature must be a finite number >= 0",
+    ),
     ("chat max-new-tokens 0", [*CHAT, "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     ("chat unknown model", [*CHAT, "--model", "./nowhere"], "is not a registry model"),
-    ("run missing notebook", ["run", "{tmp}/missing.ipynb", "--results", "{out}"], "no notebook at"),
-    ("run unknown parameter", ["run", str(QUICKSTART), "-p", "turnz", "3", "--results", "{out}"],
-     "unknown parameter(s) ['turnz']"),
-    ("run reserved parameter", ["run", str(QUICKSTART), "-p", "run_dir", "x", "--results", "{out}"],
-     "are set by the runner"),
-    ("sweep missing file", ["sweep", "{tmp}/missing.yaml", "--results", "{out}"], "no sweep file at"),
-    ("sweep unknown profile", ["sweep", "{tmp}/ok.yaml", "--profile", "huge", "--results", "{out}"],
-     "unknown profile 'huge'"),
+    (
+        "run missing notebook",
+        ["run", "{tmp}/missing.ipynb", "--results", "{out}"],
+        "no notebook at",
+    ),
+    (
+        "run unknown parameter",
+        ["run", str(QUICKSTART), "-p", "turnz", "3", "--results", "{out}"],
+        "unknown parameter(s) ['turnz']",
+    ),
+    (
+        "run reserved parameter",
+        ["run", str(QUICKSTART), "-p", "run_dir", "x", "--results", "{out}"],
+        "are set by the runner",
+    ),
+    (
+        "sweep missing file",
+        ["sweep", "{tmp}/missing.yaml", "--results", "{out}"],
+        "no sweep file at",
+    ),
+    (
+        "sweep unknown profile",
+        ["sweep", "{tmp}/ok.yaml", "--profile", "huge", "--results", "{out}"],
+        "unknown profile 'huge'",
+    ),
     ("capture conversations 0", [*CAPTURE, "--conversations", "0"], "--conversations must be >= 1"),
-    ("capture min-confidence 2", [*CAPTURE, "--min-confidence", "2"], "--min-confidence must be in (0, 1]"),
+    (
+        "capture min-confidence 2",
+        [*CAPTURE, "--min-confidence", "2"],
+        "--min-confidence must be in (0, 1]",
+    ),
     ("capture unknown domain", [*CAPTURE, "--domain", "poetry"], "invalid choice: 'poetry'"),
     ("capture window 0", [*CAPTURE, "--window", "0"], "--window must be between 1 and"),
     ("unknown command", ["frobnicate"], "invalid choice: 'frobnicate'"),
@@ -71,7 +128,9 @@ CASES = [pytest.param(a, s, id=i) for i, a, s in MISUSES]
 
 def _prepare(tmp_path: Path, argv: list[str]) -> tuple[list[str], list[str]]:
     (tmp_path / "afile").write_text("not a folder\n")
-    (tmp_path / "ok.yaml").write_text(f"notebook: {QUICKSTART}\ngrid:\n  turns: [2]\nprofiles:\n  smoke: {{}}\n")
+    (tmp_path / "ok.yaml").write_text(
+        f"notebook: {QUICKSTART}\ngrid:\n  turns: [2]\nprofiles:\n  smoke: {{}}\n"
+    )
     before = sorted(p.name for p in tmp_path.iterdir())
     return [a.format(out=tmp_path / "out", tmp=tmp_path) for a in argv], before
 
@@ -84,7 +143,9 @@ def test_misuse_in_process(argv, said, tmp_path, capsys):
     assert main(args) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kakeya-lab: error: ") and said in lines[0], captured.err
+    assert len(lines) == 1 and lines[0].startswith("kakeya-lab: error: ") and said in lines[0], (
+        captured.err
+    )
     assert captured.out == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
@@ -94,9 +155,15 @@ def test_misuse_in_process(argv, said, tmp_path, capsys):
 def test_misuse_as_a_subprocess(argv, said, tmp_path):
     args, before = _prepare(tmp_path, argv)
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "kakeya_lab.cli", *args], capture_output=True, text=True,
-                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kakeya_lab.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     elapsed = time.monotonic() - started
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr

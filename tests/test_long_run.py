@@ -30,7 +30,9 @@ ARGS = dict(sink=4, window=40)
 def uninterrupted(default_model):
     arms = standard_arms(ARGS["sink"], ARGS["window"], names=("sink_window", "full_cache"))
     turns = chained_user_turns(chitchat_conversations("dev"), TURNS)
-    return run_long(default_model, arms, turns, max_new_tokens=6, turns_per_bucket=3, progress=False)
+    return run_long(
+        default_model, arms, turns, max_new_tokens=6, turns_per_bucket=3, progress=False
+    )
 
 
 @pytest.mark.slow  # the real default model over ten turns
@@ -41,7 +43,10 @@ def test_sink_window_is_bounded_and_full_cache_is_not(uninterrupted):
     sw = uninterrupted.turns[uninterrupted.turns["arm"] == "sink_window"]
     fc = uninterrupted.turns[uninterrupted.turns["arm"] == "full_cache"]
     assert sw["cache_len"].iloc[-1] == ARGS["sink"] + ARGS["window"] < sw["history_len"].iloc[-1]
-    assert fc["kv_live_bytes"].is_monotonic_increasing and fc["kv_live_bytes"].iloc[-1] > sw["kv_live_bytes"].iloc[-1]
+    assert (
+        fc["kv_live_bytes"].is_monotonic_increasing
+        and fc["kv_live_bytes"].iloc[-1] > sw["kv_live_bytes"].iloc[-1]
+    )
     assert (sw["kv_live_bytes"] > 0).all()
     # both arms saw the same user turns; the histories differ only by the replies
     assert list(sw["user_tokens"]) == list(fc["user_tokens"])
@@ -50,11 +55,15 @@ def test_sink_window_is_bounded_and_full_cache_is_not(uninterrupted):
 def test_degenerate_runs_are_refused():
     with pytest.raises(DegenerateRun):
         refuse_degenerate([{"arm": "sink_window", "turn": 0, "kv_live_bytes": 0}])
-    failed = [{"arm": "sink_window", "turn": 0, "error": "turn 0: SessionError: boom"},
-              {"arm": "full_cache", "turn": 0, "error": "turn 0: SessionError: boom"}]
+    failed = [
+        {"arm": "sink_window", "turn": 0, "error": "turn 0: SessionError: boom"},
+        {"arm": "full_cache", "turn": 0, "error": "turn 0: SessionError: boom"},
+    ]
     with pytest.raises(DegenerateRun, match="every turn failed"):
         refuse_all_failed(failed)
-    refuse_all_failed(failed + [{"arm": "full_cache", "turn": 1, "error": None}])  # one success: a result
+    refuse_all_failed(
+        failed + [{"arm": "full_cache", "turn": 1, "error": None}]
+    )  # one success: a result
 
 
 def test_resume_refuses_other_settings_and_force_new_starts_over(tmp_path, tiny_model):
@@ -74,26 +83,61 @@ def test_resume_refuses_other_settings_and_force_new_starts_over(tmp_path, tiny_
     for change, named in cases:
         kwargs = {"arms": arms, "user_turns": turns[:2], "max_new_tokens": 3, **change}
         with pytest.raises(ResumeMismatch, match=named):
-            run_long(tiny_model, kwargs.pop("arms"), kwargs.pop("user_turns"), out_dir=out, progress=False, **kwargs)
+            run_long(
+                tiny_model,
+                kwargs.pop("arms"),
+                kwargs.pop("user_turns"),
+                out_dir=out,
+                progress=False,
+                **kwargs,
+            )
         assert (out / "checkpoint.json").read_text() == saved  # refused before anything changed
     again = run_long(tiny_model, arms, turns[:2], max_new_tokens=3, out_dir=out, progress=False)
-    pd.testing.assert_frame_equal(again.turns, first.turns)  # same settings: resumes (nothing left to run)
-    fresh = run_long(tiny_model, arms, turns[:3], max_new_tokens=4, out_dir=out, progress=False, force_new=True)
+    pd.testing.assert_frame_equal(
+        again.turns, first.turns
+    )  # same settings: resumes (nothing left to run)
+    fresh = run_long(
+        tiny_model, arms, turns[:3], max_new_tokens=4, out_dir=out, progress=False, force_new=True
+    )
     assert sorted(fresh.turns["turn"]) == [0, 1, 2] and (fresh.turns["generated_tokens"] <= 4).all()
 
 
 def _cli(out_dir):
-    return [sys.executable, "-m", "kakeya_lab.cli", "long-run", str(out_dir), "--turns", str(TURNS),
-            "--arms", "sink_window,full_cache", "--sink", str(ARGS["sink"]), "--window", str(ARGS["window"]),
-            "--max-new-tokens", "6", "--checkpoint-every", "2", "--probe-every", "0",
-            "--turns-per-bucket", "3", "--quiet"]
+    return [
+        sys.executable,
+        "-m",
+        "kakeya_lab.cli",
+        "long-run",
+        str(out_dir),
+        "--turns",
+        str(TURNS),
+        "--arms",
+        "sink_window,full_cache",
+        "--sink",
+        str(ARGS["sink"]),
+        "--window",
+        str(ARGS["window"]),
+        "--max-new-tokens",
+        "6",
+        "--checkpoint-every",
+        "2",
+        "--probe-every",
+        "0",
+        "--turns-per-bucket",
+        "3",
+        "--quiet",
+    ]
 
 
 @pytest.mark.slow  # the real default model over ten turns
 def test_resume_after_kill_loses_no_completed_turn(tmp_path, uninterrupted):
     out = tmp_path / "run"
-    proc = subprocess.Popen(_cli(out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        _cli(out),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     checkpoint = out / "checkpoint.json"
     deadline = time.monotonic() + 300
     saved = None
@@ -103,7 +147,9 @@ def test_resume_after_kill_loses_no_completed_turn(tmp_path, uninterrupted):
             if 4 <= saved["next_turn"] < TURNS:
                 break
         if proc.poll() is not None:
-            pytest.fail(f"the run ended before it could be interrupted: {proc.stderr.read().decode()[-2000:]}")
+            pytest.fail(
+                f"the run ended before it could be interrupted: {proc.stderr.read().decode()[-2000:]}"
+            )
         time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -111,15 +157,21 @@ def test_resume_after_kill_loses_no_completed_turn(tmp_path, uninterrupted):
     done_before = pd.DataFrame(saved["rows"])
     assert 4 <= saved["next_turn"] < TURNS and len(done_before) == 2 * saved["next_turn"]
 
-    changed = subprocess.run(_cli(out) + ["--window", str(ARGS["window"] + 1)], capture_output=True, text=True)
+    changed = subprocess.run(
+        _cli(out) + ["--window", str(ARGS["window"] + 1)], capture_output=True, text=True
+    )
     assert changed.returncode == 2, changed.stderr
-    assert "window: was 40, now 41" in changed.stderr and len(changed.stderr.strip().splitlines()) == 1
+    assert (
+        "window: was 40, now 41" in changed.stderr and len(changed.stderr.strip().splitlines()) == 1
+    )
     assert json.loads(checkpoint.read_text()) == saved
 
     subprocess.run(_cli(out), check=True, capture_output=True)
     final = pd.read_csv(out / "turns.csv")
     assert sorted(final.groupby("arm")["turn"].apply(list).to_dict().items()) == [
-        ("full_cache", list(range(TURNS))), ("sink_window", list(range(TURNS)))]
+        ("full_cache", list(range(TURNS))),
+        ("sink_window", list(range(TURNS))),
+    ]
     # completed turns are kept as they were
     kept = final.merge(done_before, on=["arm", "turn"], suffixes=("", "_before"))
     assert len(kept) == len(done_before)

@@ -21,20 +21,37 @@ TURNS = ["Hello there.", "How are you?", "Tell me more.", "And then?", "Why so?"
 
 def test_paced_turns_start_spacing_apart_and_time_reports_are_partial(tmp_path, tiny_model):
     reports = []
-    run = run_long(tiny_model, standard_arms(4, 16, names=("sink_window",)), TURNS[:4], max_new_tokens=2,
-                   out_dir=tmp_path / "run", checkpoint_every=100, turn_spacing_s=0.3, report_every_s=0.25,
-                   seconds_per_bucket=0.6, on_report=reports.append, progress=False)
+    run = run_long(
+        tiny_model,
+        standard_arms(4, 16, names=("sink_window",)),
+        TURNS[:4],
+        max_new_tokens=2,
+        out_dir=tmp_path / "run",
+        checkpoint_every=100,
+        turn_spacing_s=0.3,
+        report_every_s=0.25,
+        seconds_per_bucket=0.6,
+        on_report=reports.append,
+        progress=False,
+    )
     starts = run.turns["wall_s"] - run.turns["append_latency_s"] - run.turns["generate_s"]
     for i, start in enumerate(starts):
         assert start >= 0.3 * i - 0.02, (i, start)  # never early (measured after the turn)
     assert run.duration_s >= 0.9 and not run.partial and run.abort_reason is None
     # every report but the last is partial; reports came by time (checkpoint_every is 100)
-    assert [r.partial for r in reports] == [True] * (len(reports) - 1) + [False] and len(reports) >= 3
+    assert [r.partial for r in reports] == [True] * (len(reports) - 1) + [False] and len(
+        reports
+    ) >= 3
     assert run.summary["sink_window"]["buckets_by_time"][0]["index"] == 0
     assert len(run.summary["sink_window"]["buckets_by_time"]) >= 2  # 0.9 s over 0.6 s buckets
     # control: without pacing the same run is done well before 0.9 s of spacing
-    fast = run_long(tiny_model, standard_arms(4, 16, names=("sink_window",)), TURNS[:4], max_new_tokens=2,
-                    progress=False)
+    fast = run_long(
+        tiny_model,
+        standard_arms(4, 16, names=("sink_window",)),
+        TURNS[:4],
+        max_new_tokens=2,
+        progress=False,
+    )
     assert fast.duration_s < 0.9
 
 
@@ -43,46 +60,105 @@ def test_sigint_in_process_ends_the_run_with_a_partial_report(tmp_path, tiny_mod
     timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     try:
-        run = run_long(tiny_model, standard_arms(4, 16, names=("sink_window",)), TURNS, max_new_tokens=2,
-                       out_dir=tmp_path / "run", turn_spacing_s=0.3, on_report=reports.append, progress=False)
+        run = run_long(
+            tiny_model,
+            standard_arms(4, 16, names=("sink_window",)),
+            TURNS,
+            max_new_tokens=2,
+            out_dir=tmp_path / "run",
+            turn_spacing_s=0.3,
+            on_report=reports.append,
+            progress=False,
+        )
     finally:
         timer.cancel()
     assert run.partial and run.abort_reason == "SIGINT" and reports[-1].abort_reason == "SIGINT"
     done = json.loads((tmp_path / "run" / "checkpoint.json").read_text())["next_turn"]
     assert 1 <= done < len(TURNS) and list(run.turns["turn"]) == list(range(done))
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back
+    assert (
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )  # the handler is given back
     # control: resumed without a signal, the run completes (pacing is part of the strict settings)
-    again = run_long(tiny_model, standard_arms(4, 16, names=("sink_window",)), TURNS, max_new_tokens=2,
-                     out_dir=tmp_path / "run", turn_spacing_s=0.3, progress=False)
-    assert not again.partial and again.abort_reason is None and list(again.turns["turn"]) == list(range(len(TURNS)))
+    again = run_long(
+        tiny_model,
+        standard_arms(4, 16, names=("sink_window",)),
+        TURNS,
+        max_new_tokens=2,
+        out_dir=tmp_path / "run",
+        turn_spacing_s=0.3,
+        progress=False,
+    )
+    assert (
+        not again.partial
+        and again.abort_reason is None
+        and list(again.turns["turn"]) == list(range(len(TURNS)))
+    )
 
 
 def test_duration_limit_stops_starting_rounds(tiny_model):
-    run = run_long(tiny_model, standard_arms(4, 16, names=("sink_window",)), TURNS, max_new_tokens=2,
-                   duration_s=1.0, turn_spacing_s=0.4, progress=False)
+    run = run_long(
+        tiny_model,
+        standard_arms(4, 16, names=("sink_window",)),
+        TURNS,
+        max_new_tokens=2,
+        duration_s=1.0,
+        turn_spacing_s=0.4,
+        progress=False,
+    )
     assert list(run.turns["turn"]) == [0, 1, 2]  # rounds at 0, 0.4, 0.8 s; none at 1.2 s
 
 
 def test_bad_pacing_arguments_are_refused_before_running(tiny_model):
     arms = standard_arms(4, 16, names=("sink_window",))
-    for kwargs, named in (({"turn_spacing_s": 0}, "turn_spacing_s"), ({"report_every_s": -1}, "report_every_s"),
-                          ({"seconds_per_bucket": float("inf")}, "seconds_per_bucket")):
+    for kwargs, named in (
+        ({"turn_spacing_s": 0}, "turn_spacing_s"),
+        ({"report_every_s": -1}, "report_every_s"),
+        ({"seconds_per_bucket": float("inf")}, "seconds_per_bucket"),
+    ):
         with pytest.raises(ValueError, match=named):
             run_long(tiny_model, arms, TURNS, progress=False, **kwargs)
 
 
 def _cli(out_dir, turns):
-    return [sys.executable, "-m", "kakeya_lab.cli", "long-run", str(out_dir), "--turns", str(turns),
-            "--arms", "sink_window", "--sink", "4", "--window", "40", "--max-new-tokens", "4",
-            "--checkpoint-every", "1", "--probe-every", "0", "--turns-per-bucket", "2",
-            "--turn-spacing-s", "0.5", "--seconds-per-bucket", "1", "--quiet"]
+    return [
+        sys.executable,
+        "-m",
+        "kakeya_lab.cli",
+        "long-run",
+        str(out_dir),
+        "--turns",
+        str(turns),
+        "--arms",
+        "sink_window",
+        "--sink",
+        "4",
+        "--window",
+        "40",
+        "--max-new-tokens",
+        "4",
+        "--checkpoint-every",
+        "1",
+        "--probe-every",
+        "0",
+        "--turns-per-bucket",
+        "2",
+        "--turn-spacing-s",
+        "0.5",
+        "--seconds-per-bucket",
+        "1",
+        "--quiet",
+    ]
 
 
 @pytest.mark.slow  # the real default model in a subprocess
 def test_sigterm_writes_a_partial_report_and_resume_completes(tmp_path):
     out, turns = tmp_path / "run", 8
-    proc = subprocess.Popen(_cli(out, turns), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        _cli(out, turns),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     checkpoint = out / "checkpoint.json"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

@@ -12,9 +12,13 @@ from kakeya_lab.data import chained_user_turns, chitchat_conversations
 
 @pytest.mark.slow  # the real default model over six turns, two arms
 def test_speculative_arm_replies_equal_plain_greedy_past_eviction(default_model):
-    arms = standard_arms(4, 40, names=("sink_window", "speculative"), proposer="ngram", draft_length=4)
+    arms = standard_arms(
+        4, 40, names=("sink_window", "speculative"), proposer="ngram", draft_length=4
+    )
     turns = chained_user_turns(chitchat_conversations("dev"), 6)
-    run = run_long(default_model, arms, turns, max_new_tokens=16, turns_per_bucket=2, progress=False)
+    run = run_long(
+        default_model, arms, turns, max_new_tokens=16, turns_per_bucket=2, progress=False
+    )
     plain = run.turns[run.turns["arm"] == "sink_window"].set_index("turn")
     spec = run.turns[run.turns["arm"] == "speculative"].set_index("turn")
     assert list(spec.index) == list(plain.index) == list(range(6))
@@ -22,7 +26,9 @@ def test_speculative_arm_replies_equal_plain_greedy_past_eviction(default_model)
     for turn in plain.index:
         assert spec.loc[turn, "reply"] == plain.loc[turn, "reply"], turn
         assert spec.loc[turn, "history_len"] == plain.loc[turn, "history_len"]
-    assert spec["history_len"].iloc[-1] > spec["cache_len"].iloc[-1] == 44  # evicted for several turns
+    assert (
+        spec["history_len"].iloc[-1] > spec["cache_len"].iloc[-1] == 44
+    )  # evicted for several turns
     assert spec["accepted"].sum() > 0 and plain["proposed"].sum() == 0  # drafts were really used
     assert run.summary["speculative"]["kv_bounded"] is True
 
@@ -36,20 +42,28 @@ def test_speculative_arm_settings_are_checked_without_a_model():
         standard_arms(4, 40, names=("speculative",), proposer="ngram:3,x")
     with pytest.raises(ValueError, match="draft_length"):
         standard_arms(4, 40, names=("speculative",), proposer="ngram", draft_length=0)
-    arm = standard_arms(4, 40, names=("speculative",), proposer="ngram:2,1", draft_length=3)["speculative"]
+    arm = standard_arms(4, 40, names=("speculative",), proposer="ngram:2,1", draft_length=3)[
+        "speculative"
+    ]
     assert arm.to_dict()["proposer"] == "ngram:2,1" and arm.config.budget == 44
     assert "proposer" not in standard_arms(4, 40, names=("sink_window",))["sink_window"].to_dict()
 
 
-@pytest.mark.parametrize("extra,said", [
-    (["--arms", "speculative"], "needs --proposer"),
-    (["--proposer", "ngram"], "add it, e.g. --arms sink_window,speculative"),
-    (["--arms", "speculative", "--proposer", "oracle"], "needs a proposer"),
-    (["--arms", "speculative", "--proposer", "ngram", "--draft-length", "0"], "--draft-length must be >= 1"),
-    (["--turn-spacing-s", "0"], "--turn-spacing-s must be a finite number > 0"),
-    (["--report-every-s", "-5"], "--report-every-s must be a finite number >= 0"),
-    (["--seconds-per-bucket", "nan"], "--seconds-per-bucket"),
-])
+@pytest.mark.parametrize(
+    "extra,said",
+    [
+        (["--arms", "speculative"], "needs --proposer"),
+        (["--proposer", "ngram"], "add it, e.g. --arms sink_window,speculative"),
+        (["--arms", "speculative", "--proposer", "oracle"], "needs a proposer"),
+        (
+            ["--arms", "speculative", "--proposer", "ngram", "--draft-length", "0"],
+            "--draft-length must be >= 1",
+        ),
+        (["--turn-spacing-s", "0"], "--turn-spacing-s must be a finite number > 0"),
+        (["--report-every-s", "-5"], "--report-every-s must be a finite number >= 0"),
+        (["--seconds-per-bucket", "nan"], "--seconds-per-bucket"),
+    ],
+)
 def test_long_run_cli_refuses_bad_arguments_before_loading(extra, said, tmp_path, capsys):
     from kakeya_lab.cli import main
 

@@ -36,21 +36,35 @@ def edits(rng: random.Random, steps: int, vocab: int, unrelated: bool, max_rewri
         elif r < 0.8:
             ctx = ctx[: len(ctx) - rng.randint(1, min(len(ctx), 8))]
         elif r < 0.95:  # rollback then other tokens (within the proposer's contract)
-            ctx = ctx[: len(ctx) - rng.randint(1, min(len(ctx), max_rewrite))] + [rng.randrange(vocab) for _ in range(3)]
+            ctx = ctx[: len(ctx) - rng.randint(1, min(len(ctx), max_rewrite))] + [
+                rng.randrange(vocab) for _ in range(3)
+            ]
         elif unrelated:
             ctx = [rng.randrange(vocab) for _ in range(rng.randint(0, 80))]
         yield ctx
 
 
-@pytest.mark.parametrize("sizes,max_lookback,check_tokens", [
-    ((3, 2, 1), None, 64), ((4, 2), None, 8), ((3, 2, 1), 20, 64), ((1,), 7, 3), ((5, 3, 1), None, 2),
-])
+@pytest.mark.parametrize(
+    "sizes,max_lookback,check_tokens",
+    [
+        ((3, 2, 1), None, 64),
+        ((4, 2), None, 8),
+        ((3, 2, 1), 20, 64),
+        ((1,), 7, 3),
+        ((5, 3, 1), None, 2),
+    ],
+)
 def test_same_drafts_as_the_exhaustive_search(sizes, max_lookback, check_tokens):
     rng = random.Random(hash((sizes, max_lookback, check_tokens)) % 1000)
     proposer = NgramProposer(sizes, max_lookback=max_lookback, check_tokens=check_tokens)
     hits = 0
-    for ctx in edits(rng, 600, vocab=6, unrelated=check_tokens >= 32,
-                     max_rewrite=max(1, min(6, check_tokens // 2))):
+    for ctx in edits(
+        rng,
+        600,
+        vocab=6,
+        unrelated=check_tokens >= 32,
+        max_rewrite=max(1, min(6, check_tokens // 2)),
+    ):
         k = rng.randint(0, 6)
         got = proposer.propose(ctx, k).tokens
         assert got == brute_force(ctx, k, sizes, max_lookback), (ctx, k)

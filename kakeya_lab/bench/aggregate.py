@@ -121,16 +121,28 @@ def _slope_ci(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
 
 
 def latency_drift_p50(
-    df: pd.DataFrame, column: str = "append_latency_s", *, by: str = "turns", size: float | None = None,
+    df: pd.DataFrame,
+    column: str = "append_latency_s",
+    *,
+    by: str = "turns",
+    size: float | None = None,
     start_turn: int | None = None,
 ) -> dict:
     """Last full bucket p50 minus first full bucket p50 of ``column`` (seconds and
     percent), with the p95 of both buckets beside. Fewer than two full buckets: every
     number None and ``reason`` says "not measured"."""
     rows = df if start_turn is None else df[df["turn"] >= start_turn]
-    out = {"first_p50_s": None, "last_p50_s": None, "drift_s": None, "drift_pct": None,
-           "first_p95_s": None, "last_p95_s": None, "buckets": 0, "full_buckets": 0,
-           "reason": NOT_MEASURED}
+    out = {
+        "first_p50_s": None,
+        "last_p50_s": None,
+        "drift_s": None,
+        "drift_pct": None,
+        "first_p95_s": None,
+        "last_p95_s": None,
+        "buckets": 0,
+        "full_buckets": 0,
+        "reason": NOT_MEASURED,
+    }
     rows = rows[rows[column].notna()] if len(rows) else rows
     if len(rows) == 0:
         return out
@@ -142,16 +154,23 @@ def latency_drift_p50(
     first_rows, last_rows = rows[buckets == full[0]][column], rows[buckets == full[-1]][column]
     first, last = float(first_rows.median()), float(last_rows.median())
     out.update(
-        first_p50_s=first, last_p50_s=last, drift_s=last - first,
+        first_p50_s=first,
+        last_p50_s=last,
+        drift_s=last - first,
         drift_pct=100.0 * (last - first) / first if first > 0 else None,
-        first_p95_s=float(first_rows.quantile(0.95)), last_p95_s=float(last_rows.quantile(0.95)),
+        first_p95_s=float(first_rows.quantile(0.95)),
+        last_p95_s=float(last_rows.quantile(0.95)),
         reason=f"first full bucket {full[0]} vs last full bucket {full[-1]}",
     )
     return out
 
 
 def prefill_bounded(
-    df: pd.DataFrame, *, budget_tokens: int | None, by: str = "turns", size: float | None = None,
+    df: pd.DataFrame,
+    *,
+    budget_tokens: int | None,
+    by: str = "turns",
+    size: float | None = None,
     tolerance: float = 0.10,
 ) -> dict:
     """The slope of append latency against history length is indistinguishable from zero
@@ -162,7 +181,9 @@ def prefill_bounded(
     if df.empty:
         out["reason"] = "no turns"
         return out
-    start = first_full_turn(df, budget_tokens) if budget_tokens is not None else int(df["turn"].iloc[0])
+    start = (
+        first_full_turn(df, budget_tokens) if budget_tokens is not None else int(df["turn"].iloc[0])
+    )
     if start is None:
         out["reason"] = "the cache never filled"
         return out
@@ -170,7 +191,9 @@ def prefill_bounded(
     if len(rows) < 3:
         out["reason"] = "fewer than three turns to fit a slope"
         return out
-    slope, lo, hi = _slope_ci(rows["history_len"].to_numpy(float), rows["append_latency_s"].to_numpy(float))
+    slope, lo, hi = _slope_ci(
+        rows["history_len"].to_numpy(float), rows["append_latency_s"].to_numpy(float)
+    )
     drift = latency_drift_p50(rows, "append_latency_s", by=by, size=size)
     out.update(slope_s_per_token=slope, slope_ci95=[lo, hi], drift=drift)
     flat_slope = lo <= 0.0 <= hi
@@ -178,7 +201,11 @@ def prefill_bounded(
     if drift["full_buckets"] < 2:
         out["reason"] = "fewer than two full buckets after the cache filled (not measured)"
     elif not flat_slope:
-        out["reason"] = f"append latency grows with history ({slope * 1e6:.3f} us/token, 95% CI [{lo * 1e6:.3f}, {hi * 1e6:.3f}])" if slope > 0 else "append latency slope differs from zero"
+        out["reason"] = (
+            f"append latency grows with history ({slope * 1e6:.3f} us/token, 95% CI [{lo * 1e6:.3f}, {hi * 1e6:.3f}])"
+            if slope > 0
+            else "append latency slope differs from zero"
+        )
     elif not within:
         out["reason"] = f"last bucket p50 differs {drift['drift_pct']:.1f}% from the first"
     else:
@@ -187,7 +214,9 @@ def prefill_bounded(
     return out
 
 
-def rss_drift(df: pd.DataFrame, *, start_turn: int | None = None, by: str = "turns", size: float | None = None) -> dict:
+def rss_drift(
+    df: pd.DataFrame, *, start_turn: int | None = None, by: str = "turns", size: float | None = None
+) -> dict:
     """Process RSS: last full bucket mean vs first full bucket mean (after ``start_turn``);
     "not measured" (None) with fewer than two full buckets."""
     rows = df if start_turn is None else df[df["turn"] >= start_turn]
@@ -200,8 +229,12 @@ def rss_drift(df: pd.DataFrame, *, start_turn: int | None = None, by: str = "tur
     buckets = bucket_of(rows, by, size)
     first = float(rows.loc[buckets == full[0], "rss_bytes"].mean())
     last = float(rows.loc[buckets == full[-1], "rss_bytes"].mean())
-    out.update(first_bytes=first, last_bytes=last, drift_pct=100.0 * (last - first) / first if first else None,
-               reason=f"first full bucket {full[0]} vs last full bucket {full[-1]}")
+    out.update(
+        first_bytes=first,
+        last_bytes=last,
+        drift_pct=100.0 * (last - first) / first if first else None,
+        reason=f"first full bucket {full[0]} vs last full bucket {full[-1]}",
+    )
     return out
 
 
@@ -211,7 +244,13 @@ def repetition_rate(token_ids: list[int], n: int = 4) -> float:
     return 0.0 if not grams else 1.0 - len(set(grams)) / len(grams)
 
 
-LATENCY_COLUMNS = ("turn_latency_s", "append_latency_s", "first_token_s", "generate_s", "decode_s_per_token")
+LATENCY_COLUMNS = (
+    "turn_latency_s",
+    "append_latency_s",
+    "first_token_s",
+    "generate_s",
+    "decode_s_per_token",
+)
 
 
 def with_turn_latency(df: pd.DataFrame) -> pd.DataFrame:
@@ -229,8 +268,12 @@ def percentiles(values: pd.Series) -> dict:
     v = values.dropna().astype(float)
     if v.empty:
         return {"p50": None, "p95": None, "mean": None, "count": 0}
-    return {"p50": float(v.quantile(0.5)), "p95": float(v.quantile(0.95)), "mean": float(v.mean()),
-            "count": int(len(v))}
+    return {
+        "p50": float(v.quantile(0.5)),
+        "p95": float(v.quantile(0.95)),
+        "mean": float(v.mean()),
+        "count": int(len(v)),
+    }
 
 
 def latency_percentiles(df: pd.DataFrame) -> dict:
@@ -248,7 +291,10 @@ def kv_live_range(df: pd.DataFrame) -> dict:
 
 
 def bucket_table(
-    df: pd.DataFrame, by: str = "turns", size: float | None = None, column: str = "turn_latency_s",
+    df: pd.DataFrame,
+    by: str = "turns",
+    size: float | None = None,
+    column: str = "turn_latency_s",
 ) -> list[dict]:
     """One row per bucket (by ``turns`` or wall ``time``): ``index``, ``turns`` (rows in
     it), ``full`` (see :func:`full_buckets`), ``p50_s`` / ``p95_s`` / ``mean_s`` of
@@ -263,17 +309,27 @@ def bucket_table(
         part = df[buckets == b]
         stats = percentiles(part[column]) if column in part else percentiles(pd.Series(dtype=float))
         kv = part["kv_live_bytes"].dropna() if "kv_live_bytes" in part else pd.Series(dtype=float)
-        rows.append({
-            "index": int(b), "turns": int(len(part)), "full": int(b) in full,
-            "p50_s": stats["p50"], "p95_s": stats["p95"], "mean_s": stats["mean"],
-            "kv_live_bytes_mean": float(kv.mean()) if len(kv) else None,
-        })
+        rows.append(
+            {
+                "index": int(b),
+                "turns": int(len(part)),
+                "full": int(b) in full,
+                "p50_s": stats["p50"],
+                "p95_s": stats["p95"],
+                "mean_s": stats["mean"],
+                "kv_live_bytes_mean": float(kv.mean()) if len(kv) else None,
+            }
+        )
     return rows
 
 
 def aggregate_arm(
-    df: pd.DataFrame, *, budget_tokens: int | None, budget_bytes: int | None,
-    turns_per_bucket: int = TURNS_PER_BUCKET, seconds_per_bucket: float = SECONDS_PER_BUCKET,
+    df: pd.DataFrame,
+    *,
+    budget_tokens: int | None,
+    budget_bytes: int | None,
+    turns_per_bucket: int = TURNS_PER_BUCKET,
+    seconds_per_bucket: float = SECONDS_PER_BUCKET,
 ) -> dict:
     """Every aggregate of one arm, by turns and by time.
 
@@ -296,15 +352,20 @@ def aggregate_arm(
     if ok.empty:
         out["kv_bounded"] = False
         out["prefill_bounded"] = False
-        out["verdicts"] = {"kv_bounded": {"by_turns": False, "by_time": False},
-                           "prefill_bounded": {"by_turns": False, "by_time": False}}
+        out["verdicts"] = {
+            "kv_bounded": {"by_turns": False, "by_time": False},
+            "prefill_bounded": {"by_turns": False, "by_time": False},
+        }
         out["reason"] = "no successful turns"
         return out
     start = first_full_turn(ok, budget_tokens)
     for by, size in (("turns", turns_per_bucket), ("time", seconds_per_bucket)):
         out[f"kv_bounded_by_{by}"] = kv_bounded(
-            ok, budget_tokens=budget_tokens, budget_bytes=budget_bytes, by=by, size=size)
-        out[f"prefill_bounded_by_{by}"] = prefill_bounded(ok, budget_tokens=budget_tokens, by=by, size=size)
+            ok, budget_tokens=budget_tokens, budget_bytes=budget_bytes, by=by, size=size
+        )
+        out[f"prefill_bounded_by_{by}"] = prefill_bounded(
+            ok, budget_tokens=budget_tokens, by=by, size=size
+        )
         out[f"latency_drift_p50_by_{by}"] = {
             col: latency_drift_p50(ok, col, by=by, size=size, start_turn=start)
             for col in ("append_latency_s", "first_token_s", "decode_s_per_token")
@@ -322,7 +383,12 @@ def aggregate_arm(
         out["repetition_rate"] = float(ok["repetition"].mean())
     out["first_full_turn"] = start
     drift = out["latency_drift_p50_by_turns"]["append_latency_s"]
-    ratio = (drift["last_p50_s"] / drift["first_p50_s"]
-             if drift["first_p50_s"] and drift["last_p50_s"] is not None else None)
-    out["append_latency_last_over_first_bucket"] = float(ratio) if ratio is not None and math.isfinite(ratio) else None
+    ratio = (
+        drift["last_p50_s"] / drift["first_p50_s"]
+        if drift["first_p50_s"] and drift["last_p50_s"] is not None
+        else None
+    )
+    out["append_latency_last_over_first_bucket"] = (
+        float(ratio) if ratio is not None and math.isfinite(ratio) else None
+    )
     return out

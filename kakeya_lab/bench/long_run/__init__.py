@@ -42,7 +42,21 @@ from kakeya_lab.bench.long_run.records import (
 from kakeya_lab.bench.long_run.summary import long_run_headline, summarize_long_run
 
 __all__ = [
-    "ARM_NAMES", "Arm", "ArmState", "CHECKPOINT", "DegenerateRun", "FactProbe", "LongRun", "TurnRecord",
-    "check_run_arguments", "long_run_headline", "probe_recall", "refuse_all_failed", "refuse_degenerate",
-    "run_long", "run_settings", "standard_arms", "summarize_long_run",
+    "ARM_NAMES",
+    "Arm",
+    "ArmState",
+    "CHECKPOINT",
+    "DegenerateRun",
+    "FactProbe",
+    "LongRun",
+    "TurnRecord",
+    "check_run_arguments",
+    "long_run_headline",
+    "probe_recall",
+    "refuse_all_failed",
+    "refuse_degenerate",
+    "run_long",
+    "run_settings",
+    "standard_arms",
+    "summarize_long_run",
 ]

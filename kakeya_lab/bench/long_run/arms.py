@@ -35,9 +35,15 @@ def check_proposer_spec(spec: str | None) -> None:
     ``early-exit:LAYERS``, ``draft:MODEL``) — checked without a model."""
     kind, _, arg = (spec or "").partition(":")
     if kind not in PROPOSER_KINDS:
-        raise ValueError(f"the speculative arm needs a proposer: ngram[:SIZES], early-exit:LAYERS or "
-                         f"draft:MODEL, got {spec!r}")
-    if kind == "ngram" and arg and not all(n.strip().isdigit() and int(n) >= 1 for n in arg.split(",")):
+        raise ValueError(
+            f"the speculative arm needs a proposer: ngram[:SIZES], early-exit:LAYERS or "
+            f"draft:MODEL, got {spec!r}"
+        )
+    if (
+        kind == "ngram"
+        and arg
+        and not all(n.strip().isdigit() and int(n) >= 1 for n in arg.split(","))
+    ):
         raise ValueError(f"bad n-gram sizes in {spec!r}: write them like ngram:3,2,1")
     if kind == "early-exit" and not (arg.isdigit() and int(arg) >= 1):
         raise ValueError(f"bad layer count in {spec!r}: write it like early-exit:8")
@@ -46,9 +52,13 @@ def check_proposer_spec(spec: str | None) -> None:
 
 
 def standard_arms(
-    sink: int, window: int, positions: str = "global",
-    names: Sequence[str] = ("sink_window", "full_cache", "reprefill"), *,
-    proposer: str | None = None, draft_length: int = 4,
+    sink: int,
+    window: int,
+    positions: str = "global",
+    names: Sequence[str] = ("sink_window", "full_cache", "reprefill"),
+    *,
+    proposer: str | None = None,
+    draft_length: int = 4,
 ) -> dict[str, Arm]:
     """``sink_window`` (our runtime, bounded cache), ``full_cache`` (the same runtime, a
     cache that never evicts) and ``reprefill`` (stateless: the whole conversation is
@@ -71,15 +81,22 @@ def standard_arms(
         "full_cache": Arm("full_cache", full),
         "reprefill": Arm("reprefill", full, stateless=True),
     }
-    bounded = SinkWindowConfig(sink=sink, window=window, positions=positions) if (
-        {"sink_window", "speculative"} & set(names)) else None
+    bounded = (
+        SinkWindowConfig(sink=sink, window=window, positions=positions)
+        if ({"sink_window", "speculative"} & set(names))
+        else None
+    )
     if "sink_window" in names:
         known["sink_window"] = Arm("sink_window", bounded)
     if "speculative" in names:
         check_proposer_spec(proposer)
         if isinstance(draft_length, bool) or not isinstance(draft_length, int) or draft_length < 1:
             raise ValueError(f"draft_length must be an integer >= 1, got {draft_length!r}")
-        known["speculative"] = Arm("speculative", bounded, proposer=proposer, draft_length=draft_length)
+        known["speculative"] = Arm(
+            "speculative", bounded, proposer=proposer, draft_length=draft_length
+        )
     elif proposer is not None:
-        raise ValueError("a proposer was given but no speculative arm: add 'speculative' to the arms")
+        raise ValueError(
+            "a proposer was given but no speculative arm: add 'speculative' to the arms"
+        )
     return {n: known[n] for n in names}

@@ -27,14 +27,23 @@ OUTPUTS = (CHECKPOINT, "turns.csv", "metrics.json")
 
 
 def run_settings(
-    loaded, arms: Mapping[str, Arm], user_turns: Sequence[str], *, max_new_tokens: int,
-    probe: FactProbe | None, reprefill_cap_s: float | None, turns_per_bucket: int,
+    loaded,
+    arms: Mapping[str, Arm],
+    user_turns: Sequence[str],
+    *,
+    max_new_tokens: int,
+    probe: FactProbe | None,
+    reprefill_cap_s: float | None,
+    turns_per_bucket: int,
 ) -> dict:
     """Everything that shapes a long run's numbers (not ``duration_s`` or
     ``checkpoint_every``, which only say how long and how often to save)."""
     script = hashlib.sha256(json.dumps(list(user_turns)).encode()).hexdigest()
     return {
-        "model": {"name": loaded.description.name, "weight_sha256": loaded.description.weight_sha256},
+        "model": {
+            "name": loaded.description.name,
+            "weight_sha256": loaded.description.weight_sha256,
+        },
         "arms": {name: arm.to_dict() for name, arm in arms.items()},
         "max_new_tokens": max_new_tokens,
         "turns": {"count": len(user_turns), "sha256": script},
@@ -101,25 +110,43 @@ def load_progress(path: Path, loaded, arms: Mapping[str, Arm], settings: dict) -
     states = {}
     for name, arm in arms.items():
         s = saved["arms"][name]
-        state = ArmState(arm, ChatTemplate.from_state(loaded.tokenizer, s["chat"]), list(s["history_ids"]),
-                         stopped=s["stopped"], proposer=new_proposer(loaded, arm))
+        state = ArmState(
+            arm,
+            ChatTemplate.from_state(loaded.tokenizer, s["chat"]),
+            list(s["history_ids"]),
+            stopped=s["stopped"],
+            proposer=new_proposer(loaded, arm),
+        )
         if not arm.stateless and state.history_ids:
             state.store, state.sid = new_session(loaded, arm)
             state.store.append(state.sid, state.history_ids)  # replay: same cache as before
         elif not arm.stateless:
             state.store, state.sid = new_session(loaded, arm)
         states[name] = state
-    return Progress(rows=saved["rows"], next_turn=saved["next_turn"], wall_s=saved["wall_s"],
-                    plant_len=saved.get("plant_len", {}), states=states)
+    return Progress(
+        rows=saved["rows"],
+        next_turn=saved["next_turn"],
+        wall_s=saved["wall_s"],
+        plant_len=saved.get("plant_len", {}),
+        states=states,
+    )
 
 
 def save_progress(path: Path, progress: Progress, settings: dict) -> None:
-    write_json_atomic(path, {
-        "settings": settings, "next_turn": progress.next_turn, "wall_s": progress.wall_s,
-        "plant_len": progress.plant_len, "rows": progress.rows,
-        "arms": {n: {"history_ids": s.history_ids, "chat": s.chat.to_state(), "stopped": s.stopped}
-                 for n, s in progress.states.items()},
-    })
+    write_json_atomic(
+        path,
+        {
+            "settings": settings,
+            "next_turn": progress.next_turn,
+            "wall_s": progress.wall_s,
+            "plant_len": progress.plant_len,
+            "rows": progress.rows,
+            "arms": {
+                n: {"history_ids": s.history_ids, "chat": s.chat.to_state(), "stopped": s.stopped}
+                for n, s in progress.states.items()
+            },
+        },
+    )
 
 
 def start_over(out_dir: Path) -> None:

@@ -49,7 +49,11 @@ class LongRun:
 
     def report_fields(self) -> dict:
         """The run-level report fields: ``partial``, ``abort_reason``, ``duration_s``."""
-        return {"partial": self.partial, "abort_reason": self.abort_reason, "duration_s": self.duration_s}
+        return {
+            "partial": self.partial,
+            "abort_reason": self.abort_reason,
+            "duration_s": self.duration_s,
+        }
 
     def session(self, arm: str) -> tuple[SessionStore, str]:
         state = self.states[arm]
@@ -57,18 +61,30 @@ class LongRun:
 
 
 def check_run_arguments(
-    *, turns: int, max_new_tokens: int, checkpoint_every: int, duration_s: float | None,
-    reprefill_cap_s: float | None, turns_per_bucket: int, turn_spacing_s: float | None = None,
-    report_every_s: float | None = None, seconds_per_bucket: float = 600.0,
+    *,
+    turns: int,
+    max_new_tokens: int,
+    checkpoint_every: int,
+    duration_s: float | None,
+    reprefill_cap_s: float | None,
+    turns_per_bucket: int,
+    turn_spacing_s: float | None = None,
+    report_every_s: float | None = None,
+    seconds_per_bucket: float = 600.0,
 ) -> None:
     """Raise ValueError for any argument of :func:`run_long` that cannot work (no model needed)."""
+
     def integer(name: str, value: object, minimum: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
             raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
     def positive(name: str, value: object) -> None:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
-                                  or value == float("inf")):
+        if value is not None and (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not value > 0
+            or value == float("inf")
+        ):
             raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
     integer("turns", turns, 1)
@@ -147,14 +163,30 @@ def run_long(
     turns = list(user_turns)
     if not arms:
         raise ValueError("no arms to run")
-    check_run_arguments(turns=len(turns), max_new_tokens=max_new_tokens, checkpoint_every=checkpoint_every,
-                        duration_s=duration_s, reprefill_cap_s=reprefill_cap_s, turns_per_bucket=turns_per_bucket,
-                        turn_spacing_s=turn_spacing_s, report_every_s=report_every_s,
-                        seconds_per_bucket=seconds_per_bucket)
-    settings = run_settings(loaded, arms, turns, max_new_tokens=max_new_tokens, probe=probe,
-                            reprefill_cap_s=reprefill_cap_s, turns_per_bucket=turns_per_bucket)
+    check_run_arguments(
+        turns=len(turns),
+        max_new_tokens=max_new_tokens,
+        checkpoint_every=checkpoint_every,
+        duration_s=duration_s,
+        reprefill_cap_s=reprefill_cap_s,
+        turns_per_bucket=turns_per_bucket,
+        turn_spacing_s=turn_spacing_s,
+        report_every_s=report_every_s,
+        seconds_per_bucket=seconds_per_bucket,
+    )
+    settings = run_settings(
+        loaded,
+        arms,
+        turns,
+        max_new_tokens=max_new_tokens,
+        probe=probe,
+        reprefill_cap_s=reprefill_cap_s,
+        turns_per_bucket=turns_per_bucket,
+    )
     if turn_spacing_s is not None:
-        settings["turn_spacing_s"] = turn_spacing_s  # pacing shapes latencies: resume only with the same
+        settings["turn_spacing_s"] = (
+            turn_spacing_s  # pacing shapes latencies: resume only with the same
+        )
     out = Path(out_dir) if out_dir is not None else None
     checkpoint = out / CHECKPOINT if out is not None else None
     if out is not None and force_new:
@@ -178,7 +210,9 @@ def run_long(
     t0 = time.perf_counter() - state.wall_s
     last_report = time.perf_counter()
     limit = len(turns) if duration_s is None else None
-    bar = tqdm(total=limit, initial=state.next_turn, desc="long run", unit="turn", disable=not progress)
+    bar = tqdm(
+        total=limit, initial=state.next_turn, desc="long run", unit="turn", disable=not progress
+    )
     with _Signals() if catch_signals else _NoSignals() as signals:
         while (limit is None or state.next_turn < limit) and not signals.caught:
             if turn_spacing_s is not None:
@@ -222,8 +256,15 @@ def _wait_until(when: float, signals) -> None:
         time.sleep(min(left, 0.1))
 
 
-def _run_round(loaded, state: Progress, turns: list[str], max_new_tokens: int, t0: float,
-               probe: FactProbe | None, reprefill_cap_s: float | None) -> None:
+def _run_round(
+    loaded,
+    state: Progress,
+    turns: list[str],
+    max_new_tokens: int,
+    t0: float,
+    probe: FactProbe | None,
+    reprefill_cap_s: float | None,
+) -> None:
     """Turn ``state.next_turn`` for every arm still running, then advance."""
     i = state.next_turn
     text = turns[i % len(turns)]
@@ -236,30 +277,60 @@ def _run_round(loaded, state: Progress, turns: list[str], max_new_tokens: int, t
         if i == 0:
             state.plant_len[name] = len(arm_state.history_ids)
         try:
-            row = asdict(run_turn(loaded, arm_state, text, i, max_new_tokens, t0, probe,
-                                  state.plant_len.get(name, 0), eos_ids))
+            row = asdict(
+                run_turn(
+                    loaded,
+                    arm_state,
+                    text,
+                    i,
+                    max_new_tokens,
+                    t0,
+                    probe,
+                    state.plant_len.get(name, 0),
+                    eos_ids,
+                )
+            )
         except Exception as exc:  # recorded; the arm stops, the others go on
             arm_state.stopped = f"turn {i}: {type(exc).__name__}: {exc}"
-            state.rows.append({"arm": name, "turn": i, "error": arm_state.stopped,
-                               "wall_s": time.perf_counter() - t0})
+            state.rows.append(
+                {
+                    "arm": name,
+                    "turn": i,
+                    "error": arm_state.stopped,
+                    "wall_s": time.perf_counter() - t0,
+                }
+            )
             continue
         state.rows.append(row)
         took = row["append_latency_s"] + row["generate_s"]
         if arm_state.arm.stateless and reprefill_cap_s is not None and took > reprefill_cap_s:
-            arm_state.stopped = f"stopped after turn {i}: a turn took longer than {reprefill_cap_s}s"
+            arm_state.stopped = (
+                f"stopped after turn {i}: a turn took longer than {reprefill_cap_s}s"
+            )
     state.next_turn = i + 1
 
 
-def _finish(loaded, arms: Mapping[str, Arm], state: Progress, out: Path | None, turns_per_bucket: int,
-            seconds_per_bucket: float) -> LongRun:
+def _finish(
+    loaded,
+    arms: Mapping[str, Arm],
+    state: Progress,
+    out: Path | None,
+    turns_per_bucket: int,
+    seconds_per_bucket: float,
+) -> LongRun:
     table = pd.DataFrame(state.rows)
     if "error" not in table:
         table["error"] = None
     if "arm" not in table:
         table["arm"] = pd.Series(dtype=str)
     budgets = {n: analytic_kv_budget_bytes(loaded.model, a.config) for n, a in arms.items()}
-    summary = summarize_long_run(table, arms, budgets, turns_per_bucket=turns_per_bucket,
-                                 seconds_per_bucket=seconds_per_bucket)
+    summary = summarize_long_run(
+        table,
+        arms,
+        budgets,
+        turns_per_bucket=turns_per_bucket,
+        seconds_per_bucket=seconds_per_bucket,
+    )
     for name, arm_state in state.states.items():
         summary[name]["stopped"] = arm_state.stopped
     if out is not None:

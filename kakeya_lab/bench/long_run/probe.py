@@ -27,8 +27,12 @@ class FactProbe:
 
 
 def probe_recall(
-    store: SessionStore, session_id: str, chat: ChatTemplate, probe: FactProbe,
-    eos_ids: Collection[int], max_new_tokens: int = 12,
+    store: SessionStore,
+    session_id: str,
+    chat: ChatTemplate,
+    probe: FactProbe,
+    eos_ids: Collection[int],
+    max_new_tokens: int = 12,
 ) -> str:
     """Ask ``probe.question`` without changing the session or ``chat``; the answer text."""
     ids = chat.fork().user(probe.question)

@@ -36,11 +36,20 @@ def parse_endpoints(values: Sequence[str]) -> Endpoints:
             port = parts.port
         except ValueError:
             port = None
-        if parts.scheme not in ("grpc", "http") or not parts.hostname or port is None or port < 1 \
-                or parts.path not in ("", "/") or parts.query or parts.fragment:
+        if (
+            parts.scheme not in ("grpc", "http")
+            or not parts.hostname
+            or port is None
+            or port < 1
+            or parts.path not in ("", "/")
+            or parts.query
+            or parts.fragment
+        ):
             raise ValueError(f"{value!r} is not grpc://HOST:PORT or http://HOST:PORT; {usage}")
         if parts.scheme in found:
-            raise ValueError(f"two {parts.scheme} endpoints ({found[parts.scheme]}, {value}); {usage}")
+            raise ValueError(
+                f"two {parts.scheme} endpoints ({found[parts.scheme]}, {value}); {usage}"
+            )
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         found[parts.scheme] = f"{host}:{port}"
     missing = [s for s in ("grpc", "http") if s not in found]
@@ -54,7 +63,9 @@ def check_served_arms(names: Sequence[str]) -> list[str]:
     names = list(names)
     unknown = sorted(set(names) - set(SERVED_ARMS))
     if unknown:
-        raise ValueError(f"unknown served arm(s) {unknown} with --endpoint; known: {', '.join(SERVED_ARMS)}")
+        raise ValueError(
+            f"unknown served arm(s) {unknown} with --endpoint; known: {', '.join(SERVED_ARMS)}"
+        )
     if not names:
         raise ValueError(f"no arms given; known with --endpoint: {', '.join(SERVED_ARMS)}")
     if len(set(names)) != len(names):
@@ -73,12 +84,19 @@ def server_cache(grpc_target: str) -> dict:
             info = client.info(sid)
         finally:
             client.close_session(sid)
-    return {"sink": int(info.sink), "budget_tokens": int(info.budget_tokens),
-            "kv_budget_bytes": int(info.kv_budget_bytes)}
+    return {
+        "sink": int(info.sink),
+        "budget_tokens": int(info.budget_tokens),
+        "kv_budget_bytes": int(info.kv_budget_bytes),
+    }
 
 
 def summarize_served(
-    table: pd.DataFrame, cache: dict, *, turns_per_bucket: int = 50, seconds_per_bucket: float = 600.0,
+    table: pd.DataFrame,
+    cache: dict,
+    *,
+    turns_per_bucket: int = 50,
+    seconds_per_bucket: float = 600.0,
 ) -> dict[str, dict]:
     """:func:`~kakeya_lab.bench.aggregate.aggregate_arm` of every served arm, against the
     server's budget (``cache`` from :func:`server_cache`)."""
@@ -86,8 +104,13 @@ def summarize_served(
     budget_bytes = cache.get("kv_budget_bytes") or None
     out = {}
     for arm, df in table.groupby("arm", sort=False):
-        summary = aggregate_arm(df, budget_tokens=budget_tokens, budget_bytes=budget_bytes,
-                                turns_per_bucket=turns_per_bucket, seconds_per_bucket=seconds_per_bucket)
+        summary = aggregate_arm(
+            df,
+            budget_tokens=budget_tokens,
+            budget_bytes=budget_bytes,
+            turns_per_bucket=turns_per_bucket,
+            seconds_per_bucket=seconds_per_bucket,
+        )
         summary["budget_bytes"] = budget_bytes
         out[str(arm)] = summary
     return out

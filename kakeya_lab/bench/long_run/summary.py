@@ -11,21 +11,34 @@ from kakeya_lab.bench.long_run.arms import Arm
 
 
 def summarize_long_run(
-    table: pd.DataFrame, arms: Mapping[str, Arm], budget_bytes: Mapping[str, int | None],
-    *, turns_per_bucket: int = 50, seconds_per_bucket: float = 600.0,
+    table: pd.DataFrame,
+    arms: Mapping[str, Arm],
+    budget_bytes: Mapping[str, int | None],
+    *,
+    turns_per_bucket: int = 50,
+    seconds_per_bucket: float = 600.0,
 ) -> dict[str, dict]:
     """:func:`~kakeya_lab.bench.aggregate.aggregate_arm` for every arm, plus quality probes.
     ``budget_bytes``: the analytic KV budget per arm (None for caches that never evict)."""
     out = {}
     for name, arm in arms.items():
         df = table[table["arm"] == name]
-        summary = aggregate_arm(df, budget_tokens=arm.config.budget, budget_bytes=budget_bytes[name],
-                                turns_per_bucket=turns_per_bucket, seconds_per_bucket=seconds_per_bucket)
+        summary = aggregate_arm(
+            df,
+            budget_tokens=arm.config.budget,
+            budget_bytes=budget_bytes[name],
+            turns_per_bucket=turns_per_bucket,
+            seconds_per_bucket=seconds_per_bucket,
+        )
         summary["budget_bytes"] = budget_bytes[name]
         if "probe_recalled" in df and df["probe_recalled"].notna().any():
             probes = df[df["probe_recalled"].notna()]
             summary["probes"] = [
-                {"turn": int(r.turn), "distance_tokens": int(r.probe_distance_tokens), "recalled": bool(r.probe_recalled)}
+                {
+                    "turn": int(r.turn),
+                    "distance_tokens": int(r.probe_distance_tokens),
+                    "recalled": bool(r.probe_recalled),
+                }
                 for r in probes.itertuples()
             ]
             summary["recall_rate"] = float(probes["probe_recalled"].astype(bool).mean())

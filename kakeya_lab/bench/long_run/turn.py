@@ -15,8 +15,15 @@ from kakeya_lab.session import collect_reply
 
 
 def run_turn(
-    loaded, state: ArmState, text: str, turn: int, max_new_tokens: int, t0: float,
-    probe: FactProbe | None, plant_at: int, eos_ids: Collection[int],
+    loaded,
+    state: ArmState,
+    text: str,
+    turn: int,
+    max_new_tokens: int,
+    t0: float,
+    probe: FactProbe | None,
+    plant_at: int,
+    eos_ids: Collection[int],
 ) -> TurnRecord:
     """Run turn ``turn`` of one arm; ``t0`` is the run's wall-clock origin
     (``time.perf_counter()``), ``plant_at`` the history length where the fact was planted."""
@@ -28,24 +35,38 @@ def run_turn(
     else:
         appended = state.store.append(state.sid, delta)
     state.history_ids += delta
-    result = collect_reply(state.store.generate(state.sid, max_new_tokens, proposer=state.proposer,
-                                                draft_length=arm.draft_length))
+    result = collect_reply(
+        state.store.generate(
+            state.sid, max_new_tokens, proposer=state.proposer, draft_length=arm.draft_length
+        )
+    )
     reply, done = result.token_ids, result.done
     truncated = appended.dropped > 0 or result.truncated_dropped is not None
     state.history_ids += reply
     reply_text = state.chat.generated(reply, eos_token_ids=eos_ids)
     info = state.store.info(state.sid)
     record = TurnRecord(
-        arm=arm.name, turn=turn, user_tokens=len(delta), append_latency_s=appended.latency_s,
+        arm=arm.name,
+        turn=turn,
+        user_tokens=len(delta),
+        append_latency_s=appended.latency_s,
         first_token_s=appended.latency_s + (done.timings.first_token_s or 0.0),
         generate_s=done.timings.total_s,
         decode_s_per_token=done.timings.total_s / max(1, done.counts.generated_tokens),
-        generated_tokens=done.counts.generated_tokens, stop_reason=done.stop_reason,
-        kv_live_bytes=info.kv_live_bytes, cache_len=info.cache_len, history_len=info.history_len,
-        rss_bytes=psutil.Process().memory_info().rss, truncated=truncated,
-        dropped_total=info.history_len - info.cache_len, wall_s=time.perf_counter() - t0,
-        repetition=repetition_rate(reply), reply=reply_text,
-        proposed=done.counts.proposed, accepted=done.counts.accepted, tau=done.counts.tau,
+        generated_tokens=done.counts.generated_tokens,
+        stop_reason=done.stop_reason,
+        kv_live_bytes=info.kv_live_bytes,
+        cache_len=info.cache_len,
+        history_len=info.history_len,
+        rss_bytes=psutil.Process().memory_info().rss,
+        truncated=truncated,
+        dropped_total=info.history_len - info.cache_len,
+        wall_s=time.perf_counter() - t0,
+        repetition=repetition_rate(reply),
+        reply=reply_text,
+        proposed=done.counts.proposed,
+        accepted=done.counts.accepted,
+        tau=done.counts.tau,
         proposer_s=done.timings.proposer_s,
     )
     if probe is not None and (turn + 1) % probe.every == 0:
