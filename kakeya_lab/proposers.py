@@ -247,15 +247,18 @@ class DraftModelProposer:
         self._next_logits: torch.Tensor | None = None
         self._rows: list[torch.Tensor] = []
 
-    def _sync(self, context: list[int]) -> None:
+    def _sync(self, context: Sequence[int]) -> None:
         """Bring the draft cache to exactly ``context`` (all committed), with next logits."""
         v = self.verifier
         v.rollback()
-        history = v.history_token_ids
-        if len(history) > len(context) or history != context[: len(history)]:
+        history = v.history_view()
+        # A session's history only changes at its end, so comparing the last entries
+        # tells an extension from a rewrite without reading the whole history each step.
+        n = len(history)
+        if n > len(context) or any(context[i] != history[i] for i in range(max(0, n - 64), n)):
             self.verifier = v = Verifier(self.model, self.config)
-            history, self._next_logits = [], None
-        new = context[len(history) :]
+            n, self._next_logits = 0, None
+        new = context[n:]
         if new:
             self._next_logits = v.append(new)
         if self._next_logits is None:
@@ -264,7 +267,7 @@ class DraftModelProposer:
     def propose(self, context, draft_length, sampling=None, generator=None) -> Draft:
         t0 = time.perf_counter()
         sampling = sampling if sampling is not None else SamplingConfig()
-        self._sync(list(context))
+        self._sync(context)
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         logits = self._next_logits

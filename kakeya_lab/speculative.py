@@ -188,7 +188,7 @@ class Decoder:
         length = min(length, room - 1) if self.proposer is not None else 0
         if length > 0:
             draft = self.proposer.propose(
-                self.verifier.history_token_ids + [x], length, self.sampling, self.generator
+                self.verifier.history_view([x]), length, self.sampling, self.generator
             )
             draft.tokens = list(draft.tokens)[:length]
         else:

@@ -84,6 +84,37 @@ class HiddenTrace:
         return len(self._rows)
 
 
+class TokenHistory(Sequence[int]):
+    """A read-only view of a committed token history followed by ``tail`` (e.g. the emitted
+    token not yet in the cache), without copying the history: what a proposer reads every
+    step, so its cost does not grow with the conversation. Valid until the history changes;
+    a slice is materialised (only the slice)."""
+
+    __slots__ = ("_ids", "_tail")
+
+    def __init__(self, ids: list[int], tail: Sequence[int] = ()) -> None:
+        self._ids = ids
+        self._tail = list(tail)
+
+    def __len__(self) -> int:
+        return len(self._ids) + len(self._tail)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        n, total = len(self._ids), len(self)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(total)
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            return (
+                self._ids[start : min(stop, n)] + self._tail[max(start - n, 0) : max(stop - n, 0)]
+            )
+        if index < 0:
+            index += total
+        if not 0 <= index < total:
+            raise IndexError(f"token index {index} outside a history of {total}")
+        return self._ids[index] if index < n else self._tail[index - n]
+
+
 class Verifier:
     """Scores tokens for one sequence through a sink-window cache on a :mod:`backend <kakeya_lab.backend>`.
 
@@ -234,7 +265,12 @@ class Verifier:
 
     @property
     def history_token_ids(self) -> list[int]:
+        """A copy of the committed history (see :meth:`history_view` for a cheap view)."""
         return list(self._history)
+
+    def history_view(self, tail: Sequence[int] = ()) -> TokenHistory:
+        """The committed history followed by ``tail``, as a view (no copy)."""
+        return TokenHistory(self._history, tail)
 
     @property
     def cached_token_ids(self) -> list[int]:
