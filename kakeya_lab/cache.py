@@ -1,7 +1,7 @@
 """The sink-window KV cache (transformers v5 cache API).
 
 Budget ``B = sink + window``: the first ``sink`` tokens plus the ``window`` most recent
-committed tokens are held (docs/design.md "Sink-window cache"). Storage is a pool of slots
+committed tokens are held (docs/design.md, "The sink-window cache"). Storage is a pool of slots
 per layer; a :class:`SlotTable` shared by the layers says which absolute position each slot
 holds. Committed entries occupy the dense prefix ``[0, used)``; a provisional block is
 written after it, so it never overwrites a committed entry and can be dropped at any time,

@@ -1,4 +1,4 @@
-"""Draft proposers for speculative decoding (docs/design.md "Proposers").
+"""Draft proposers for speculative decoding (docs/design.md, "Proposers and speculative decoding").
 
 Protocol: ``propose(context, draft_length, sampling, generator=None) -> Draft`` where
 ``context`` is the session's token history so far (every token the verifier has accepted

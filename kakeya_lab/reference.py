@@ -1,4 +1,4 @@
-"""Reference oracles for the sink-window semantics (DESIGN.md "Sink-window cache").
+"""Reference oracles for the sink-window semantics (docs/design.md, "The sink-window cache").
 
 These never use :class:`~kakeya_lab.cache.SinkWindowCache` nor the sink-window attention
 path: they run transformers' own SDPA attention, so a test that compares an incremental

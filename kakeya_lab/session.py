@@ -6,7 +6,7 @@ the new message and not on the history. :meth:`SessionStore.generate` returns a
 :class:`Token` per delivered token, a :class:`SpeculativeStep` per verifier forward in
 speculative mode, and a final :class:`Done`.
 
-Safety rules (docs/design.md "Session runtime"):
+Safety rules (docs/design.md, "Sessions"):
 
 * A stream commits exactly the tokens it yielded as :class:`Token` events. A consumer
   that stops early (``break``, ``close()``, garbage collection) leaves no undelivered
@@ -196,7 +196,7 @@ class SessionInfo:
 
 @dataclass(frozen=True)
 class SpeculativeSummary:
-    """Cumulative speculative figures of a session (docs/design.md "Metrics"):
+    """Cumulative speculative figures of a session (docs/design.md, "Metrics"):
     ``acceptance_rate`` = accepted / proposed, ``tau`` = tokens per verifier forward of its
     speculative generations (None when not measured)."""
 
@@ -728,7 +728,7 @@ class SessionStore:
 
 
 def _speculative_summary(stats: dict) -> SpeculativeSummary:
-    """Cumulative speculative figures of a session (docs/design.md "Metrics")."""
+    """Cumulative speculative figures of a session (docs/design.md, "Metrics")."""
     proposed, accepted = stats.get("proposed", 0), stats.get("accepted", 0)
     return SpeculativeSummary(
         steps=stats.get("steps", 0),

@@ -1,4 +1,4 @@
-"""Plain and speculative decoding over the sink-window verifier (docs/design.md "Speculative decoding").
+"""Plain and speculative decoding over the sink-window verifier (docs/design.md, "Proposers and speculative decoding").
 
 A :class:`Decoder` runs one verifier forward per step. The block ``[x, d1..dk]`` holds
 ``x``, the last delivered token (not yet in the cache), and the proposer's draft ``d``;

@@ -1,4 +1,4 @@
-"""Distillation losses of a drafter against the verifier's rollouts (DESIGN.md).
+"""Distillation losses of a drafter against the verifier's rollouts (docs/design.md, "Proposer alignment").
 
 All three compare a drafter's predicted features with what the verifier did at the same
 positions, masked to the positions worth training on:

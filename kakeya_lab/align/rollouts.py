@@ -1,4 +1,4 @@
-"""Verifier rollouts: what a drafter learns from (DESIGN.md "Proposer alignment").
+"""Verifier rollouts: what a drafter learns from (docs/design.md, "Proposer alignment").
 
 Each conversation runs through the session runtime with the sink-window cache on: every
 user turn is appended (chat-templated) and the verifier replies greedily
