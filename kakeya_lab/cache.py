@@ -38,6 +38,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kakeya_lab.attention import KeyLayout, SinkCopies, key_layout, rotate
+from kakeya_lab.models.dims import model_dims
 
 PositionMode = Literal["global", "rolling"]
 
@@ -88,23 +89,12 @@ def rope_inv_freq(model: PreTrainedModel) -> torch.Tensor:
     raise ValueError(f"{type(model).__name__} has no rotary embedding: rolling positions need RoPE")
 
 
-def _model_dims(model: PreTrainedModel) -> tuple[int, int, int]:
-    cfg = (
-        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    )
-    n_layers = cfg.num_hidden_layers
-    n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return n_layers, n_kv, head_dim
-
-
 def analytic_kv_budget_bytes(model: PreTrainedModel, config: SinkWindowConfig) -> int | None:
     """``B × layers × kv_heads × head_dim × dtype_bytes × 2`` (None for a full cache)."""
     if config.budget is None:
         return None
-    n_layers, n_kv, head_dim = _model_dims(model)
     dtype_bytes = next(model.parameters()).element_size()
-    return config.budget * n_layers * n_kv * head_dim * dtype_bytes * 2
+    return config.budget * model_dims(model).kv_bytes_per_token(dtype_bytes)
 
 
 @contextmanager
@@ -329,7 +319,12 @@ class SinkWindowCache(Cache):
         self, model: PreTrainedModel, config: SinkWindowConfig, *, auto_commit: bool = True
     ):
         self.config = config
-        n_layers, self.num_kv_heads, self.head_dim = _model_dims(model)
+        self.dims = model_dims(model)
+        n_layers, self.num_kv_heads, self.head_dim = (
+            self.dims.num_layers,
+            self.dims.num_kv_heads,
+            self.dims.head_dim,
+        )
         inv_freq = None
         if config.positions == "rolling" and config.evicts:
             inv_freq = rope_inv_freq(model)
@@ -382,14 +377,7 @@ class SinkWindowCache(Cache):
             if not first.is_initialized:
                 return None
             dtype_bytes = first.keys.element_size()
-        return (
-            self.config.budget
-            * len(self.layers)
-            * self.num_kv_heads
-            * self.head_dim
-            * dtype_bytes
-            * 2
-        )
+        return self.config.budget * self.dims.kv_bytes_per_token(dtype_bytes)
 
     # --------------------------------------------------------- Cache interface
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, KeyLayout]:
