@@ -32,17 +32,21 @@ quickstart: install
 
 test: install
 	$(BIN)/kakeya-lab models pull $(MODEL)
-	$(BIN)/ruff check kakeya_lab tests
+	$(MAKE) --no-print-directory lint
 	$(BIN)/python -m pytest tests notebooks $(NBVAL) $(PYTEST_ARGS)
 
-# The quick loop: every test not marked slow, plus ruff (no notebooks, no slow tests).
+# The quick loop: lint plus every test not marked slow (no notebooks, no browser, no slow tests).
 test-fast: install
 	$(BIN)/kakeya-lab models pull $(MODEL)
-	$(BIN)/ruff check kakeya_lab tests
+	$(MAKE) --no-print-directory lint
 	$(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
+# Style, format and types: what pre-commit runs too (.pre-commit-config.yaml).
 lint: install
-	$(BIN)/ruff check kakeya_lab tests
+	$(BIN)/ruff check kakeya_lab tests benchmarks
+	$(BIN)/ruff format --check kakeya_lab tests benchmarks
+	$(BIN)/mypy kakeya_lab
+	$(BIN)/python -m kakeya_lab.notebook_format --check notebooks/*.ipynb
 
 # Re-execute the committed notebooks in place (after changing them or the package).
 notebooks: install
