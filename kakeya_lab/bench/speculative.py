@@ -43,8 +43,13 @@ class SpeculativeRun:
     summary: pd.DataFrame  # one row per arm
 
 
-def leviathan_speedup(a: float, k: int, c: float) -> float:
-    """Expected walltime improvement of Leviathan et al. (2023), eq. for ``k`` drafts."""
+def leviathan_speedup(
+    acceptance_probability: float, draft_length: int, draft_cost_ratio: float
+) -> float:
+    """Expected walltime improvement of Leviathan et al. (2023): ``(1 - a^(k+1)) /
+    ((1 - a)(k c + 1))`` with ``a`` the per-token acceptance probability, ``k`` the draft
+    length and ``c`` the cost of one drafted token relative to one verifier step."""
+    a, k, c = acceptance_probability, draft_length, draft_cost_ratio
     if a >= 1.0:
         return (k + 1) / (k * c + 1)
     return (1 - a ** (k + 1)) / ((1 - a) * (k * c + 1))
