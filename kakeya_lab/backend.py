@@ -97,6 +97,14 @@ def backend_name_of(model: Any) -> str:
     )
 
 
+def vocab_size_of(model: Any) -> int:
+    """How many token ids ``model`` accepts (``0..vocab_size-1``), on either backend: the
+    rows of a torch model's input embedding, an mlx-lm model's ``args.vocab_size``."""
+    if backend_name_of(model) == "mlx":
+        return int(model.args.vocab_size)
+    return int(model.get_input_embeddings().num_embeddings)
+
+
 def proposer_backend(proposer: Any) -> str | None:
     """The backend a proposer computes on (``None``: no model, e.g. n-gram lookup).
 
@@ -154,7 +162,7 @@ class TorchBackend:
         enable_sink_window_attention(model)
         self.model = model
         self.config = config
-        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.vocab_size = vocab_size_of(model)
         self.device = next(model.parameters()).device
         self.cache = SinkWindowCache(model, config, auto_commit=False)
 

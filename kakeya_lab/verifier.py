@@ -13,16 +13,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
 
 from kakeya_lab import inputs
-from kakeya_lab.backend import check_same_backend, final_norm, make_backend  # noqa: F401 (final_norm: re-export)
+from kakeya_lab.backend import check_same_backend, final_norm, make_backend, vocab_size_of  # noqa: F401 (re-exported)
 from kakeya_lab.cache import SinkWindowConfig, interrupts_deferred
-
-
-def vocab_size_of(model: PreTrainedModel) -> int:
-    """Rows of the input embedding: the valid token ids are ``0..vocab_size-1``."""
-    return model.get_input_embeddings().num_embeddings
 
 
 def check_token_ids(token_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> list[int]:
