@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
+from transformers import PreTrainedModel
 
 from kakeya_lab.cache import SinkWindowCache, SinkWindowConfig
 
@@ -77,6 +78,11 @@ class Backend(Protocol):
 
     def kv_budget_bytes(self) -> int | None: ...
 
+    @property
+    def cache(self) -> Any:
+        """The backend's cache object (its type depends on the backend)."""
+        ...
+
 
 def backend_name_of(model: Any) -> str:
     """``"torch"`` for a torch module, ``"mlx"`` for an mlx module; ValueError otherwise."""
@@ -126,6 +132,12 @@ def check_same_backend(verifier_backend: str, proposer: Any) -> None:
         )
 
 
+def vocab_size_of(model: PreTrainedModel) -> int:
+    """Rows of the input embedding: the valid token ids are ``0..vocab_size-1``."""
+    # torch types any submodule attribute as ``Tensor | Module``; this one is an int.
+    return cast(int, model.get_input_embeddings().num_embeddings)
+
+
 def make_backend(model: Any, config: SinkWindowConfig) -> Backend:
     """The backend for ``model``: :class:`TorchBackend` or :class:`~kakeya_lab.mlx_backend.MLXBackend`."""
     if backend_name_of(model) == "torch":
@@ -148,13 +160,13 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self, model: torch.nn.Module, config: SinkWindowConfig):
+    def __init__(self, model: PreTrainedModel, config: SinkWindowConfig):
         from kakeya_lab.attention import enable_sink_window_attention
 
         enable_sink_window_attention(model)
         self.model = model
         self.config = config
-        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.vocab_size = vocab_size_of(model)
         self.device = next(model.parameters()).device
         self.cache = SinkWindowCache(model, config, auto_commit=False)
 

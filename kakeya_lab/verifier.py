@@ -13,16 +13,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
 
 from kakeya_lab import inputs
-from kakeya_lab.backend import check_same_backend, final_norm, make_backend  # noqa: F401 (final_norm: re-export)
+from kakeya_lab.backend import (  # noqa: F401 (final_norm, vocab_size_of: re-exports)
+    check_same_backend,
+    final_norm,
+    make_backend,
+    vocab_size_of,
+)
 from kakeya_lab.cache import SinkWindowConfig, interrupts_deferred
-
-
-def vocab_size_of(model: PreTrainedModel) -> int:
-    """Rows of the input embedding: the valid token ids are ``0..vocab_size-1``."""
-    return model.get_input_embeddings().num_embeddings
 
 
 def check_token_ids(token_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> list[int]:
@@ -178,6 +177,7 @@ class Verifier:
         with interrupts_deferred():
             self.backend.commit(len(ids))
             self._history.extend(ids)
+        assert logits is not None  # check_token_ids rejects an empty append
         return logits
 
     def forward_block(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
