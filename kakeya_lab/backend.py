@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
+from transformers import PreTrainedModel
 
 from kakeya_lab.cache import SinkWindowCache, SinkWindowConfig
 
@@ -77,6 +78,11 @@ class Backend(Protocol):
 
     def kv_budget_bytes(self) -> int | None: ...
 
+    @property
+    def cache(self) -> Any:
+        """The backend's cache object (its type depends on the backend)."""
+        ...
+
 
 def backend_name_of(model: Any) -> str:
     """``"torch"`` for a torch module, ``"mlx"`` for an mlx module; ValueError otherwise."""
@@ -102,7 +108,8 @@ def vocab_size_of(model: Any) -> int:
     rows of a torch model's input embedding, an mlx-lm model's ``args.vocab_size``."""
     if backend_name_of(model) == "mlx":
         return int(model.args.vocab_size)
-    return int(model.get_input_embeddings().num_embeddings)
+    # torch types any submodule attribute as ``Tensor | Module``; this one is an int.
+    return cast(int, model.get_input_embeddings().num_embeddings)
 
 
 def proposer_backend(proposer: Any) -> str | None:
@@ -156,7 +163,7 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self, model: torch.nn.Module, config: SinkWindowConfig):
+    def __init__(self, model: PreTrainedModel, config: SinkWindowConfig):
         from kakeya_lab.attention import enable_sink_window_attention
 
         enable_sink_window_attention(model)

@@ -31,7 +31,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from types import FrameType
+from typing import Literal, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -105,7 +106,7 @@ def interrupts_deferred() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    received: list[tuple[int, object]] = []
+    received: list[tuple[int, FrameType | None]] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append((signum, frame)))
     try:
         yield
@@ -193,10 +194,11 @@ class SlotTable:
         self.pending_len = 0
         self.history_len += n
         self.used = start + n
-        if not self.config.evicts:
+        window = self.config.window
+        if window is None:  # a full cache never evicts
             return None
         pos = self.positions[: self.used]
-        keep = (pos < self.config.sink) | (pos >= self.history_len - self.config.window)
+        keep = (pos < self.config.sink) | (pos >= self.history_len - window)
         kept = int(keep.sum())
         if kept == self.used:
             return None
@@ -243,15 +245,23 @@ class SinkWindowLayer(CacheLayerMixin):
         self.values = value_states.new_empty((1, value_states.shape[1], 0, value_states.shape[-1]))
         self.is_initialized = True
 
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(keys, values)`` slot tensors; the layer must hold storage."""
+        if self.keys is None or self.values is None:
+            raise RuntimeError("this cache layer holds no storage yet (no forward has run)")
+        return self.keys, self.values
+
     def reserve(self, capacity: int, keep: int) -> None:
         """Resize storage to ``capacity`` slots, keeping the first ``keep``."""
-        if self.keys.shape[2] == capacity:
+        keys, values = self.storage()
+        if keys.shape[2] == capacity:
             return
-        for name in ("keys", "values"):
-            old = getattr(self, name)
+        resized = []
+        for old in (keys, values):
             new = old.new_empty((1, old.shape[1], capacity, old.shape[3]))
             new[:, :, :keep] = old[:, :, :keep]
-            setattr(self, name, new)
+            resized.append(new)
+        self.keys, self.values = resized
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, block: Block, *args, **kwargs
@@ -261,34 +271,41 @@ class SinkWindowLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.reserve(self.table.capacity, block.start)
-        self.keys[:, :, block.start : block.stop] = key_states
-        self.values[:, :, block.start : block.stop] = value_states
+        keys, values = self.storage()
+        keys[:, :, block.start : block.stop] = key_states
+        values[:, :, block.start : block.stop] = value_states
         stop = block.stop
         if block.copies is not None:
             cols, shifts = block.copies.source_columns, block.copies.shifts
             s, m = cols.numel(), shifts.numel()
-            sink_keys = self.keys[:, :, cols].repeat(1, 1, m, 1)
-            self.keys[:, :, stop : stop + m * s] = rotate(
-                sink_keys, shifts.repeat_interleave(s), self.table.inv_freq
+            inv_freq = self.table.inv_freq
+            if inv_freq is None:  # the cache sets it whenever rolling positions evict
+                raise RuntimeError("rolling sink copies need the model's rotary frequencies")
+            sink_keys = keys[:, :, cols].repeat(1, 1, m, 1)
+            keys[:, :, stop : stop + m * s] = rotate(
+                sink_keys, shifts.repeat_interleave(s), inv_freq
             )
-            self.values[:, :, stop : stop + m * s] = self.values[:, :, cols].repeat(1, 1, m, 1)
+            values[:, :, stop : stop + m * s] = values[:, :, cols].repeat(1, 1, m, 1)
             stop += m * s
-        return self.keys[:, :, :stop], self.values[:, :, :stop]
+        return keys[:, :, :stop], values[:, :, :stop]
 
     def move(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
         """Eviction: copy the entries in slots ``sources`` into slots ``destinations``."""
         if self.is_initialized:
-            self.keys[:, :, destinations] = self.keys[:, :, sources]
-            self.values[:, :, destinations] = self.values[:, :, sources]
+            keys, values = self.storage()
+            keys[:, :, destinations] = keys[:, :, sources]
+            values[:, :, destinations] = values[:, :, sources]
 
     def live_bytes(self) -> int:
         """Bytes of this layer's committed K and V entries."""
         if not self.is_initialized:
             return 0
         used = self.table.used
-        return self.keys[:, :, :used].nbytes + self.values[:, :, :used].nbytes
+        keys, values = self.storage()
+        return keys[:, :, :used].nbytes + values[:, :, :used].nbytes
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, KeyLayout]:
+    # transformers types the second item (kv_offset) as int; the layout rides in that slot.
+    def get_mask_sizes(self, query_length: int) -> tuple[int, KeyLayout]:  # type: ignore[override]
         """``(key columns, layout)`` of the next forward: the layout rides in the ``kv_offset``
         slot to the ``"kakeya_sink_window"`` mask function (:mod:`kakeya_lab.attention`)."""
         layout = self.table.layout(query_length)
@@ -343,6 +360,11 @@ class SinkWindowCache(Cache):
 
     # ------------------------------------------------------------------ state
     @property
+    def sink_window_layers(self) -> list[SinkWindowLayer]:
+        """``layers``, typed: every layer of this cache is a :class:`SinkWindowLayer`."""
+        return cast(list[SinkWindowLayer], self.layers)
+
+    @property
     def history_len(self) -> int:
         return self.table.history_len
 
@@ -366,25 +388,28 @@ class SinkWindowCache(Cache):
 
     def kv_live_bytes(self) -> int:
         """Bytes of the committed K and V entries held, summed over layers (from the tensors)."""
-        return sum(layer.live_bytes() for layer in self.layers)
+        return sum(layer.live_bytes() for layer in self.sink_window_layers)
 
     def kv_budget_bytes(self, dtype_bytes: int | None = None) -> int | None:
         """The analytic budget ``B × layers × kv_heads × head_dim × dtype_bytes × 2``."""
         if self.config.budget is None:
             return None
         if dtype_bytes is None:
-            first = self.layers[0]
+            first = self.sink_window_layers[0]
             if not first.is_initialized:
                 return None
-            dtype_bytes = first.keys.element_size()
+            dtype_bytes = first.storage()[0].element_size()
         return self.config.budget * self.dims.kv_bytes_per_token(dtype_bytes)
 
     # --------------------------------------------------------- Cache interface
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, KeyLayout]:
+    # transformers types the second item (kv_offset) as int; the layout rides in that slot.
+    def get_mask_sizes(  # type: ignore[override]
+        self, query_length: int, layer_idx: int = 0
+    ) -> tuple[int, KeyLayout]:
         """A forward starts: commit the previous one first when ``auto_commit``."""
         if self.auto_commit and self.pending_len and self._next_layer in (0, len(self.layers)):
             self.commit(self.pending_len)
-        return self.layers[layer_idx].get_mask_sizes(query_length)
+        return self.sink_window_layers[layer_idx].get_mask_sizes(query_length)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
@@ -411,7 +436,7 @@ class SinkWindowCache(Cache):
                 f"layer {layer_idx} updated out of order (expected {self._next_layer})"
             )
         self._next_layer = layer_idx + 1
-        return self.layers[layer_idx].update(key_states, value_states, self._block)
+        return self.sink_window_layers[layer_idx].update(key_states, value_states, self._block)
 
     def _check_forward_complete(self) -> None:
         if self._next_layer not in (0, len(self.layers)):
@@ -433,11 +458,11 @@ class SinkWindowCache(Cache):
         with interrupts_deferred():
             moves = self.table.commit(n)
             if moves is not None:
-                for layer in self.layers:
+                for layer in self.sink_window_layers:
                     layer.move(*moves)
             capacity = self.table.shrunk_capacity()
             if capacity is not None:
-                for layer in self.layers:
+                for layer in self.sink_window_layers:
                     if layer.is_initialized:
                         layer.reserve(capacity, self.table.used)
             self._next_layer = 0

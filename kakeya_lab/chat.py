@@ -10,7 +10,7 @@ default model).
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 
 class ChatTemplate:
@@ -57,7 +57,7 @@ class ChatTemplate:
         self.awaiting_reply = False
         return self._delta(self._render(add_generation_prompt=False))
 
-    def generated(self, token_ids: Sequence[int], eos_token_ids: Sequence[int] = ()) -> str:
+    def generated(self, token_ids: Sequence[int], eos_token_ids: Collection[int] = ()) -> str:
         """Record a reply the model generated (already in the session); return its text.
 
         The session holds exactly ``token_ids``; the rendered text advances by their

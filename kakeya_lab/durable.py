@@ -75,7 +75,7 @@ def remove_stale_temp_files(
     """Delete the ``.*.tmp`` files in ``folder`` that a killed writer left behind (its
     process is gone, or the file is older than ``older_than_s``). Returns what was removed."""
     folder = Path(folder)
-    removed = []
+    removed: list[Path] = []
     now = time.time()
     try:
         candidates = list(folder.glob(f".*{TEMP_SUFFIX}"))

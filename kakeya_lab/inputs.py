@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ def _kind(value: object) -> str:
     return type(value).__name__
 
 
-def is_integer(value: object) -> bool:
+def is_integer(value: object) -> TypeGuard[int | np.integer[Any]]:
     """A Python int or numpy integer scalar (bools are not integers here)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
@@ -116,7 +117,7 @@ def token_ids(value: object, vocab_size: int, name: str = "token ids") -> list[i
                 raise InputTypeError(f"{name} must be an integer array, got dtype {value.dtype}")
             ids = [int(t) for t in value.tolist()]
     elif isinstance(value, Sequence) or hasattr(value, "__iter__"):
-        ids = list(value)  # type: ignore[arg-type]
+        ids = list(value)
     else:
         raise InputTypeError(f"{name} must be a sequence of integers, got {_kind(value)}")
     if not ids:

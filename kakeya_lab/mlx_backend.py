@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -227,7 +227,7 @@ class MLXSlotTable:
     def open(self, n: int) -> tuple[np.ndarray, int, np.ndarray | None, np.ndarray | None]:
         _, cols, shifts = self.layout(n)
         slots, columns, _ = self._plan(n)
-        needed = columns + (0 if cols is None else cols.size * shifts.size)
+        needed = columns + (0 if cols is None or shifts is None else cols.size * shifts.size)
         if needed > self.positions.size:
             grown = np.full(max(needed, 2 * self.positions.size, 16), -1, dtype=np.int64)
             grown[: self.positions.size] = self.positions
@@ -243,9 +243,10 @@ class MLXSlotTable:
         self.pending_slots = np.zeros(0, dtype=np.int64)
         self.history_len += n
         self.block = None
-        if self.config.evicts:
+        window = self.config.window
+        if window is not None:  # a full cache never evicts
             pos = self.positions
-            evicted = (pos >= self.config.sink) & (pos < self.history_len - self.config.window)
+            evicted = (pos >= self.config.sink) & (pos < self.history_len - window)
             pos[evicted] = -1
         self.used = int((self.positions >= 0).sum())
 
@@ -264,8 +265,8 @@ class SinkWindowKVCache:
     def __init__(self, table: MLXSlotTable, index: int):
         self.table = table
         self.index = index
-        self.keys = None
-        self.values = None
+        self.keys: Any = None  # mx.array [1, kv_heads, capacity, head_dim] once written
+        self.values: Any = None
         self.offset = 0  # position of this layer's next token (RoPE offset)
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
@@ -278,10 +279,12 @@ class SinkWindowKVCache:
         if self.index == 0:
             if t.block is not None and t.layers_done != t.num_layers:
                 raise RuntimeError("the previous forward stopped midway; roll back first")
-            t.open(n)
+            block = t.open(n)
         elif t.block is None or t.layers_done != self.index or t.block[0].size != n:
             raise RuntimeError(f"layer {self.index} updated out of order")
-        slots, end, cols, shifts = t.block
+        else:
+            block = t.block
+        slots, end, cols, shifts = block
         if self.keys is None or self.keys.shape[2] < t.positions.size:
             self._grow(keys, values, t.positions.size)
         first = int(slots[0])
@@ -292,7 +295,9 @@ class SinkWindowKVCache:
             idx = mx_index(slots)
             self.keys[:, :, idx] = keys
             self.values[:, :, idx] = values
-        if cols is not None:
+        if cols is not None and shifts is not None:
+            if t.inv_freq is None:  # the cache sets it whenever rolling positions evict
+                raise RuntimeError("rolling sink copies need the model's rotary frequencies")
             m, s = shifts.size, cols.size
             idx = mx_index(cols)
             sink_keys = mx.tile(self.keys[:, :, idx], (1, 1, m, 1))
@@ -545,7 +550,9 @@ def mlx_early_exit_model(model: Any, num_layers: int) -> Any:
         args.layer_types = list(args.layer_types)[:num_layers]
     draft = type(model)(args)
     kept = []
-    for name, array in tree_flatten(model.parameters()):
+    # without ``destination`` tree_flatten returns the list of (name, array) pairs
+    flat = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
+    for name, array in flat:
         parts = name.split(".")
         if "layers" in parts:
             index = int(parts[parts.index("layers") + 1])

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import CacheLayerMixin
 
 from kakeya_lab.attention import rotate, visibility
 from kakeya_lab.cache import SinkWindowConfig, rope_inv_freq
@@ -121,11 +122,12 @@ class RollingReference:
                 if layer >= len(self.keys):
                     self.keys.append([])
                     self.values.append([])
-                k_new = cache.layers[layer].keys[:, :, -1:]
+                layer_keys, layer_values = _layer_storage(cache, layer)
+                k_new = layer_keys[:, :, -1:]
                 if query_index != p:
                     k_new = rotate(k_new, torch.tensor([p - query_index], device=device), inv_freq)
                 self.keys[layer].append(k_new.clone())
-                self.values[layer].append(cache.layers[layer].values[:, :, -1:].clone())
+                self.values[layer].append(layer_values[:, :, -1:].clone())
             self.length += 1
         return torch.stack(rows)
 
@@ -139,3 +141,11 @@ def rolling_logits(
     the global single-token path (equal to :func:`dense_logits` up to float error).
     """
     return RollingReference(model, config).extend(token_ids)
+
+
+def _layer_storage(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(keys, values)`` a forward left in one attention layer of ``cache``."""
+    entry = cache.layers[layer]
+    if not isinstance(entry, CacheLayerMixin) or entry.keys is None or entry.values is None:
+        raise RuntimeError(f"cache layer {layer} ({type(entry).__name__}) holds no keys/values")
+    return entry.keys, entry.values

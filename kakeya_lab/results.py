@@ -84,7 +84,7 @@ def git_commit(path: str | Path = ".") -> str | None:
 
 
 def package_versions() -> dict[str, str | None]:
-    out = {}
+    out: dict[str, str | None] = {}
     for name in _PACKAGES:
         try:
             out[name] = metadata.version(name)

@@ -22,7 +22,7 @@ rolls the rest of the step back (verifier block and proposer state) and leaves
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -113,7 +113,7 @@ class Decoder:
         max_new_tokens: int,
         sampling: SamplingConfig | None = None,
         generator: torch.Generator | None = None,
-        stop_token_ids: Sequence[int] = (),
+        stop_token_ids: Collection[int] = (),
         proposer: Proposer | None = None,
         draft_length: int = 4,
         adaptive_draft_length: bool = False,
@@ -185,9 +185,10 @@ class Decoder:
         x = self.pending
         room = self.max_new_tokens - self.delivered  # tokens this step may still emit (>= 1)
         length = self.schedule.draft_length if self.schedule else self.draft_length
-        length = min(length, room - 1) if self.proposer is not None else 0
-        if length > 0:
-            draft = self.proposer.propose(
+        proposer = self.proposer
+        length = min(length, room - 1) if proposer is not None else 0
+        if proposer is not None and length > 0:
+            draft = proposer.propose(
                 self.verifier.history_view([x]), length, self.sampling, self.generator
             )
             draft.tokens = list(draft.tokens)[:length]
@@ -267,7 +268,7 @@ class Decoder:
     # ---------------------------------------------------------------- internals
     def _roll_back_block(self) -> None:
         self.verifier.rollback()
-        if self._drafted:
+        if self._drafted and self.proposer is not None:  # only a proposer drafts
             self.proposer.accept(0)
         self._drafted = False
 
@@ -281,7 +282,7 @@ class Decoder:
             return
         keep = min(taken, self._in_block)  # delivered tokens that are accepted drafts
         self.verifier.commit(1 + keep)
-        if self._drafted:
+        if self._drafted and self.proposer is not None:  # only a proposer drafts
             self.proposer.accept(keep)
         self._drafted = False
         if taken > keep:  # the verifier's own token was delivered: it is next step's x

@@ -15,7 +15,12 @@ from typing import Any
 import torch
 
 from kakeya_lab import inputs
-from kakeya_lab.backend import check_same_backend, final_norm, make_backend, vocab_size_of  # noqa: F401 (re-exported)
+from kakeya_lab.backend import (  # noqa: F401 (final_norm, vocab_size_of: re-exports)
+    check_same_backend,
+    final_norm,
+    make_backend,
+    vocab_size_of,
+)
 from kakeya_lab.cache import SinkWindowConfig, interrupts_deferred
 
 
@@ -203,6 +208,7 @@ class Verifier:
         with interrupts_deferred():
             self.backend.commit(len(ids))
             self._history.extend(ids)
+        assert logits is not None  # check_token_ids rejects an empty append
         return logits
 
     def forward_block(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:

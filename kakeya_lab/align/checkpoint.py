@@ -11,13 +11,16 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from kakeya_lab.align.drafters import Drafter, DrafterConfig, build_drafter, trainable_state
+from kakeya_lab.align.drafters import DrafterConfig, build_drafter, trainable_state
+
+if TYPE_CHECKING:
+    from kakeya_lab.align.drafters import AnyDrafter
 
 WEIGHTS, CONFIG = "drafter.safetensors", "drafter.json"
 
@@ -53,7 +56,7 @@ def write_folder_atomic(folder: str | Path, files: dict[str, Any]) -> Path:
     return folder
 
 
-def save_drafter(drafter: Drafter, folder: str | Path, extra: dict | None = None) -> Path:
+def save_drafter(drafter: AnyDrafter, folder: str | Path, extra: dict | None = None) -> Path:
     """Save ``drafter`` (its config and trainable weights) into ``folder``."""
     config = {**drafter.config.to_dict(), **({"extra": extra} if extra else {})}
     return write_folder_atomic(folder, {WEIGHTS: trainable_state(drafter), CONFIG: config})
@@ -103,7 +106,7 @@ def check_verifier(config: DrafterConfig, loaded, where: str) -> None:
         )
 
 
-def load_drafter(folder: str | Path, loaded) -> Drafter:
+def load_drafter(folder: str | Path, loaded) -> AnyDrafter:
     """Load a drafter saved by :func:`save_drafter` for the verifier ``loaded``."""
     folder = Path(folder)
     config = drafter_config(folder)
@@ -114,7 +117,7 @@ def load_drafter(folder: str | Path, loaded) -> Drafter:
     return drafter
 
 
-def load_trainable(drafter: Drafter, state: dict[str, torch.Tensor], where: str) -> None:
+def load_trainable(drafter: AnyDrafter, state: dict[str, torch.Tensor], where: str) -> None:
     """Load exactly the trainable weights of ``drafter`` from ``state``."""
     expected = set(trainable_state(drafter))
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)

@@ -24,6 +24,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,9 @@ from torch import nn
 from kakeya_lab.proposers import Draft
 from kakeya_lab.sampling import GREEDY, SamplingConfig
 from kakeya_lab.verifier import HiddenTrace, Verifier
+
+if TYPE_CHECKING:
+    from kakeya_lab.align.lora import LoraDrafter
 
 KINDS = ("feature", "block", "lora")
 
@@ -123,6 +127,11 @@ class Drafter(nn.Module):
     """What both drafters share: frozen embedding and head, the pair fusion, the layers."""
 
     causal: bool
+    # buffers (register_buffer), typed for the checker
+    embedding: torch.Tensor
+    head: torch.Tensor
+    draft_ids: torch.Tensor
+    draft_index: torch.Tensor
 
     def __init__(self, config: DrafterConfig, embedding: torch.Tensor, lm_head: torch.Tensor):
         super().__init__()
@@ -300,16 +309,21 @@ def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
 
 
-def build_drafter(config: DrafterConfig, verifier_model) -> Drafter:
+if TYPE_CHECKING:
+    # Feature/block drafters share the Drafter base; the LoRA drafter has the same surface.
+    AnyDrafter = Drafter | LoraDrafter
+
+
+def build_drafter(config: DrafterConfig, verifier_model) -> AnyDrafter:
     """A fresh drafter for ``verifier_model`` (frozen embedding and lm_head taken from it)."""
     emb = verifier_model.get_input_embeddings().weight.detach().float()
     head = verifier_model.get_output_embeddings().weight.detach().float()
     if config.kind == "lora":
         from kakeya_lab.align.lora import LoraDrafter
 
-        drafter = LoraDrafter(config, verifier_model)
-        drafter.eval()
-        return drafter
+        lora = LoraDrafter(config, verifier_model)
+        lora.eval()
+        return lora
     cls = FeatureDrafter if config.kind == "feature" else BlockDrafter
     drafter = cls(config, emb, head)
     drafter.eval()
@@ -339,11 +353,14 @@ class DrafterProposer:
         t0 = time.perf_counter()
         context = list(context)
         history = context[:-1]  # committed; the last token is emitted but not yet scored
-        n = self.trace.held_suffix(history, self.drafter.config.context_len) if self.trace else 0
-        if n == 0 or k < 1:
+        trace = self.trace
+        n = trace.held_suffix(history, self.drafter.config.context_len) if trace else 0
+        if trace is None or n == 0 or k < 1:
             return Draft([], None, time.perf_counter() - t0)
         positions = range(len(history) - n, len(history))
-        feats = self.trace.features(positions, [history[p] for p in positions])
+        feats = trace.features(positions, [history[p] for p in positions])
+        if feats is None:  # held_suffix counted them held, so not expected: draft nothing
+            return Draft([], None, time.perf_counter() - t0)
         tokens, probs = self.drafter.draft(
             feats,
             context[len(context) - n :],

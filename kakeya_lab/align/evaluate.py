@@ -17,7 +17,7 @@ import pandas as pd
 from kakeya_lab.align.drafters import DrafterProposer
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
 from kakeya_lab.cache import SinkWindowConfig
-from kakeya_lab.data import DOMAINS, domain_conversations
+from kakeya_lab.data import DOMAINS, Split, domain_conversations
 from kakeya_lab.proposers import DraftModelProposer, Proposer
 
 
@@ -38,7 +38,7 @@ def evaluate_by_domain(
     *,
     config: SinkWindowConfig,
     domains: Sequence[str] = DOMAINS,
-    splits: Sequence[str] = ("dev", "train"),
+    splits: Sequence[Split] = ("dev", "train"),
     conversations: int = 4,
     turns: int = 2,
     max_new_tokens: int = 48,

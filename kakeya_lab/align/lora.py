@@ -33,6 +33,10 @@ def parse_base(base: str, total_layers: int) -> int:
 class LoraDrafter(nn.Module):
     """A LoRA-adapted early-exit copy of the verifier, trained with the drafter losses."""
 
+    # buffers (register_buffer), typed for the checker
+    draft_ids: torch.Tensor
+    draft_index: torch.Tensor
+
     def __init__(self, config, verifier_model):
         super().__init__()
         from peft import LoraConfig, get_peft_model

@@ -16,17 +16,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import pandas as pd
 import torch
 
 from kakeya_lab.align.checkpoint import save_drafter
-from kakeya_lab.align.drafters import Drafter, build_drafter, drafter_config_for
+from kakeya_lab.align.drafters import build_drafter, drafter_config_for
 from kakeya_lab.align.rollouts import CaptureOptions, capture_rollouts
 from kakeya_lab.align.train import RolloutData, TrainConfig, train_drafter
 from kakeya_lab.cache import SinkWindowConfig
-from kakeya_lab.data import domain_conversations
+from kakeya_lab.data import Split, domain_conversations
+
+if TYPE_CHECKING:
+    from kakeya_lab.align.drafters import AnyDrafter
 
 T = TypeVar("T")
 
@@ -99,12 +102,13 @@ def capture_domains(
     n_train = per_domain(train_conversations, domains)
     n_dev = per_domain(dev_conversations, domains)
     n_turns = per_domain(turns, domains)
-    folders = {}
+    folders: dict[tuple[str, str], Path] = {}
     for domain in domains:
         options = CaptureOptions(
             turns_per_conversation=n_turns[domain], max_new_tokens=max_new_tokens
         )
-        for split, n in (("train", n_train[domain]), ("dev", n_dev[domain])):
+        splits: tuple[tuple[Split, int], ...] = (("train", n_train[domain]), ("dev", n_dev[domain]))
+        for split, n in splits:
             folder = Path(root) / f"{domain}-{split}"
             capture_rollouts(
                 loaded,
@@ -133,7 +137,7 @@ def train_drafters(
     batch_size: int = 16,
     lr: float = 2e-3,
     progress: bool = False,
-) -> tuple[dict[str, Drafter], dict[str, pd.DataFrame]]:
+) -> tuple[dict[str, AnyDrafter], dict[str, pd.DataFrame]]:
     """Build and train one drafter per kind (each from ``torch.manual_seed(seed)``), with
     held-out evaluation on ``dev_rows``; returns the drafters and their histories."""
     trained, histories = {}, {}
@@ -210,7 +214,7 @@ def write_alignment_results(
     work: Path,
     header: dict,
     *,
-    trained: Mapping[str, Drafter],
+    trained: Mapping[str, AnyDrafter],
     histories: Mapping[str, pd.DataFrame],
     summary: pd.DataFrame,
     curve: pd.DataFrame,

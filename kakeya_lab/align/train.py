@@ -17,6 +17,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -34,9 +35,12 @@ from kakeya_lab.align.checkpoint import (
     save_drafter,
     write_folder_atomic,
 )
-from kakeya_lab.align.drafters import Drafter, trainable_state
+from kakeya_lab.align.drafters import trainable_state
 from kakeya_lab.align.losses import LossWeights, distill_losses
 from kakeya_lab.resume import ResumeMismatch, check_resume
+
+if TYPE_CHECKING:
+    from kakeya_lab.align.drafters import AnyDrafter
 
 TRAINER = "trainer.json"
 OPTIMIZER = "optimizer.safetensors"
@@ -165,7 +169,7 @@ class RolloutData:
 
 
 def step_losses(
-    drafter: Drafter, batch: dict, k: int, weights: LossWeights
+    drafter: AnyDrafter, batch: dict, k: int, weights: LossWeights
 ) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """Losses of one batch, plus the predicted logits and the window offsets they cover."""
     pred, offsets = drafter.predict(batch["features"], batch["tokens"], k)
@@ -185,7 +189,7 @@ def step_losses(
 
 
 @torch.no_grad()
-def evaluate_offline(drafter: Drafter, batch: dict, k: int, weights: LossWeights) -> dict:
+def evaluate_offline(drafter: AnyDrafter, batch: dict, k: int, weights: LossWeights) -> dict:
     """Held-out losses and greedy offline acceptance of the block drafted at ``p``.
 
     ``accept_at_i``: share of windows whose first ``i + 1`` draft tokens all equal the
@@ -213,7 +217,7 @@ class TrainingResumeMismatch(CheckpointError, ResumeMismatch):
 
 
 def training_settings(
-    drafter: Drafter, cfg: TrainConfig, data: RolloutData, eval_data: RolloutData | None
+    drafter: AnyDrafter, cfg: TrainConfig, data: RolloutData, eval_data: RolloutData | None
 ) -> dict:
     """Everything a resumed training run must share with the run it continues."""
     return json.loads(
@@ -229,7 +233,13 @@ def training_settings(
 
 
 def _save_checkpoint(
-    folder: Path, drafter: Drafter, optimizer, step: int, cfg: TrainConfig, history, settings: dict
+    folder: Path,
+    drafter: AnyDrafter,
+    optimizer,
+    step: int,
+    cfg: TrainConfig,
+    history,
+    settings: dict,
 ) -> None:
     opt = optimizer.state_dict()
     tensors = {}
@@ -253,7 +263,9 @@ def _save_checkpoint(
     )
 
 
-def _load_checkpoint(folder: Path, drafter: Drafter, optimizer, settings: dict) -> tuple[int, list]:
+def _load_checkpoint(
+    folder: Path, drafter: AnyDrafter, optimizer, settings: dict
+) -> tuple[int, list]:
     meta = read_json(folder / TRAINER, "training checkpoint")
     if drafter_config(folder).to_dict() != drafter.config.to_dict():
         raise TrainingResumeMismatch(
@@ -273,7 +285,7 @@ def _load_checkpoint(folder: Path, drafter: Drafter, optimizer, settings: dict) 
 
 
 def train_drafter(
-    drafter: Drafter,
+    drafter: AnyDrafter,
     data: RolloutData,
     cfg: TrainConfig,
     out_dir: str | Path | None = None,
@@ -306,7 +318,8 @@ def train_drafter(
         betas=(0.9, 0.95),
     )
     ckpt = Path(out_dir) / "checkpoint" if out_dir is not None else None
-    step, history = 0, []
+    step = 0
+    history: list[dict] = []
     settings = training_settings(drafter, cfg, data, eval_data)
     if ckpt is not None and resume and ckpt.exists():
         step, history = _load_checkpoint(ckpt, drafter, optimizer, settings)

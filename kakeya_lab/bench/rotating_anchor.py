@@ -70,7 +70,7 @@ class RotatingAnchorResult:
 
     def summary(self) -> str:
         def say(name: str, index: int | None, tokens: tuple[int, int] | None) -> str:
-            if index is None:
+            if index is None or tokens is None:  # set together
                 return f"{name}: speculative == greedy over {self.new_tokens} tokens"
             return f"{name}: departs at token {index} (greedy {tokens[0]}, speculative {tokens[1]})"
 

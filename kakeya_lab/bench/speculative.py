@@ -85,13 +85,13 @@ def run_speculative(
     for ci, conv in enumerate(conversations):
         user_turns = list(conv.turns[0::2])[:turns_per_conversation]
         sessions = {}
-        for arm, (factory, k) in arms.items():
+        for arm, (make_proposer, k) in arms.items():
             store = SessionStore(model, config, capacity=1)
             sessions[arm] = (
                 store,
                 store.create(),
                 ChatTemplate(tok, system=system),
-                factory() if factory else None,
+                make_proposer() if make_proposer else None,
                 k,
             )
         for ti, text in enumerate(user_turns):

@@ -74,7 +74,7 @@ def transformers_progress(enabled: bool) -> Iterator[None]:
     from transformers.utils import logging as hf_logging
 
     # The GGUF dequantisation loop uses tqdm directly, not transformers' switch.
-    gguf_utils = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    gguf_utils: Any = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
     gguf_tqdm = getattr(gguf_utils, "tqdm", None)
     was = hf_logging.is_progress_bar_enabled()
     (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
@@ -184,7 +184,8 @@ def _convert_gguf(spec: ModelSpec, gguf_path: Path, out: Path, progress: bool) -
             local_files_only=True,
         )
         # A plain dense model from here on: no quantizer, no quantization_config on disk.
-        model.hf_quantizer = None
+        # transformers sets hf_quantizer at load time without declaring it on the class
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         bad = {n: p.dtype for n, p in model.named_parameters() if p.dtype != dtype}

@@ -213,10 +213,10 @@ def verify_folder(folder: Path, *, full: bool = False, name: str | None = None) 
                 },
             )
     if not manifest.get("files_complete"):
-        manifest, verified, hashed = _upgrade(folder, manifest, name)
-        write_stamps(folder, verified)
-        files = manifest["files"]
-        return Verification(folder, manifest, len(files), len(files), hashed, upgraded=True)
+        manifest, upgraded, hashed = _upgrade(folder, manifest, name)
+        write_stamps(folder, upgraded)
+        n_files = len(manifest["files"])
+        return Verification(folder, manifest, n_files, n_files, hashed, upgraded=True)
 
     files: dict[str, dict[str, Any]] = manifest["files"]
     problems: dict[str, str] = {}

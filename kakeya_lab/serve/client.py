@@ -56,9 +56,9 @@ class SessionClient:
 
     def append_text(self, session_id: str, text: str, role: str = "user") -> pb.AppendReply:
         field = {"user": "user_text", "assistant": "assistant_text"}[role]
-        return self.stub.AppendTokens(
-            pb.AppendRequest(session_id=session_id, **{field: text}), timeout=self.timeout_s
-        )
+        request = pb.AppendRequest(session_id=session_id)
+        setattr(request, field, text)  # one member of the request's text oneof
+        return self.stub.AppendTokens(request, timeout=self.timeout_s)
 
     def stream(
         self,

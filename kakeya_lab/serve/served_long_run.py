@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import httpx
 import openai
 import pandas as pd
+from openai.types.chat import ChatCompletionMessageParam
 
 from kakeya_lab.serve.client import SessionClient
 
@@ -59,11 +60,11 @@ def run_served_long_run(
     t0 = time.perf_counter()
     with SessionClient(grpc_target, timeout_s=600) as client:
         sid = client.create() if "grpc_session" in arms else None
-        conversations: dict[str, list[dict]] = {arm: [] for arm in arms}
+        conversations: dict[str, list[ChatCompletionMessageParam]] = {arm: [] for arm in arms}
         try:
             for i, text in enumerate(user_turns):
                 for arm in arms:
-                    if arm == "grpc_session":
+                    if arm == "grpc_session" and sid is not None:  # sid: set for this arm
                         row = _grpc_turn(client, sid, text, max_new_tokens)
                     else:
                         row = _http_turn(
@@ -97,6 +98,8 @@ def _grpc_turn(client: SessionClient, sid: str, text: str, max_new_tokens: int) 
     reply = client.generate(sid, max_new_tokens)
     request_s = time.perf_counter() - t
     done = reply.done
+    if done is None:
+        raise RuntimeError(f"session {sid!r}: the gRPC stream ended without a done event")
     n = max(1, done.generated_tokens)
     return {
         "user_tokens": appended.appended_tokens,
@@ -122,7 +125,7 @@ def _grpc_turn(client: SessionClient, sid: str, text: str, max_new_tokens: int) 
 def _http_turn(
     oc: openai.OpenAI,
     model: str,
-    messages: list[dict],
+    messages: list[ChatCompletionMessageParam],
     text: str,
     max_new_tokens: int,
     *,
@@ -140,13 +143,22 @@ def _http_turn(
     request_s = time.perf_counter() - t
     content = resp.choices[0].message.content or ""
     messages.append({"role": "assistant", "content": content})
+    if resp.model_extra is None or "kakeya" not in resp.model_extra:
+        raise RuntimeError(
+            f"{model!r}: the reply has no kakeya extension (not a kakeya-lab server?)"
+        )
     ext = resp.model_extra["kakeya"]
+    details = resp.usage.prompt_tokens_details if resp.usage is not None else None
+    if details is None or details.cached_tokens is None:
+        raise RuntimeError(
+            f"{model!r}: the reply's usage has no prompt_tokens_details.cached_tokens"
+        )
     counts, timings = ext["generation"]["counts"], ext["generation"]["timings"]
     n = max(1, counts["generated_tokens"])
     return {
         "user_tokens": ext["appended_tokens"],
         "appended_tokens": ext["appended_tokens"],
-        "cached_tokens": resp.usage.prompt_tokens_details.cached_tokens,
+        "cached_tokens": details.cached_tokens,
         "append_latency_s": ext["prefill_s"],
         "first_token_s": ext["prefill_s"] + (timings["first_token_s"] or 0.0),
         "generate_s": timings["total_s"],

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import uvicorn
 
@@ -46,7 +47,9 @@ class ServeOptions:
 
 def build_served(loaded, cache: SinkWindowConfig, options: ServeOptions) -> ServedSessions:
     """The serving layer over a fresh store for ``loaded`` (a :class:`LoadedModel`)."""
-    store_policy = "evict_lru" if options.admission == "evict_lru" else "reject"
+    store_policy: Literal["reject", "evict_lru"] = (
+        "evict_lru" if options.admission == "evict_lru" else "reject"
+    )
     store = SessionStore(
         loaded.model,
         cache,
@@ -87,7 +90,8 @@ def run_server(
             create_app(served),
             log_level="warning",
             lifespan="off",
-            timeout_graceful_shutdown=options.shutdown_grace_s,
+            # uvicorn annotates int, but uses it as asyncio.wait_for seconds (floats work)
+            timeout_graceful_shutdown=options.shutdown_grace_s,  # type: ignore[arg-type]
         )
     )
     http_thread = threading.Thread(

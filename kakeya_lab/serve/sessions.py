@@ -16,10 +16,9 @@ Both front ends (gRPC and HTTP) go through :class:`ServedSessions`:
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 from kakeya_lab import inputs
@@ -33,6 +32,7 @@ from kakeya_lab.session import (
     CapacityExceeded,
     Done,
     Event,
+    GenerationStream,
     SessionError,
     SessionStore,
     Token,
@@ -123,7 +123,6 @@ class ServedSessions:
         self.metrics = ServeMetrics(
             open_sessions=lambda: len(self.store), kv_live_bytes=self._kv_live_bytes
         )
-        self._sampling_arg = "sampling" in inspect.signature(store.generate).parameters
 
     # ---------------------------------------------------------------- helpers
     def _kv_live_bytes(self) -> float:
@@ -291,12 +290,12 @@ class ServedSessions:
                 )
             served.chat = None
             return self._attach_append(served, prompt_ids, len(history), 0.0)
-        served = self._claim_prefix(prompt_ids) if reuse else None
-        if served is not None:
-            reused = len(self.store.verifier(served.id).history_token_ids)
+        claimed = self._claim_prefix(prompt_ids) if reuse else None
+        if claimed is not None:
+            reused = len(self.store.verifier(claimed.id).history_token_ids)
             self.metrics.prefix_reuse.labels("hit").inc()
             self.metrics.reused_tokens.inc(reused)
-            return self._attach_append(served, prompt_ids, reused, 0.0)
+            return self._attach_append(claimed, prompt_ids, reused, 0.0)
         self.metrics.prefix_reuse.labels("miss" if reuse else "disabled").inc()
         served, queued_s = self.create(origin="http", implicit=True)
         with self._lock:
@@ -375,7 +374,7 @@ class ServedSessions:
         session_id: str,
         options: GenerateOptions,
         cancelled: Callable[[], bool] = lambda: False,
-    ) -> Iterator[Event]:
+    ) -> Generator[Event, None, None]:
         """The session's events for one generation (arguments checked before the first event).
 
         Stops before computing the next token once ``cancelled()`` is true; raises
@@ -389,35 +388,20 @@ class ServedSessions:
         proposer = make_proposer(
             options.proposer or "none", self.store.model, self.store.config, self.tokenizer
         )
-        if self._sampling_arg:
-            stream = self.store.generate(
-                session_id,
-                options.max_new_tokens,
-                options.sampling,
-                stop_token_ids=list(options.stop_token_ids) or None,
-                proposer=proposer,
-                draft_length=options.draft_length,
-                adaptive_draft_length=options.adaptive_draft_length,
-            )
-        else:  # the store's older keyword form
-            s = options.sampling
-            stream = self.store.generate(
-                session_id,
-                options.max_new_tokens,
-                s.temperature,
-                s.seed,
-                top_k=s.top_k,
-                top_p=s.top_p,
-                stop_token_ids=list(options.stop_token_ids) or None,
-                proposer=proposer,
-                k=options.draft_length,
-                adaptive_k=options.adaptive_draft_length,
-            )
+        stream = self.store.generate(
+            session_id,
+            options.max_new_tokens,
+            options.sampling,
+            stop_token_ids=list(options.stop_token_ids) or None,
+            proposer=proposer,
+            draft_length=options.draft_length,
+            adaptive_draft_length=options.adaptive_draft_length,
+        )
         return self._events(served, stream, cancelled)
 
     def _events(
-        self, served: ServedSession, stream, cancelled: Callable[[], bool]
-    ) -> Iterator[Event]:
+        self, served: ServedSession, stream: GenerationStream, cancelled: Callable[[], bool]
+    ) -> Generator[Event, None, None]:
         delivered: list[int] = []
         end = "error"
         t0 = last = time.perf_counter()

@@ -17,7 +17,6 @@ Each token is tagged ``"draft"`` (an accepted draft token of a speculative step)
 
 from __future__ import annotations
 
-import inspect
 import statistics
 import threading
 import time
@@ -115,7 +114,6 @@ class LiveChat:
         self._proposers: dict[str, object] = {}
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
-        self._draft_keyword = _draft_length_keyword(store.generate)
 
     # ------------------------------------------------------------------ state
     @property
@@ -222,10 +220,16 @@ class LiveChat:
             appended = True
             record.append_latency_s = result.latency_s
             record.history_start = result.history_len
-            kwargs = {"max_new_tokens": max_new_tokens}
             if prop is not None:
-                kwargs.update(proposer=prop, **{self._draft_keyword: record.draft_length})
-            self._consume(record, self.store.generate(self.session_id, **kwargs), on_token)
+                stream = self.store.generate(
+                    self.session_id,
+                    max_new_tokens,
+                    proposer=prop,
+                    draft_length=record.draft_length,
+                )
+            else:
+                stream = self.store.generate(self.session_id, max_new_tokens)
+            self._consume(record, stream, on_token)
             self._reconcile(record)
         except Exception as exc:  # shown in the panel; the session stays as the store left it
             record.error = f"{type(exc).__name__}: {exc}"
@@ -299,9 +303,3 @@ class LiveChat:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def _draft_length_keyword(generate) -> str:
-    """The name ``SessionStore.generate`` gives the draft length (``draft_length`` or ``k``)."""
-    params = inspect.signature(generate).parameters
-    return "draft_length" if "draft_length" in params else "k"
