@@ -349,13 +349,13 @@ def test_mixing_backends_is_a_clear_error(tiny):
     store.append(sid, [5, 6, 7, 8])
     torch_draft = DraftModelProposer(torch_model, config)
     with pytest.raises(ValueError, match="runs on torch but the verifier on mlx"):
-        list(store.generate(sid, 4, proposer=torch_draft, k=2))
+        list(store.generate(sid, 4, proposer=torch_draft, draft_length=2))
     assert store.verifier(sid).history_token_ids == [5, 6, 7, 8]
     mlx_draft = DraftModelProposer(mlx_model, config, label="mlx draft")
     torch_store = SessionStore(torch_model, config, eos_token_ids=[])
     tid = torch_store.create()
     torch_store.append(tid, [5, 6, 7, 8])
     with pytest.raises(ValueError, match="runs on mlx but the verifier on torch"):
-        list(torch_store.generate(tid, 4, proposer=mlx_draft, k=2))
+        list(torch_store.generate(tid, 4, proposer=mlx_draft, draft_length=2))
     with pytest.raises(NotImplementedError, match="torch backend"):
         store.verifier(sid).trace_hidden()
