@@ -24,7 +24,7 @@ import copy
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -247,8 +247,8 @@ class DraftModelProposer:
         self._next_logits: torch.Tensor | None = None
         self._rows: list[torch.Tensor] = []
 
-    def _sync(self, context: Sequence[int]) -> None:
-        """Bring the draft cache to exactly ``context`` (all committed), with next logits."""
+    def _sync(self, context: Sequence[int]) -> torch.Tensor:
+        """Bring the draft cache to exactly ``context`` (all committed); the next logits."""
         v = self.verifier
         v.rollback()
         history = v.history_view()
@@ -263,14 +263,14 @@ class DraftModelProposer:
             self._next_logits = v.append(new)
         if self._next_logits is None:
             raise ValueError("a draft needs a non-empty context")
+        return self._next_logits
 
     def propose(self, context, draft_length, sampling=None, generator=None) -> Draft:
         t0 = time.perf_counter()
         sampling = sampling if sampling is not None else SamplingConfig()
-        self._sync(context)
+        logits = self._sync(context)
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
-        logits = self._next_logits
         self._rows = [logits]  # logits after context, then after each forwarded draft
         for i in range(draft_length):
             if sampling.greedy:
@@ -318,7 +318,8 @@ def early_exit_model(model: PreTrainedModel, num_layers: int) -> PreTrainedModel
         draft = type(model)(cfg)
     base, sub = model.base_model, draft.base_model
     sub.embed_tokens = base.embed_tokens
-    sub.layers = nn.ModuleList(list(base.layers[:num_layers]))
+    layers = cast(nn.ModuleList, base.layers)  # nn.Module attributes type as Tensor | Module
+    sub.layers = nn.ModuleList(list(layers[:num_layers]))
     sub.norm = base.norm
     sub.rotary_emb = base.rotary_emb
     draft.lm_head = model.lm_head

@@ -98,7 +98,7 @@ class TokenHistory(Sequence[int]):
     def __len__(self) -> int:
         return len(self._ids) + len(self._tail)
 
-    def __getitem__(self, index):  # type: ignore[override]
+    def __getitem__(self, index):
         n, total = len(self._ids), len(self)
         if isinstance(index, slice):
             start, stop, step = index.indices(total)

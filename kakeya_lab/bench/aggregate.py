@@ -15,6 +15,7 @@ nothing.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -76,7 +77,12 @@ def kv_bounded(
 ) -> dict:
     """After the cache first fills, every bucket's mean ``kv_live_bytes`` is within
     ``tolerance`` of the first full bucket's and no turn is above ``budget_bytes``."""
-    out = {"bounded": False, "reason": None, "bucket_means": [], "first_full_turn": None}
+    out: dict[str, Any] = {
+        "bounded": False,
+        "reason": None,
+        "bucket_means": [],
+        "first_full_turn": None,
+    }
     if df.empty:
         out["reason"] = "no turns"
         return out
@@ -132,7 +138,7 @@ def latency_drift_p50(
     percent), with the p95 of both buckets beside. Fewer than two full buckets: every
     number None and ``reason`` says "not measured"."""
     rows = df if start_turn is None else df[df["turn"] >= start_turn]
-    out = {
+    out: dict[str, Any] = {
         "first_p50_s": None,
         "last_p50_s": None,
         "drift_s": None,
@@ -177,7 +183,12 @@ def prefill_bounded(
     (its 95% interval contains 0) and the last bucket's p50 is within ``tolerance`` of
     the first full bucket's. Measured after the cache first filled (from the first turn
     for a cache that never evicts, which then must show a slope to fail)."""
-    out = {"bounded": False, "reason": None, "slope_s_per_token": None, "slope_ci95": None}
+    out: dict[str, Any] = {
+        "bounded": False,
+        "reason": None,
+        "slope_s_per_token": None,
+        "slope_ci95": None,
+    }
     if df.empty:
         out["reason"] = "no turns"
         return out
@@ -220,7 +231,12 @@ def rss_drift(
     """Process RSS: last full bucket mean vs first full bucket mean (after ``start_turn``);
     "not measured" (None) with fewer than two full buckets."""
     rows = df if start_turn is None else df[df["turn"] >= start_turn]
-    out = {"first_bytes": None, "last_bytes": None, "drift_pct": None, "reason": NOT_MEASURED}
+    out: dict[str, Any] = {
+        "first_bytes": None,
+        "last_bytes": None,
+        "drift_pct": None,
+        "reason": NOT_MEASURED,
+    }
     if rows.empty or "rss_bytes" not in rows:
         return out
     full = full_buckets(rows, by, size)

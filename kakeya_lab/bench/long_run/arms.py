@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
-from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.cache import PositionMode, SinkWindowConfig
 
 ARM_NAMES = ("sink_window", "full_cache", "reprefill", "speculative")
 PROPOSER_KINDS = ("ngram", "early-exit", "draft")
@@ -81,21 +82,25 @@ def standard_arms(
         "full_cache": Arm("full_cache", full),
         "reprefill": Arm("reprefill", full, stateless=True),
     }
-    bounded = (
-        SinkWindowConfig(sink=sink, window=window, positions=positions)
-        if ({"sink_window", "speculative"} & set(names))
-        else None
-    )
-    if "sink_window" in names:
-        known["sink_window"] = Arm("sink_window", bounded)
-    if "speculative" in names:
-        check_proposer_spec(proposer)
-        if isinstance(draft_length, bool) or not isinstance(draft_length, int) or draft_length < 1:
-            raise ValueError(f"draft_length must be an integer >= 1, got {draft_length!r}")
-        known["speculative"] = Arm(
-            "speculative", bounded, proposer=proposer, draft_length=draft_length
+    if {"sink_window", "speculative"} & set(names):
+        # SinkWindowConfig checks ``positions`` at run time (a clear ValueError).
+        bounded = SinkWindowConfig(
+            sink=sink, window=window, positions=cast(PositionMode, positions)
         )
-    elif proposer is not None:
+        if "sink_window" in names:
+            known["sink_window"] = Arm("sink_window", bounded)
+        if "speculative" in names:
+            check_proposer_spec(proposer)
+            if (
+                isinstance(draft_length, bool)
+                or not isinstance(draft_length, int)
+                or draft_length < 1
+            ):
+                raise ValueError(f"draft_length must be an integer >= 1, got {draft_length!r}")
+            known["speculative"] = Arm(
+                "speculative", bounded, proposer=proposer, draft_length=draft_length
+            )
+    if "speculative" not in names and proposer is not None:
         raise ValueError(
             "a proposer was given but no speculative arm: add 'speculative' to the arms"
         )

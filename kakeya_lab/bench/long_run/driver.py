@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import pandas as pd
 from tqdm.auto import tqdm
@@ -57,6 +59,10 @@ class LongRun:
 
     def session(self, arm: str) -> tuple[SessionStore, str]:
         state = self.states[arm]
+        if state.store is None or state.sid is None:
+            raise ValueError(
+                f"arm {arm!r} has no session: a stateless arm opens one per turn and ran none"
+            )
         return state.store, state.sid
 
 
@@ -98,13 +104,17 @@ def check_run_arguments(
     positive("seconds_per_bucket", seconds_per_bucket)
 
 
+# What signal.signal() accepts and returns.
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
 class _Signals:
     """SIGTERM / SIGINT set a flag that the driver checks between turns (the turn under
     way finishes first). Installed only in the main thread; restored on exit."""
 
     def __init__(self) -> None:
         self.caught: str | None = None
-        self._old: dict[int, object] = {}
+        self._old: dict[int, _Handler] = {}
 
     def __enter__(self) -> _Signals:
         if threading.current_thread() is threading.main_thread():

@@ -36,5 +36,5 @@ def probe_recall(
 ) -> str:
     """Ask ``probe.question`` without changing the session or ``chat``; the answer text."""
     ids = chat.fork().user(probe.question)
-    answer = store.probe(session_id, ids, max_new_tokens, stop_token_ids=eos_ids)
+    answer = store.probe(session_id, ids, max_new_tokens, stop_token_ids=list(eos_ids))
     return chat.tokenizer.decode(answer, skip_special_tokens=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection
+from typing import TYPE_CHECKING, cast
 
 import psutil
 
@@ -12,6 +13,9 @@ from kakeya_lab.bench.long_run.checkpoint import ArmState, new_session
 from kakeya_lab.bench.long_run.probe import FactProbe, probe_recall
 from kakeya_lab.bench.long_run.records import TurnRecord
 from kakeya_lab.session import collect_reply
+
+if TYPE_CHECKING:
+    from kakeya_lab.proposers import Proposer
 
 
 def run_turn(
@@ -30,21 +34,27 @@ def run_turn(
     arm = state.arm
     delta = state.chat.user(text)
     if arm.stateless:  # a fresh session that re-prefills the whole conversation
-        state.store, state.sid = new_session(loaded, arm)
-        appended = state.store.append(state.sid, state.history_ids + delta)
+        store, sid = new_session(loaded, arm)
+        state.store, state.sid = store, sid
+        appended = store.append(sid, state.history_ids + delta)
     else:
-        appended = state.store.append(state.sid, delta)
+        if state.store is None or state.sid is None:
+            raise RuntimeError(
+                f"arm {arm.name!r} has no session: build its state with fresh_progress or load_progress"
+            )
+        store, sid = state.store, state.sid
+        appended = store.append(sid, delta)
     state.history_ids += delta
+    # ArmState keeps the proposer untyped (it is rebuilt on resume); it is a Proposer or None.
+    proposer = cast("Proposer | None", state.proposer)
     result = collect_reply(
-        state.store.generate(
-            state.sid, max_new_tokens, proposer=state.proposer, draft_length=arm.draft_length
-        )
+        store.generate(sid, max_new_tokens, proposer=proposer, draft_length=arm.draft_length)
     )
     reply, done = result.token_ids, result.done
     truncated = appended.dropped > 0 or result.truncated_dropped is not None
     state.history_ids += reply
     reply_text = state.chat.generated(reply, eos_token_ids=eos_ids)
-    info = state.store.info(state.sid)
+    info = store.info(sid)
     record = TurnRecord(
         arm=arm.name,
         turn=turn,
@@ -70,10 +80,10 @@ def run_turn(
         proposer_s=done.timings.proposer_s,
     )
     if probe is not None and (turn + 1) % probe.every == 0:
-        answer = probe_recall(state.store, state.sid, state.chat, probe, eos_ids)
+        answer = probe_recall(store, sid, state.chat, probe, eos_ids)
         record.probe_reply = answer
         record.probe_recalled = probe.answer in answer
         record.probe_distance_tokens = info.history_len - plant_at
     if arm.stateless:
-        state.store.close(state.sid)
+        store.close(sid)
     return record
