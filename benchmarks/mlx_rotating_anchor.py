@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         loaded.model, sink=args.sink, window=args.window, steps=args.steps, rounds=args.rounds
     )
     print(
-        f"decode step at {timing.live_len} live entries ({timing.steps} steps x {args.rounds} rounds, "
+        f"decode step at {timing.live_len} live entries ({timing.steps} steps in {args.rounds} interleaved rounds, "
         f"medians): RotatingKVCache {timing.rotating_s * 1e3:.1f} ms, ours (forward + commit) "
         f"{timing.ours_cache_s * 1e3:.1f} ms = {timing.ratio_cache:.2f}x, ours through "
         f"Verifier.append {timing.ours_verifier_s * 1e3:.1f} ms = {timing.ratio_verifier:.2f}x"
