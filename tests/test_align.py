@@ -107,6 +107,7 @@ def trained(default_model, rollouts, tmp_path_factory):
 # ---------------------------------------------------------------- rollouts
 
 
+@pytest.mark.slow  # captures real rollouts and trains drafters (about two minutes together)
 def test_rollouts_hold_the_verifiers_own_greedy_tokens(rollouts):
     row = rollouts["train"][0]
     gen = row["generated"]
@@ -194,6 +195,7 @@ def test_hidden_trace_drops_rows_of_a_rolled_back_block(tiny_model):
 # ---------------------------------------------------------------- training
 
 
+@pytest.mark.slow  # captures real rollouts and trains drafters (about two minutes together)
 @pytest.mark.parametrize("kind,margin", [("feature", 0.15), ("block", 0.08)])
 def test_training_increases_held_out_acceptance(trained, kind, margin):
     """Greedy offline acceptance of the first draft token on held-out (dev) conversations:
@@ -212,6 +214,7 @@ def test_training_increases_held_out_acceptance(trained, kind, margin):
     )
 
 
+@pytest.mark.slow  # captures real rollouts and trains drafters (about two minutes together)
 def test_greedy_speculative_decoding_with_every_trained_drafter_is_lossless(default_model, trained):
     cache = SinkWindowConfig(sink=4, window=28)  # small: drafting crosses eviction
     proposers = {kind: drafter_factory(trained[kind][1], cache, label=kind) for kind in trained}
@@ -237,6 +240,7 @@ def test_greedy_speculative_decoding_with_every_trained_drafter_is_lossless(defa
 # ---------------------------------------------------------------- checkpoints
 
 
+@pytest.mark.slow  # captures real rollouts and trains drafters (about two minutes together)
 @pytest.mark.parametrize("kind", ["feature", "block", "lora"])
 def test_checkpoint_round_trip_gives_the_same_drafts(
     default_model, rollouts, trained, kind, tmp_path
@@ -258,6 +262,7 @@ def test_checkpoint_round_trip_gives_the_same_drafts(
         assert len(p.propose(ctx, 4).tokens) == 4
 
 
+@pytest.mark.slow  # captures real rollouts and trains drafters (about two minutes together)
 def test_resume_mid_training_matches_an_uninterrupted_run(default_model, rollouts, tmp_path):
     cfg = TrainConfig(
         steps=12, batch_size=8, warmup_steps=3, checkpoint_every=4, eval_every=6, eval_windows=16
@@ -282,6 +287,7 @@ def test_resume_mid_training_matches_an_uninterrupted_run(default_model, rollout
         )
 
 
+@pytest.mark.slow  # captures real rollouts and trains drafters (about two minutes together)
 def test_mismatched_or_corrupted_checkpoints_are_clear_errors(
     default_model, tiny_model, trained, tmp_path
 ):

@@ -78,7 +78,8 @@ def model_and_ids(request, default_model, tiny_model, text_ids):
     return request.param, loaded.model, text_ids
 
 
-@pytest.mark.parametrize("mode", MODES)
+# The fast loop keeps the global-mode cases (one on the real model); rolling runs in the full suite.
+@pytest.mark.parametrize("mode", ["global", pytest.param("rolling", marks=pytest.mark.slow)])
 def test_paths_match_oracle_past_the_window(model_and_ids, mode, record_tolerance):
     name, model, text = model_and_ids
     config = SinkWindowConfig(sink=4, window=28, positions=mode)
