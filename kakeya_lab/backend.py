@@ -158,7 +158,41 @@ def final_norm(model: torch.nn.Module) -> torch.nn.Module:
     return norm
 
 
-class TorchBackend:
+class CacheBackend:
+    """The cache verbs every backend answers by asking its sink-window cache (``self.cache``);
+    a backend adds ``forward`` and ``cached_positions``."""
+
+    cache: Any
+
+    def commit(self, n: int) -> None:
+        self.cache.commit(n)
+
+    def rollback(self) -> None:
+        self.cache.rollback()
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    @property
+    def cache_len(self) -> int:
+        return self.cache.cache_len
+
+    @property
+    def pending_len(self) -> int:
+        return self.cache.pending_len
+
+    @property
+    def next_position(self) -> int:
+        return self.cache.next_position
+
+    def kv_live_bytes(self) -> int:
+        return self.cache.kv_live_bytes()
+
+    def kv_budget_bytes(self) -> int | None:
+        return self.cache.kv_budget_bytes()
+
+
+class TorchBackend(CacheBackend):
     """A transformers causal LM over a :class:`SinkWindowCache` (``auto_commit=False``)."""
 
     name = "torch"
@@ -201,32 +235,5 @@ class TorchBackend:
                 hook.remove()
         return Forward(out.logits[0].float(), captured[-1] if captured else None)
 
-    def commit(self, n: int) -> None:
-        self.cache.commit(n)
-
-    def rollback(self) -> None:
-        self.cache.rollback()
-
-    def reset(self) -> None:
-        self.cache.reset()
-
-    @property
-    def cache_len(self) -> int:
-        return self.cache.cache_len
-
-    @property
-    def pending_len(self) -> int:
-        return self.cache.pending_len
-
-    @property
-    def next_position(self) -> int:
-        return self.cache.next_position
-
     def cached_positions(self) -> list[int]:
         return self.cache.cached_positions().tolist()
-
-    def kv_live_bytes(self) -> int:
-        return self.cache.kv_live_bytes()
-
-    def kv_budget_bytes(self) -> int | None:
-        return self.cache.kv_budget_bytes()

@@ -34,7 +34,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from kakeya_lab.backend import Forward
+from kakeya_lab.backend import CacheBackend, Forward
 from kakeya_lab.cache import SinkWindowConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -436,7 +436,7 @@ def _to_torch(x: Any) -> torch.Tensor:
     return torch.from_numpy(np.array(x.astype(mx.float32)))
 
 
-class MLXBackend:
+class MLXBackend(CacheBackend):
     """An mlx-lm causal LM over an :class:`MLXSinkWindowCache` (see :class:`kakeya_lab.backend.Backend`)."""
 
     name = "mlx"
@@ -465,35 +465,8 @@ class MLXBackend:
             raise
         return Forward(_to_torch(logits))
 
-    def commit(self, n: int) -> None:
-        self.cache.commit(n)
-
-    def rollback(self) -> None:
-        self.cache.rollback()
-
-    def reset(self) -> None:
-        self.cache.reset()
-
-    @property
-    def cache_len(self) -> int:
-        return self.cache.cache_len
-
-    @property
-    def pending_len(self) -> int:
-        return self.cache.pending_len
-
-    @property
-    def next_position(self) -> int:
-        return self.cache.next_position
-
     def cached_positions(self) -> list[int]:
         return self.cache.cached_positions()
-
-    def kv_live_bytes(self) -> int:
-        return self.cache.kv_live_bytes()
-
-    def kv_budget_bytes(self) -> int | None:
-        return self.cache.kv_budget_bytes()
 
 
 class _DenseMask:
