@@ -9,11 +9,15 @@ own state. A proposer keeps whatever state it wants but must resynchronise from
 ``context`` alone: if its own history is not a prefix of ``context`` it starts over.
 A proposer that conditions on the verifier's hidden states may also define
 ``bind(verifier)``; the decoder calls it before the first draft (see
-:class:`kakeya_lab.align.drafters.DrafterProposer`).
+:class:`kakeya_lab.align.drafters.DrafterProposer`), and one that learns from finished
+replies ``observe_reply(token_ids)`` (the decoder calls it once per reply; see
+:class:`kakeya_lab.suffix.SuffixProposer`).
 
 * :class:`NgramProposer` — prompt lookup over the history, no model.
 * :class:`DraftModelProposer` — a smaller model sharing the tokenizer, with its own
   sink-window cache (drafts greedily or by sampling; rejected drafts are rolled back).
+* :class:`~kakeya_lab.suffix.SuffixProposer` (in :mod:`kakeya_lab.suffix`) — suffix-index
+  drafts over the history and shared replies, no model.
 * :class:`EarlyExitProposer` — self-speculation: the verifier's first ``L`` layers with
   its final norm and lm_head, as a draft model sharing the verifier's weights.
 """
@@ -355,16 +359,19 @@ def make_proposer(
     tokenizer=None,
     *,
     draft_model=None,
+    shared_replies=None,
 ) -> Proposer | None:
     """Build a proposer from a short spec (CLI, notebooks, sweep files).
 
-    ``none`` → ``None`` (plain decoding); ``ngram`` or ``ngram:3,2,1``;
+    ``none`` → ``None`` (plain decoding); ``ngram`` or ``ngram:3,2,1``; ``suffix`` or
+    ``suffix:DEPTH`` (sharing ``shared_replies``, a
+    :class:`~kakeya_lab.suffix.SharedReplies`, when given);
     ``early-exit:LAYERS``; ``draft:MODEL`` (a registry name or local folder, loaded with
     :func:`~kakeya_lab.models.load_model` unless ``draft_model`` — an already loaded model,
     i.e. what ``load_model`` returns or a bare ``PreTrainedModel`` — is given; its tokenizer
     must equal ``tokenizer``).
     """
-    usage = "use none, ngram[:SIZES], early-exit:LAYERS or draft:MODEL"
+    usage = "use none, ngram[:SIZES], suffix[:DEPTH], early-exit:LAYERS or draft:MODEL"
     if spec is not None and not isinstance(spec, str):
         raise InputTypeError(
             f"proposer spec must be a string or None, got {type(spec).__name__} ({usage})"
@@ -378,6 +385,12 @@ def make_proposer(
         except ValueError:
             raise ValueError(f"bad n-gram sizes in {spec!r}: write them like ngram:3,2,1") from None
         return NgramProposer(sizes)
+    if kind == "suffix":
+        from kakeya_lab.suffix import SuffixProposer
+
+        if arg and not arg.isdigit():
+            raise ValueError(f"bad suffix depth in {spec!r}: write it like suffix:8")
+        return SuffixProposer(max_depth=int(arg) if arg else 8, shared=shared_replies)
     if kind == "early-exit" and arg.isdigit():
         return EarlyExitProposer(model, config, num_layers=int(arg))
     if kind == "draft" and arg:

@@ -140,6 +140,8 @@ class Decoder:
         self.next_logits = next_logits  # after the committed history (valid when pending is None)
         self.pending: int | None = None  # delivered, not yet in the cache
         self.delivered = 0
+        self.delivered_ids: list[int] = []
+        self._reply_reported = False
         self.stop_reason = "max_tokens"
         self.verifier_forwards = 0
         self.verifier_s = 0.0
@@ -236,6 +238,7 @@ class Decoder:
         token = self._offered[self._taken]
         self._taken += 1
         self.delivered += 1
+        self.delivered_ids.append(token)
         self._last = token
         if token in self.stop_token_ids:
             self.stop_reason = "stop"
@@ -243,7 +246,8 @@ class Decoder:
 
     def settle(self) -> None:
         """Commit exactly the delivered tokens and drop the rest of the open step; then
-        ``next_logits`` follows the last delivered token. Idempotent."""
+        ``next_logits`` follows the last delivered token. Idempotent. A proposer with an
+        ``observe_reply(token_ids)`` method is then given the delivered tokens, once."""
         self._close_step()
         if self.verifier.pending_len:
             self.verifier.rollback()
@@ -253,6 +257,10 @@ class Decoder:
             self.verifier_s += time.perf_counter() - t0
             self.verifier_forwards += 1
             self.pending = None
+        observe = getattr(self.proposer, "observe_reply", None)
+        if callable(observe) and not self._reply_reported:  # proposers that learn from replies
+            self._reply_reported = True
+            observe(list(self.delivered_ids))
 
     def __iter__(self) -> Iterator[int | SpeculativeStep]:
         try:

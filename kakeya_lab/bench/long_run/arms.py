@@ -9,7 +9,7 @@ from typing import cast
 from kakeya_lab.cache import PositionMode, SinkWindowConfig
 
 ARM_NAMES = ("sink_window", "full_cache", "reprefill", "speculative")
-PROPOSER_KINDS = ("ngram", "early-exit", "draft")
+PROPOSER_KINDS = ("ngram", "suffix", "early-exit", "draft")
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ def check_proposer_spec(spec: str | None) -> None:
     kind, _, arg = (spec or "").partition(":")
     if kind not in PROPOSER_KINDS:
         raise ValueError(
-            f"the speculative arm needs a proposer: ngram[:SIZES], early-exit:LAYERS or "
+            f"the speculative arm needs a proposer: ngram[:SIZES], suffix[:DEPTH], early-exit:LAYERS or "
             f"draft:MODEL, got {spec!r}"
         )
     if (
@@ -46,6 +46,8 @@ def check_proposer_spec(spec: str | None) -> None:
         and not all(n.strip().isdigit() and int(n) >= 1 for n in arg.split(","))
     ):
         raise ValueError(f"bad n-gram sizes in {spec!r}: write them like ngram:3,2,1")
+    if kind == "suffix" and arg and not (arg.isdigit() and 1 <= int(arg) <= 64):
+        raise ValueError(f"bad suffix depth in {spec!r}: write it like suffix:8")
     if kind == "early-exit" and not (arg.isdigit() and int(arg) >= 1):
         raise ValueError(f"bad layer count in {spec!r}: write it like early-exit:8")
     if kind == "draft" and not arg:
