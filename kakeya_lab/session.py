@@ -50,6 +50,7 @@ from kakeya_lab.speculative import Decoder, SpeculativeStep
 from kakeya_lab.verifier import Verifier, vocab_size_of
 
 if TYPE_CHECKING:
+    from kakeya_lab.cost_model import CostModel
     from kakeya_lab.proposers import Proposer
 
 CapacityPolicy = Literal["reject", "evict_lru"]
@@ -517,12 +518,15 @@ class SessionStore:
         proposer: Proposer | None = None,
         draft_length: int = 4,
         adaptive_draft_length: bool = False,
+        cost_model: CostModel | None = None,
     ) -> GenerationStream:
         """Generate up to ``max_new_tokens`` tokens; a stream of events.
 
         ``sampling=None`` is greedy. ``proposer=None`` is plain decoding; otherwise
         speculative decoding with drafts of ``draft_length`` tokens (greedy output is
-        identical to plain decoding). The session keeps exactly the tokens delivered as
+        identical to plain decoding); ``adaptive_draft_length`` or a
+        :class:`~kakeya_lab.cost_model.CostModel` (``cost_model``: the draft length with the
+        most expected tokens per second, at most ``draft_length``) vary it per step. The session keeps exactly the tokens delivered as
         :class:`Token` events (EOS included), also if the caller stops early. Arguments are
         checked here, before the first event. Collect a whole reply with :func:`collect_reply`.
         """
@@ -555,6 +559,7 @@ class SessionStore:
                 proposer=proposer,
                 draft_length=draft_length,
                 adaptive_draft_length=adaptive_draft_length,
+                cost_model=cost_model,
             )
             stream = GenerationStream(session, self._run(session, decoder))
             session.stream = weakref.ref(stream)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from kakeya_lab import inputs
+from kakeya_lab.cost_model import CostAwareDraftLength, CostModel
+from kakeya_lab.inputs import InputTypeError
 from kakeya_lab.proposers import Draft, Proposer, check_proposer
 from kakeya_lab.sampling import GREEDY, SamplingConfig
 from kakeya_lab.verifier import Verifier
@@ -117,6 +119,7 @@ class Decoder:
         proposer: Proposer | None = None,
         draft_length: int = 4,
         adaptive_draft_length: bool = False,
+        cost_model: CostModel | None = None,
     ):
         self.max_new_tokens = inputs.count(max_new_tokens, "max_new_tokens", minimum=1)
         self.sampling = sampling if sampling is not None else GREEDY
@@ -134,9 +137,19 @@ class Decoder:
         self.verifier = verifier
         self.proposer = proposer
         self.draft_length = draft_length
-        self.schedule = (
-            AdaptiveDraftLength(draft_length) if adaptive_draft_length and proposer else None
-        )
+        if adaptive_draft_length and cost_model is not None:
+            raise ValueError(
+                "adaptive_draft_length and cost_model are two draft-length schedules: give one"
+            )
+        if cost_model is not None and not isinstance(cost_model, CostModel):
+            raise InputTypeError(
+                f"cost_model must be a CostModel or None, got {type(cost_model).__name__}"
+            )
+        self.schedule: AdaptiveDraftLength | CostAwareDraftLength | None = None
+        if proposer is not None and adaptive_draft_length:
+            self.schedule = AdaptiveDraftLength(draft_length)
+        elif proposer is not None and cost_model is not None:
+            self.schedule = CostAwareDraftLength(cost_model, max_draft_length=draft_length)
         self.next_logits = next_logits  # after the committed history (valid when pending is None)
         self.pending: int | None = None  # delivered, not yet in the cache
         self.delivered = 0

@@ -1,0 +1,154 @@
+"""Cost-aware drafting: this machine's verifier block cost, a drafter's cost, and the draft
+length that maximises expected tokens per second.
+
+On a CPU a verifier block of ``n`` tokens is compute-bound, so it costs more than one
+token's forward; Leviathan et al.'s speedup ``(1 - a^(k+1)) / ((1 - a)(k c + 1))``
+assumes it does not. Here the block cost is fitted, ``v(n) = fixed_s + per_token_s · n``
+(:func:`fit_block_cost` over timings from :func:`measure_block_cost`), the drafter costs
+``draft_token_s`` per drafted token, and a step drafting ``k`` tokens with per-token
+acceptance probability ``a`` (drafts accepted independently, as in the geometric model)
+yields ``E[tokens] = (1 - a^(k+1)) / (1 - a)`` in ``v(k + 1) + k · draft_token_s``
+seconds. Plain decoding is ``k = 0``: one token per ``v(1)``.
+
+:class:`CostAwareDraftLength` is a draft-length schedule for
+:class:`~kakeya_lab.speculative.Decoder`: it keeps a recency-weighted estimate of ``a``
+from the steps so far and asks for the ``k`` with the most expected tokens per second.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+from kakeya_lab import inputs
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """Seconds for one verifier forward over a block of ``n`` tokens: ``fixed_s +
+    per_token_s · n``."""
+
+    fixed_s: float
+    per_token_s: float
+
+    def __call__(self, n: int) -> float:
+        return self.fixed_s + self.per_token_s * n
+
+
+def fit_block_cost(timings: Mapping[int, Sequence[float]]) -> BlockCost:
+    """Least-squares line through the median time of each block size (at least two sizes)."""
+    points = [(int(n), statistics.median(ts)) for n, ts in sorted(timings.items()) if ts]
+    if len(points) < 2:
+        raise ValueError("fitting a block cost needs timings for at least two block sizes")
+    xs, ys = [float(n) for n, _ in points], [t for _, t in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    return BlockCost(fixed_s=my - slope * mx, per_token_s=slope)
+
+
+def measure_block_cost(
+    verifier, sizes: Iterable[int] = range(1, 10), repeats: int = 5, token_id: int = 0
+) -> dict[int, list[float]]:
+    """Time ``verifier.forward_block`` on blocks of each size after the verifier's current
+    history (then rolled back: the verifier is unchanged). Sizes are interleaved across
+    repeats so slow drifts of the machine affect every size alike."""
+    repeats = inputs.count(repeats, "repeats", minimum=1)
+    sizes = [inputs.count(n, "a block size", minimum=1) for n in sizes]
+    if verifier.pending_len:
+        raise ValueError("measure_block_cost needs a verifier with nothing provisional")
+    out: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n in sizes:
+            t0 = time.perf_counter()
+            verifier.forward_block([token_id] * n)
+            out[n].append(time.perf_counter() - t0)
+            verifier.rollback()
+    return out
+
+
+def expected_tokens(acceptance: float, draft_length: int) -> float:
+    """Expected tokens per step: accepted drafts plus the verifier's own token."""
+    a, k = acceptance, draft_length
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The verifier's :class:`BlockCost` and the drafter's seconds per drafted token."""
+
+    block: BlockCost
+    draft_token_s: float
+
+    def step_s(self, draft_length: int) -> float:
+        return self.block(draft_length + 1) + draft_length * self.draft_token_s
+
+    def tokens_per_s(self, acceptance: float, draft_length: int) -> float:
+        return expected_tokens(acceptance, draft_length) / self.step_s(draft_length)
+
+    def speedup(self, acceptance: float, draft_length: int) -> float:
+        """Expected speedup over plain decoding (``draft_length = 0``)."""
+        return self.tokens_per_s(acceptance, draft_length) / self.tokens_per_s(acceptance, 0)
+
+    def best_draft_length(self, acceptance: float, max_draft_length: int) -> int:
+        """The ``k`` in ``0..max_draft_length`` with the most expected tokens per second."""
+        return max(
+            range(max_draft_length + 1), key=lambda k: (self.tokens_per_s(acceptance, k), -k)
+        )
+
+    @property
+    def draft_cost_ratio(self) -> float:
+        """Leviathan's ``c``: a drafted token's cost over one plain decoding step."""
+        return self.draft_token_s / self.block(1)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "draft_cost_ratio": self.draft_cost_ratio}
+
+
+class CostAwareDraftLength:
+    """Draft-length schedule: ``draft_length`` is :meth:`CostModel.best_draft_length` at
+    the current acceptance estimate, at least 1 (a step without drafts would teach the
+    estimate nothing) and at most ``max_draft_length``.
+
+    The estimate is the geometric model's maximum-likelihood ``accepted / (accepted +
+    rejections)`` over the steps so far, each step weighted ``decay`` times the next
+    one's; it starts at ``prior`` (counted as ``prior_weight`` drafts)."""
+
+    def __init__(
+        self,
+        model: CostModel,
+        max_draft_length: int,
+        *,
+        prior: float = 0.5,
+        prior_weight: float = 2.0,
+        decay: float = 0.9,
+    ):
+        self.model = model
+        self.max_draft_length = inputs.count(max_draft_length, "max_draft_length", minimum=1)
+        if not 0.0 <= prior <= 1.0:
+            raise ValueError(f"prior must be in [0, 1], got {prior!r}")
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+        self.decay = decay
+        self._accepted = prior * prior_weight
+        self._trials = prior_weight  # accepted drafts + rejections
+        self.draft_length = self._choose()
+
+    @property
+    def acceptance(self) -> float:
+        return self._accepted / self._trials if self._trials > 0 else 0.0
+
+    def _choose(self) -> int:
+        return max(1, self.model.best_draft_length(self.acceptance, self.max_draft_length))
+
+    def update(self, proposed: int, accepted: int) -> int:
+        if proposed:
+            rejected = 1 if accepted < proposed else 0
+            self._accepted = self.decay * self._accepted + accepted
+            self._trials = self.decay * self._trials + accepted + rejected
+        self.draft_length = self._choose()
+        return self.draft_length

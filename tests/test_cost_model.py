@@ -1,0 +1,120 @@
+"""Cost-aware drafting: the fitted block cost, the expected-tokens model (Leviathan's formula
+when blocks cost as much as one token), the schedule's choices, and lossless decoding."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kakeya_lab import SinkWindowConfig, Verifier
+from kakeya_lab.bench.speculative import leviathan_speedup
+from kakeya_lab.cost_model import (
+    BlockCost,
+    CostAwareDraftLength,
+    CostModel,
+    expected_tokens,
+    fit_block_cost,
+    measure_block_cost,
+)
+from kakeya_lab.proposers import NgramProposer
+from kakeya_lab.session import SessionStore, collect_reply
+from kakeya_lab.speculative import plain_decode, speculative_decode
+
+
+def test_fit_recovers_a_line_through_noisy_medians():
+    rng = random.Random(0)
+    timings = {}
+    for n in range(1, 10):  # 5 clean samples and 2 slow outliers per size, shuffled
+        samples = [0.02 + 0.003 * n + extra for extra in [0.0] * 5 + [0.05, 0.2]]
+        rng.shuffle(samples)
+        timings[n] = samples
+    cost = fit_block_cost(timings)  # the medians are exact: outliers are a minority
+    assert cost.fixed_s == pytest.approx(0.02, abs=1e-12)
+    assert cost.per_token_s == pytest.approx(0.003, abs=1e-12)
+    with pytest.raises(ValueError, match="two block sizes"):
+        fit_block_cost({3: [0.1, 0.2]})
+
+
+@pytest.mark.parametrize("a", [0.0, 0.3, 0.77, 1.0])
+def test_expected_tokens_is_the_geometric_sum(a):
+    for k in range(8):
+        assert expected_tokens(a, k) == pytest.approx(sum(a**i for i in range(k + 1)))
+
+
+def test_a_flat_block_cost_gives_leviathans_formula():
+    model = CostModel(BlockCost(fixed_s=0.1, per_token_s=0.0), draft_token_s=0.02)
+    assert model.draft_cost_ratio == pytest.approx(0.2)
+    for a in (0.2, 0.6, 0.9):
+        for k in (1, 3, 6):
+            assert model.speedup(a, k) == pytest.approx(leviathan_speedup(a, k, 0.2))
+
+
+def test_the_best_draft_length_is_the_argmax_of_tokens_per_second():
+    model = CostModel(BlockCost(fixed_s=0.05, per_token_s=0.01), draft_token_s=0.004)
+    for a in (0.0, 0.1, 0.4, 0.7, 0.95):
+        best = model.best_draft_length(a, 8)
+        rates = [model.tokens_per_s(a, k) for k in range(9)]
+        assert rates[best] == max(rates)
+    assert model.best_draft_length(0.0, 8) == 0  # drafts that never land only cost
+    assert model.best_draft_length(0.95, 8) == 8
+    # a block cost growing per token caps the draft length even at high acceptance
+    steep = CostModel(BlockCost(fixed_s=0.05, per_token_s=0.05), draft_token_s=0.0)
+    assert 0 < steep.best_draft_length(0.8, 8) < 8
+
+
+def test_the_schedule_follows_acceptance():
+    model = CostModel(BlockCost(fixed_s=0.05, per_token_s=0.005), draft_token_s=0.002)
+    schedule = CostAwareDraftLength(model, max_draft_length=8)
+    for _ in range(30):  # every draft accepted
+        schedule.update(schedule.draft_length, schedule.draft_length)
+    assert schedule.acceptance > 0.9 and schedule.draft_length == 8
+    for _ in range(60):  # every draft rejected at once
+        schedule.update(schedule.draft_length, 0)
+    assert schedule.acceptance < 0.1 and schedule.draft_length == 1  # never below 1
+    with pytest.raises(ValueError, match="decay"):
+        CostAwareDraftLength(model, 4, decay=0.0)
+
+
+def test_measured_block_cost_leaves_the_verifier_unchanged(tiny_model, text_ids):
+    v = Verifier(tiny_model.model, SinkWindowConfig(sink=2, window=14))
+    v.append(text_ids[:40])
+    before = (v.history_token_ids, v.cache_len)
+    timings = measure_block_cost(v, sizes=(1, 3, 5), repeats=2)
+    assert sorted(timings) == [1, 3, 5] and all(len(t) == 2 for t in timings.values())
+    assert (v.history_token_ids, v.cache_len) == before and v.pending_len == 0
+    assert all(t > 0 for ts in timings.values() for t in ts)
+
+
+@pytest.mark.slow
+def test_cost_aware_decoding_is_lossless_past_eviction(default_model, text_ids):
+    config = SinkWindowConfig(sink=4, window=36)
+    prompt = text_ids[:90]
+    v = Verifier(default_model.model, config)
+    want = list(plain_decode(v, v.append(prompt), max_new_tokens=40))
+    v = Verifier(default_model.model, config)
+    next_logits = v.append(prompt)
+    cost = fit_block_cost(measure_block_cost(v, sizes=(1, 4, 8), repeats=1))
+    model = CostModel(cost, draft_token_s=0.0)
+    decoder = speculative_decode(
+        v, next_logits, NgramProposer(), max_new_tokens=40, draft_length=8, cost_model=model
+    )
+    got = [t for t in decoder if isinstance(t, int)]
+    assert got == want and v.cache_len == config.budget
+    assert max(s.draft_length for s in decoder.steps) <= 8
+    assert 1 <= decoder.schedule.draft_length <= 8
+
+
+def test_bad_schedules_are_clear_errors(tiny_model):
+    store = SessionStore(tiny_model.model, SinkWindowConfig(sink=2, window=14))
+    sid = store.create()
+    store.append(sid, [1, 2, 3])
+    model = CostModel(BlockCost(0.01, 0.001), 0.0)
+    with pytest.raises(ValueError, match="give one"):
+        store.generate(
+            sid, 4, proposer=NgramProposer(), adaptive_draft_length=True, cost_model=model
+        )
+    with pytest.raises(TypeError, match="CostModel"):
+        store.generate(sid, 4, proposer=NgramProposer(), cost_model=0.5)  # type: ignore[arg-type]
+    # nothing was lost: the session still generates
+    assert len(collect_reply(store.generate(sid, 3)).token_ids) == 3
