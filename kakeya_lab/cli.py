@@ -665,6 +665,15 @@ def cmd_long_run(args: argparse.Namespace) -> int:
             f"{(v.get('prefill_bounded') or {}).get('by_time')}  append p50 drift {shown}"
             + (f"  stopped: {s['stopped']}" if s.get("stopped") else "")
         )
+    for arm, s in run.summary.items():
+        if "matches_plain" in s:
+            m = s["matches_plain"]
+            first = m["first_mismatch_turn"]
+            print(
+                f"{arm}: replies equal to {m['plain_arm']}'s on {m['turns_equal']} of "
+                f"{m['turns_compared']} turns"
+                + (f" (first mismatch: turn {first})" if first is not None else "")
+            )
     if run.abort_reason is not None:
         record.finish("partial", f"stopped by {run.abort_reason}; run the same command to resume")
         signum = int(getattr(signal, run.abort_reason))
