@@ -9,6 +9,7 @@
     kakeya-lab long-run OUT_DIR [--turns N | --duration-s S] [--arms ...] [--window W] [--force-new]
     kakeya-lab long-run OUT_DIR --endpoint grpc://HOST:PORT --endpoint http://HOST:PORT [--turns N]
     kakeya-lab align capture OUT_DIR [--domain chitchat|code|prose] [--split train|dev] ...
+    kakeya-lab evidence check [ROOT]
 
 Layout: :func:`build_parser` builds the whole argparse tree; every leaf sub-command sets
 ``func`` (``args -> int``) with ``set_defaults``. A command group is an
@@ -1141,8 +1142,35 @@ def build_parser() -> argparse.ArgumentParser:
     add_sweep_parser(subparsers)
     add_long_run_parser(subparsers)
     add_align_parser(subparsers)
+    add_evidence_parser(subparsers)
     add_serve_parser(subparsers)
     return parser
+
+
+# --------------------------------------------------------------------------- evidence
+
+
+def cmd_evidence_check(args: argparse.Namespace) -> int:
+    """Check the README's Results against the committed evidence folders."""
+    from kakeya_lab.evidence import check_evidence
+
+    root = Path(args.root)
+    if not (root / "README.md").is_file():
+        raise UserError(f"no README.md in {root}: pass the repository root")
+    problems = check_evidence(root)
+    for problem in problems:
+        print(problem)
+    print(f"{len(problems)} problem(s)" if problems else "evidence: every claim holds")
+    return EXIT_RUN_FAILED if problems else 0
+
+
+def add_evidence_parser(subparsers: argparse._SubParsersAction) -> None:
+    evidence = subparsers.add_parser("evidence", help="README figures against evidence/")
+    sub = evidence.add_subparsers(dest="evidence_command", metavar="EVIDENCE_COMMAND")
+    evidence.set_defaults(func=lambda _args: _usage(evidence))
+    p = sub.add_parser("check", help="check every claims.yaml and Results subsection")
+    p.add_argument("root", nargs="?", default=".", help="repository root (default: .)")
+    p.set_defaults(func=cmd_evidence_check)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
