@@ -3,8 +3,12 @@
 A session must append only each turn's new tokens. :class:`ChatTemplate` renders the whole
 conversation with the tokenizer's own chat template, checks that what the session already
 holds is a prefix of it, and returns the ids of the remainder. Concatenated over the turns,
-these ids equal the tokenizer's template applied to the whole conversation (tested for the
-default model).
+these ids equal the tokenizer's template applied to the whole conversation, token for
+token, generated replies included (``tests/test_chat_ids.py``, on the default model and the
+Qwen tokenizer): a generated reply is held as the model's own ids, and the template's
+end-of-turn tokens after it (:meth:`ChatTemplate.end_of_turn_ids`: ``<|im_end|>\n`` after a
+reply cut by ``max_new_tokens``, only ``\n`` after one that stopped on ``<|im_end|>``) open
+the next user delta.
 """
 
 from __future__ import annotations
@@ -67,11 +71,34 @@ class ChatTemplate:
             raise ValueError("a generated reply needs a user turn before it")
         ids = list(token_ids)
         body = ids[:-1] if ids and ids[-1] in set(eos_token_ids) else ids
-        text = self.tokenizer.decode(body, skip_special_tokens=False)
+        text = self._decode(body)
         self.messages.append({"role": "assistant", "content": text})
+        held = self.rendered + self._decode(ids)
+        full = self._render(add_generation_prompt=False)
+        if not full.startswith(held):
+            self.messages.pop()
+            raise ValueError(
+                f"the reply ended with {self._decode(ids[-1:])!r}, which the chat template "
+                "does not close an assistant turn with; pass the model's end-of-turn ids as "
+                "eos_token_ids only if the template ends turns with them"
+            )
         self.awaiting_reply = False
-        self.rendered += self.tokenizer.decode(ids, skip_special_tokens=False)
+        self.rendered = held
         return text
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        # no clean-up of spaces: the text must re-tokenize to the very ids the session holds
+        return self.tokenizer.decode(
+            list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+
+    def end_of_turn_ids(self) -> list[int]:
+        """The template's ids after the last reply that the session does not hold yet (the
+        next :meth:`user` delta starts with them). Empty while a reply is awaited."""
+        if self.awaiting_reply or not self.messages:
+            return []
+        rest = self._render(add_generation_prompt=False)[len(self.rendered) :]
+        return self.tokenizer(rest, add_special_tokens=False)["input_ids"]
 
     def fork(self) -> ChatTemplate:
         """An independent copy (same tokenizer) to ask a side question without touching this one."""

@@ -9,6 +9,7 @@
     kakeya-lab long-run OUT_DIR [--turns N | --duration-s S] [--arms ...] [--window W] [--force-new]
     kakeya-lab long-run OUT_DIR --endpoint grpc://HOST:PORT --endpoint http://HOST:PORT [--turns N]
     kakeya-lab align capture OUT_DIR [--domain chitchat|code|prose] [--split train|dev] ...
+    kakeya-lab evidence check [ROOT]
 
 Layout: :func:`build_parser` builds the whole argparse tree; every leaf sub-command sets
 ``func`` (``args -> int``) with ``set_defaults``. A command group is an
@@ -423,8 +424,8 @@ def _parse_parameters(pairs: list[list[str]] | None) -> dict:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Execute a notebook with papermill into a run folder."""
-    from kakeya_lab.experiments import RunFailed, run_notebook
+    """Execute a notebook with papermill into a run folder (and refresh the run index)."""
+    from kakeya_lab.experiments import RunFailed, build_index, run_notebook
 
     params = _parse_parameters(args.parameter)
     try:
@@ -438,8 +439,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:
         raise UserError(str(exc)) from exc
     except RunFailed as exc:
+        build_index(args.results)
         print(f"{PROG}: run failed: {exc} (partial run folder: {exc.run_dir})", file=sys.stderr)
         return EXIT_RUN_FAILED
+    build_index(args.results)
     print(run_dir)
     return 0
 
@@ -528,6 +531,7 @@ def cmd_long_run(args: argparse.Namespace) -> int:
     from kakeya_lab.data import chained_user_turns, chitchat_conversations
     from kakeya_lab.models import load_model
     from kakeya_lab.results import run_header, write_metrics
+    from kakeya_lab.resume import ResumeMismatch
 
     if args.endpoint:
         return _long_run_served(args)
@@ -597,6 +601,8 @@ def cmd_long_run(args: argparse.Namespace) -> int:
         },
     )
 
+    record = _cli_run_record(out, "long_run", args)
+
     def write_report(run) -> None:
         fields = run.report_fields()
         write_metrics(
@@ -605,7 +611,10 @@ def cmd_long_run(args: argparse.Namespace) -> int:
             {**fields, "arms": run.summary},
             headline={**long_run_headline(run.summary), **fields},
         )
+        if run.partial and run.abort_reason is None:
+            record.progress(turns=int(run.turns["turn"].max()) + 1, duration_s=run.duration_s)
 
+    record.start()
     try:
         run = run_long(
             loaded,
@@ -626,11 +635,20 @@ def cmd_long_run(args: argparse.Namespace) -> int:
             progress=not args.quiet,
         )
     except DegenerateRun as exc:
-        print(
-            f"{PROG}: run failed: {' '.join(str(exc).split())} (checkpoint in {out})",
-            file=sys.stderr,
-        )
+        message = " ".join(str(exc).split())
+        record.finish("failed", message, type(exc).__name__)
+        print(f"{PROG}: run failed: {message} (checkpoint in {out})", file=sys.stderr)
         return EXIT_RUN_FAILED
+    except ResumeMismatch:
+        record.restore()  # the folder's run is untouched: its record stays as it was
+        raise
+    except KeyboardInterrupt:
+        record.finish("partial", "KeyboardInterrupt (a second Ctrl-C)", "KeyboardInterrupt")
+        raise
+    except Exception as exc:
+        record.finish("failed", f"{type(exc).__name__}: {exc}", type(exc).__name__)
+        raise
+    _index_results_root(out)
     for arm, s in run.summary.items():
         drift = s.get("latency_drift_p50_by_turns", {}).get("append_latency_s", {})
         shown = (
@@ -648,7 +666,17 @@ def cmd_long_run(args: argparse.Namespace) -> int:
             f"{(v.get('prefill_bounded') or {}).get('by_time')}  append p50 drift {shown}"
             + (f"  stopped: {s['stopped']}" if s.get("stopped") else "")
         )
+    for arm, s in run.summary.items():
+        if "matches_plain" in s:
+            m = s["matches_plain"]
+            first = m["first_mismatch_turn"]
+            print(
+                f"{arm}: replies equal to {m['plain_arm']}'s on {m['turns_equal']} of "
+                f"{m['turns_compared']} turns"
+                + (f" (first mismatch: turn {first})" if first is not None else "")
+            )
     if run.abort_reason is not None:
+        record.finish("partial", f"stopped by {run.abort_reason}; run the same command to resume")
         signum = int(getattr(signal, run.abort_reason))
         print(
             f"{PROG}: stopped by {run.abort_reason} after {int(run.turns['turn'].max()) + 1 if len(run.turns) else 0} "
@@ -658,12 +686,34 @@ def cmd_long_run(args: argparse.Namespace) -> int:
         return 128 + signum
     failed = [arm for arm, s in run.summary.items() if s.get("errors")]
     if failed:
-        print(
-            f"{PROG}: arm(s) {', '.join(failed)} stopped on a failing turn (see turns.csv)",
-            file=sys.stderr,
-        )
+        message = f"arm(s) {', '.join(failed)} stopped on a failing turn (see turns.csv)"
+        record.finish("failed", message)
+        print(f"{PROG}: {message}", file=sys.stderr)
         return EXIT_RUN_FAILED
+    record.finish("completed")
+    _index_results_root(out)
     return 0
+
+
+def _cli_run_record(out: Path, experiment: str, args: argparse.Namespace):
+    """The run folder's ``run.json`` (:class:`~kakeya_lab.experiments.run_record.CliRunRecord`):
+    the command line and every option of this invocation."""
+    from kakeya_lab.experiments.run_record import CliRunRecord
+
+    parameters = {k: v for k, v in vars(args).items() if k not in ("func", "out_dir", "argv")}
+    argv = getattr(args, "argv", sys.argv[1:])
+    return CliRunRecord(out, experiment=experiment, command=[PROG, *argv], parameters=parameters)
+
+
+def _index_results_root(run_dir: Path) -> None:
+    """Refresh ``index.parquet`` of the results tree holding ``run_dir`` (a folder with the
+    ``.kakeya-results`` marker, or one named ``results``), so the run is listed at once."""
+    from kakeya_lab.experiments.index import build_index
+    from kakeya_lab.results import RESULTS_MARKER
+
+    parent = run_dir.resolve().parent
+    if (parent / RESULTS_MARKER).exists() or parent.name == "results":
+        build_index(parent)
 
 
 def _long_run_served(args: argparse.Namespace) -> int:
@@ -751,14 +801,20 @@ def _long_run_served(args: argparse.Namespace) -> int:
             "server_cache": cache,
         },
     )
-    table = run_served_long_run(
-        endpoints.grpc_target,
-        endpoints.http_base,
-        turns,
-        max_new_tokens=args.max_new_tokens,
-        model=served_model,
-        arms=names,
-    )
+    record = _cli_run_record(out, "long_run", args)
+    record.start()
+    try:
+        table = run_served_long_run(
+            endpoints.grpc_target,
+            endpoints.http_base,
+            turns,
+            max_new_tokens=args.max_new_tokens,
+            model=served_model,
+            arms=names,
+        )
+    except BaseException as exc:
+        record.finish("failed", f"{type(exc).__name__}: {exc}", type(exc).__name__)
+        raise
     summary = summarize_served(
         table,
         cache,
@@ -776,6 +832,8 @@ def _long_run_served(args: argparse.Namespace) -> int:
     write_metrics(
         out, header, {**fields, "arms": summary}, headline={**long_run_headline(summary), **fields}
     )
+    record.finish("completed")
+    _index_results_root(out)
     for arm, s in summary.items():
         lat = (s.get("latency") or {}).get("turn_latency_s") or {}
         print(
@@ -1084,8 +1142,35 @@ def build_parser() -> argparse.ArgumentParser:
     add_sweep_parser(subparsers)
     add_long_run_parser(subparsers)
     add_align_parser(subparsers)
+    add_evidence_parser(subparsers)
     add_serve_parser(subparsers)
     return parser
+
+
+# --------------------------------------------------------------------------- evidence
+
+
+def cmd_evidence_check(args: argparse.Namespace) -> int:
+    """Check the README's Results against the committed evidence folders."""
+    from kakeya_lab.evidence import check_evidence
+
+    root = Path(args.root)
+    if not (root / "README.md").is_file():
+        raise UserError(f"no README.md in {root}: pass the repository root")
+    problems = check_evidence(root)
+    for problem in problems:
+        print(problem)
+    print(f"{len(problems)} problem(s)" if problems else "evidence: every claim holds")
+    return EXIT_RUN_FAILED if problems else 0
+
+
+def add_evidence_parser(subparsers: argparse._SubParsersAction) -> None:
+    evidence = subparsers.add_parser("evidence", help="README figures against evidence/")
+    sub = evidence.add_subparsers(dest="evidence_command", metavar="EVIDENCE_COMMAND")
+    evidence.set_defaults(func=lambda _args: _usage(evidence))
+    p = sub.add_parser("check", help="check every claims.yaml and Results subsection")
+    p.add_argument("root", nargs="?", default=".", help="repository root (default: .)")
+    p.set_defaults(func=cmd_evidence_check)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1093,6 +1178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in run.json
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USER_ERROR
     try:

@@ -1,10 +1,15 @@
 """Shared fixtures: the default real model (from the offline store) and a tiny random model.
 
 Observed oracle differences are collected by ``record_tolerance`` and printed at the end of
-the run, so every CI log states the tolerances actually reached.
+the run, so every CI log states the tolerances actually reached (and written as JSON to
+``$KAKEYA_TOLERANCES_JSON`` when it is set: ``evidence/oracle_agreement/``).
 """
 
 from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,6 +58,10 @@ def record_tolerance():
 def pytest_terminal_summary(terminalreporter):
     if not _TOLERANCES:
         return
+    out = os.environ.get("KAKEYA_TOLERANCES_JSON")  # evidence: the printed numbers as a file
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(dict(_TOLERANCES), indent=1, sort_keys=True) + "\n")
     terminalreporter.section("observed oracle max-abs logit differences (fp32)")
     for name, value in _TOLERANCES:
         terminalreporter.write_line(f"{value:.3e}  {name}")

@@ -157,3 +157,54 @@ def test_run_folders_share_one_plotly_js(tmp_path):
         assert 'src="../../plotly.min.js"' in html.read_text()
         assert html.stat().st_size < 100_000
         assert not list(html.parent.glob("*.js"))
+
+
+@pytest.mark.slow  # a real two-node Ray cluster and papermill kernels
+def test_sweep_on_a_real_two_node_ray_cluster_brings_every_run_to_the_driver(sweep_file, tmp_path):
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    from ray.cluster_utils import Cluster
+
+    area = tmp_path / "nodes"  # each node writes under <area>/kakeya_ray/<node-id>/
+    path = tmp_path / "twonode.yaml"
+    path.write_text(
+        "name: twonode\nnotebook: tiny.ipynb\nexecutor: ray\n"
+        f"ray: {{num_cpus: 1, worker_area: '{area}'}}\ngrid:\n  a: [2, 3, 4, 5]\n"
+    )
+    small = {
+        "num_cpus": 1,
+        "object_store_memory": 80 * 1024**2,
+        "include_dashboard": False,
+    }
+    cluster = Cluster(initialize_head=True, head_node_args=small)
+    try:
+        cluster.add_node(**{k: v for k, v in small.items() if k != "include_dashboard"})
+        cluster.wait_for_nodes()
+        results = tmp_path / "driver_results"
+        code = cli_main(
+            [
+                "sweep",
+                str(path),
+                "--ray-address",
+                cluster.address,
+                "--results",
+                str(results),
+                "--quiet",
+            ]
+        )
+        assert code == 0
+        out = run_sweep(path, results_root=results, progress=False, ray_address=cluster.address)
+    finally:
+        cluster.shutdown()
+    assert sorted(out["status"]) == ["skipped"] * 4  # the driver's folders are complete runs
+    index = pd.read_parquet(results / "index.parquet")
+    assert sorted(index["metric.total"]) == [22, 32, 42, 52]
+    assert set(index["status"]) == {"completed"} and len(index) == 4
+    for run_dir in index["run_dir"]:
+        run_dir = Path(run_dir)
+        assert run_dir.parent.parent == results and (run_dir / "notebook.ipynb").is_file()
+        record = json.loads((run_dir / "run.json").read_text())
+        assert record["notebook"] == str(sweep_file.parent / "tiny.ipynb")
+    # the runs were written on both nodes, each in its own area, and removed there once packed
+    node_areas = sorted(p.name for p in (area / "kakeya_ray").iterdir())
+    assert len(node_areas) == 2, node_areas
+    assert not list((area / "kakeya_ray").glob("*/results/twonode/*/run.json"))

@@ -160,9 +160,12 @@ def test_sigterm_writes_a_partial_report_and_resume_completes(tmp_path):
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     checkpoint = out / "checkpoint.json"
+    record = out / "run.json"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if checkpoint.exists() and json.loads(checkpoint.read_text())["next_turn"] >= 2:
+            running = json.loads(record.read_text())  # kept current by the partial reports
+            assert running["status"] == "running" and running["progress"]["turns"] >= 1
             break
         if proc.poll() is not None:
             pytest.fail(f"the run ended before the signal: {proc.stderr.read().decode()[-2000:]}")
@@ -177,6 +180,9 @@ def test_sigterm_writes_a_partial_report_and_resume_completes(tmp_path):
     assert metrics["headline"]["abort_reason"] == "SIGTERM"
     assert 2 <= done < turns and metrics["metrics"]["arms"]["sink_window"]["turns"] == done
     assert list(pd.read_csv(out / "turns.csv")["turn"]) == list(range(done))
+    stopped = json.loads(record.read_text())
+    assert stopped["status"] == "partial" and "SIGTERM" in stopped["error"]["message"]
+    assert stopped["experiment"] == "long_run" and stopped["run_id"] == "run"
 
     resumed = subprocess.run(_cli(out, turns), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
@@ -185,3 +191,6 @@ def test_sigterm_writes_a_partial_report_and_resume_completes(tmp_path):
     assert metrics["metrics"]["arms"]["sink_window"]["turns"] == turns
     assert metrics["metrics"]["duration_s"] >= 0.5 * (turns - 1)  # paced across the interruption
     assert list(pd.read_csv(out / "turns.csv")["turn"]) == list(range(turns))
+    ended = json.loads(record.read_text())
+    assert ended["status"] == "completed" and ended["error"] is None
+    assert ended["started"] == stopped["started"] and len(ended["resumed"]) == 1

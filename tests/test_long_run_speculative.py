@@ -4,9 +4,12 @@ arguments before anything loads."""
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 from kakeya_lab.bench.long_run import run_long, standard_arms
+from kakeya_lab.bench.long_run.records import ids_digest
+from kakeya_lab.bench.long_run.summary import replies_match
 from kakeya_lab.data import chained_user_turns, chitchat_conversations
 
 
@@ -31,6 +34,37 @@ def test_speculative_arm_replies_equal_plain_greedy_past_eviction(default_model)
     )  # evicted for several turns
     assert spec["accepted"].sum() > 0 and plain["proposed"].sum() == 0  # drafts were really used
     assert run.summary["speculative"]["kv_bounded"] is True
+    # the summary records the per-turn equality of the reply token ids
+    assert run.summary["speculative"]["matches_plain"] == {
+        "plain_arm": "sink_window",
+        "turns_compared": 6,
+        "turns_equal": 6,
+        "first_mismatch_turn": None,
+    }
+    assert "matches_plain" not in run.summary["sink_window"]
+    assert spec["reply_ids_sha256"].tolist() == plain["reply_ids_sha256"].tolist()
+    assert plain["reply_ids_sha256"].nunique() == 6  # a digest per reply, not a constant
+
+
+def test_replies_match_names_the_first_turn_that_differs():
+    rows = [
+        {"arm": arm, "turn": t, "error": None, "reply_ids_sha256": ids_digest([t, 7])}
+        for arm in ("sink_window", "speculative")
+        for t in range(4)
+    ]
+    rows[4 + 2]["reply_ids_sha256"] = ids_digest([2, 8])  # speculative, turn 2
+    rows[4 + 3]["reply_ids_sha256"] = ids_digest([3])  # speculative, turn 3
+    rows.append({"arm": "sink_window", "turn": 4, "error": None, "reply_ids_sha256": "x"})
+    table = pd.DataFrame(rows)
+    assert replies_match(table, "speculative", "sink_window") == {
+        "plain_arm": "sink_window",
+        "turns_compared": 4,
+        "turns_equal": 2,
+        "first_mismatch_turn": 2,
+    }
+    table.loc[7, "error"] = "turn 3: boom"  # a failed turn is not compared
+    assert replies_match(table, "speculative", "sink_window")["turns_compared"] == 3
+    assert ids_digest([1, 2]) != ids_digest([2, 1]) and ids_digest([1, 2]) == ids_digest((1, 2))
 
 
 def test_speculative_arm_settings_are_checked_without_a_model():

@@ -4,8 +4,11 @@
   ``results/<experiment>/<run-id>/``);
 * :mod:`~kakeya_lab.experiments.sweeps` — :class:`Sweep`, :func:`load_sweep`,
   :func:`run_sweep` (strict resume, recorded failures);
-* :mod:`~kakeya_lab.experiments.ray_executor` — the same sweep on a Ray cluster;
-* :mod:`~kakeya_lab.experiments.index` — :func:`build_index` (``results/index.parquet``).
+* :mod:`~kakeya_lab.experiments.ray_executor` — the same sweep on a Ray cluster (run folders
+  come back to the driver packed, :mod:`~kakeya_lab.experiments.transfer`);
+* :mod:`~kakeya_lab.experiments.run_record` — ``run.json`` of CLI runs (``long-run``);
+* :mod:`~kakeya_lab.experiments.index` — :func:`build_index` (``results/index.parquet``,
+  notebook run folders ``<root>/<experiment>/<run-id>/`` and CLI ones ``<root>/<name>/``).
 """
 
 from kakeya_lab.experiments.index import build_index

@@ -25,12 +25,21 @@ def _flatten_headline(metrics: dict, prefix: str = "", depth: int = 0) -> dict[s
     return out
 
 
+def run_records(results_root: str | Path) -> list[Path]:
+    """Every ``run.json`` of a results tree: notebook and sweep runs at
+    ``<root>/<experiment>/<run-id>/run.json``, CLI runs (``kakeya-lab long-run
+    results/NAME``) at ``<root>/<name>/run.json``."""
+    root = Path(results_root)
+    return sorted({*root.glob("*/run.json"), *root.glob("*/*/run.json")})
+
+
 def build_index(results_root: str | Path = "results") -> pd.DataFrame:
-    """Scan every run folder under ``results_root`` into ``index.parquet`` (atomically):
-    experiment, run id, status, parameters (``param.*``), headline metrics (``metric.*``)."""
+    """Scan every run folder under ``results_root`` (:func:`run_records`) into
+    ``index.parquet`` (atomically): experiment, run id, status, the command of a CLI run,
+    parameters (``param.*``), headline metrics (``metric.*``)."""
     results_root = Path(results_root)
     rows = []
-    for record in sorted(results_root.glob("*/*/run.json")):
+    for record in run_records(results_root):
         try:
             run = json.loads(record.read_text())
         except (OSError, json.JSONDecodeError):
@@ -40,6 +49,7 @@ def build_index(results_root: str | Path = "results") -> pd.DataFrame:
             "run_id": run.get("run_id"),
             "status": run.get("status"),
             "notebook": run.get("notebook"),
+            "command": " ".join(run["command"]) if run.get("command") else None,
             "started": run.get("started"),
             "ended": run.get("ended"),
             "run_dir": str(record.parent),

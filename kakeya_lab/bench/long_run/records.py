@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -39,6 +42,12 @@ class TurnRecord:
     accepted: int = 0  # of which the verifier accepted
     tau: float | None = None  # tokens per verifier forward
     proposer_s: float = 0.0
+    reply_ids_sha256: str | None = None  # :func:`ids_digest` of the reply's token ids
+
+
+def ids_digest(token_ids: Sequence[int]) -> str:
+    """A short stable digest of a list of token ids (equal lists, equal digests)."""
+    return hashlib.sha256(json.dumps([int(t) for t in token_ids]).encode()).hexdigest()[:16]
 
 
 def refuse_degenerate(rows: list[dict]) -> None:

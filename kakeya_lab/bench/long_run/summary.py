@@ -43,7 +43,38 @@ def summarize_long_run(
             ]
             summary["recall_rate"] = float(probes["probe_recalled"].astype(bool).mean())
         out[name] = summary
+    plain = PLAIN_ARM if PLAIN_ARM in arms else None
+    for name, arm in arms.items():
+        if arm.proposer is not None and plain is not None:
+            out[name]["matches_plain"] = replies_match(table, name, plain)
     return out
+
+
+PLAIN_ARM = "sink_window"  # the plain greedy arm a speculative arm's replies must equal
+
+
+def replies_match(table: pd.DataFrame, arm: str, plain: str) -> dict:
+    """Per-turn equality of ``arm``'s reply token ids with ``plain``'s, on every turn both
+    completed (compared by ``reply_ids_sha256``): ``turns_compared``, ``turns_equal``,
+    ``first_mismatch_turn`` (None when all are equal), ``plain_arm``."""
+    if "reply_ids_sha256" not in table:
+        return {
+            "plain_arm": plain,
+            "turns_compared": 0,
+            "turns_equal": 0,
+            "first_mismatch_turn": None,
+        }
+    ok = table[table["error"].isna() & table["reply_ids_sha256"].notna()]
+    ours = ok[ok["arm"] == arm].set_index("turn")["reply_ids_sha256"]
+    theirs = ok[ok["arm"] == plain].set_index("turn")["reply_ids_sha256"]
+    both = sorted(set(ours.index) & set(theirs.index))
+    mismatches = [t for t in both if ours[t] != theirs[t]]
+    return {
+        "plain_arm": plain,
+        "turns_compared": len(both),
+        "turns_equal": len(both) - len(mismatches),
+        "first_mismatch_turn": int(mismatches[0]) if mismatches else None,
+    }
 
 
 def long_run_headline(summary: dict[str, dict]) -> dict[str, dict]:
@@ -72,4 +103,6 @@ def long_run_headline(summary: dict[str, dict]) -> dict[str, dict]:
             "rss_drift_pct": (s.get("rss_drift") or {}).get("drift_pct"),
             "recall_rate": s.get("recall_rate"),
         }
+        if "matches_plain" in s:
+            out[arm]["matches_plain"] = s["matches_plain"]
     return out

@@ -11,7 +11,7 @@ import psutil
 from kakeya_lab.bench.aggregate import repetition_rate
 from kakeya_lab.bench.long_run.checkpoint import ArmState, new_session
 from kakeya_lab.bench.long_run.probe import FactProbe, probe_recall
-from kakeya_lab.bench.long_run.records import TurnRecord
+from kakeya_lab.bench.long_run.records import TurnRecord, ids_digest
 from kakeya_lab.session import collect_reply
 
 if TYPE_CHECKING:
@@ -78,6 +78,7 @@ def run_turn(
         accepted=done.counts.accepted,
         tau=done.counts.tau,
         proposer_s=done.timings.proposer_s,
+        reply_ids_sha256=ids_digest(reply),
     )
     if probe is not None and (turn + 1) % probe.every == 0:
         answer = probe_recall(store, sid, state.chat, probe, eos_ids)

@@ -1,0 +1,193 @@
+"""The README's evidence convention, checked: every Results figure backed by a committed file.
+
+``evidence/<name>/`` holds a run's small files (``metrics.json``, ``turns.csv``,
+``command.txt``) and ``claims.yaml``, a list of
+``{quote: "1.03×", file: metrics.json, key: "anchor.ratio", scale: 1}``: the README
+contains ``quote``; the number in the quote (``index``: which one, when the quote holds
+several; default the only one) equals ``value(file, key) * scale`` rounded to the decimals
+the quote writes (``6.9e-5``: to its significant digits). ``key`` is a dotted path into a
+JSON file, or into a CSV file read as a list of rows (``"23.cache_len"``).
+
+:func:`check_evidence` also checks that every ``evidence/...`` path the README names exists,
+that every evidence folder is named in the README, that evidence files stay small, and
+that every ``###`` subsection of the README's ``## Results`` names an evidence folder
+(:func:`sections_without_evidence`). ``kakeya-lab evidence check`` prints the problems.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MAX_FILE_BYTES = 1_000_000
+_NUMBER = re.compile(r"[-−]?\d[\d,]*(?:\.\d+)?(?:[eE][-−]?\d+)?")
+_EVIDENCE_PATH = re.compile(r"evidence/[A-Za-z0-9_.\-/]*[A-Za-z0-9_/]")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One entry of a ``claims.yaml``."""
+
+    folder: Path
+    quote: str
+    file: str
+    key: str
+    scale: float = 1.0
+    index: int | None = None
+
+
+def parse_numbers(quote: str) -> list[tuple[float, int]]:
+    """Every number written in ``quote`` with its decimals (thousands commas, unicode
+    minus; a unit such as ``%``, ``×``, ``x``, ``s`` after it is ignored). For ``6.9e-5``
+    the decimals are those of the value (here 6: it is written to 1e-6)."""
+    out = []
+    for match in _NUMBER.finditer(quote):
+        text = match.group().replace("−", "-").rstrip(",")
+        mantissa, _, exponent = text.lower().partition("e")
+        mantissa = mantissa.replace(",", "")
+        decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
+        if exponent:
+            decimals -= int(exponent)
+        out.append((float(mantissa) * 10 ** int(exponent or 0), decimals))
+    return out
+
+
+def quoted_number(claim: Claim) -> tuple[float, int]:
+    """The number a claim's quote states, with its decimals (ValueError if ambiguous)."""
+    numbers = parse_numbers(claim.quote)
+    if claim.index is not None:
+        if not 0 <= claim.index < len(numbers):
+            raise ValueError(f"quote {claim.quote!r} has no number #{claim.index}")
+        return numbers[claim.index]
+    if len(numbers) != 1:
+        raise ValueError(
+            f"quote {claim.quote!r} holds {len(numbers)} numbers: add `index:` (0-based) to say which"
+        )
+    return numbers[0]
+
+
+def _load(path: Path) -> Any:
+    if path.suffix == ".csv":
+        with path.open(newline="") as f:
+            return list(csv.DictReader(f))
+    return json.loads(path.read_text())
+
+
+def value_at(doc: Any, key: str) -> Any:
+    """``doc`` followed along the dotted ``key`` (numbers index lists)."""
+    node = doc
+    for part in key.split("."):
+        if isinstance(node, list):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            raise KeyError(f"no {part!r} on the way to {key!r}")
+    return node
+
+
+def load_claims(folder: str | Path) -> list[Claim]:
+    """The claims of ``folder/claims.yaml`` (ValueError for a malformed entry)."""
+    import yaml
+
+    folder = Path(folder)
+    entries = yaml.safe_load((folder / "claims.yaml").read_text()) or []
+    if not isinstance(entries, list):
+        raise ValueError(f"{folder}/claims.yaml must be a list of claims")
+    claims = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not {"quote", "file", "key"} <= set(entry):
+            raise ValueError(f"{folder}/claims.yaml entry {i} needs quote, file and key")
+        claims.append(
+            Claim(
+                folder,
+                str(entry["quote"]),
+                str(entry["file"]),
+                str(entry["key"]),
+                float(entry.get("scale", 1)),
+                entry.get("index"),
+            )
+        )
+    return claims
+
+
+def check_claim(claim: Claim, readme: str) -> str | None:
+    """None if the claim holds, else what is wrong."""
+    where = f"{claim.folder.name}: {claim.quote!r}"
+    if claim.quote not in readme:
+        return f"{where}: the quote is not in the README"
+    try:
+        number, decimals = quoted_number(claim)
+        raw = value_at(_load(claim.folder / claim.file), claim.key)
+        value = float(raw) * claim.scale
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        return f"{where}: {claim.file}:{claim.key}: {type(exc).__name__}: {exc}"
+    tolerance = 0.5 * 10.0**-decimals * (1 + 1e-9) + 1e-12 * abs(value)
+    if abs(value - number) > tolerance:
+        return (
+            f"{where}: {claim.file}:{claim.key} is {raw!r} (x{claim.scale:g} = {value!r}), "
+            f"which does not round to {number!r}"
+        )
+    return None
+
+
+def results_subsections(readme: str) -> dict[str, str]:
+    """The ``###`` subsections of ``## Results``: title -> text."""
+    out: dict[str, str] = {}
+    in_results, title = False, None
+    for line in readme.splitlines():
+        if line.startswith("## "):
+            in_results, title = line[3:].strip().startswith("Results"), None
+        elif in_results and line.startswith("### "):
+            title = line[4:].strip()
+            out[title] = ""
+        elif in_results and title is not None:
+            out[title] += line + "\n"
+    return out
+
+
+def sections_without_evidence(readme: str) -> list[str]:
+    """Titles of Results subsections that name no ``evidence/<name>`` folder."""
+    return [
+        title
+        for title, text in results_subsections(readme).items()
+        if not _EVIDENCE_PATH.search(title + "\n" + text)
+    ]
+
+
+def check_evidence(root: str | Path = ".") -> list[str]:
+    """Every problem of the repository at ``root`` (README.md, evidence/), as messages."""
+    root = Path(root)
+    readme = (root / "README.md").read_text()
+    problems = []
+    for name in sorted(set(_EVIDENCE_PATH.findall(readme))):
+        if not (root / name).exists():
+            problems.append(f"the README names {name}, which does not exist")
+    evidence = root / "evidence"
+    folders = sorted(p for p in evidence.iterdir() if p.is_dir()) if evidence.is_dir() else []
+    for folder in folders:
+        if f"evidence/{folder.name}" not in readme:
+            problems.append(f"evidence/{folder.name} is not named in the README")
+        for path in folder.rglob("*"):
+            if path.is_file() and path.stat().st_size > MAX_FILE_BYTES:
+                problems.append(f"{path.relative_to(root)} is over {MAX_FILE_BYTES:,} bytes")
+        if not (folder / "claims.yaml").is_file():
+            problems.append(f"evidence/{folder.name} has no claims.yaml")
+            continue
+        try:
+            claims = load_claims(folder)
+        except ValueError as exc:
+            problems.append(str(exc))
+            continue
+        if not claims:
+            problems.append(f"evidence/{folder.name}/claims.yaml claims nothing")
+        problems += [p for c in claims if (p := check_claim(c, readme)) is not None]
+    problems += [
+        f"Results subsection {t!r} names no evidence folder"
+        for t in sections_without_evidence(readme)
+    ]
+    return problems

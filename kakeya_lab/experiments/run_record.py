@@ -1,0 +1,110 @@
+"""``run.json`` for run folders the CLI makes without a notebook (``kakeya-lab long-run``).
+
+A notebook run's ``run.json`` is written by :func:`~kakeya_lab.experiments.runner.run_notebook`;
+a :class:`CliRunRecord` writes the same fields (``experiment``, ``run_id``, ``parameters``,
+``status``, ``started``, ``ended``, ``error``) plus ``command`` (the argv that made it),
+``progress`` (what the last report said) and ``resumed`` (start times of later
+invocations that continued the run), so :func:`~kakeya_lab.experiments.index.build_index`
+lists CLI runs beside notebook runs.
+
+``status`` is one of :data:`STATUSES`: ``running`` while the run goes on (kept current by
+every partial report), ``partial`` when a signal stopped it (run the same command to
+resume), ``completed``, ``failed`` (``error`` says why).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kakeya_lab.durable import write_json_atomic
+from kakeya_lab.results import now_iso
+
+RUN_RECORD = "run.json"
+STATUSES = ("running", "partial", "completed", "failed")
+
+
+class CliRunRecord:
+    """The ``run.json`` of one CLI run folder, rewritten atomically on every change.
+
+    :meth:`start` keeps the first ``started`` of a folder that already holds a record of
+    the same experiment (a resumed run) and appends the new start to ``resumed``.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        experiment: str,
+        command: list[str],
+        parameters: dict[str, Any],
+        run_id: str | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / RUN_RECORD
+        self._previous: dict | None = None
+        self.record: dict[str, Any] = {
+            "notebook": None,
+            "command": [str(a) for a in command],
+            "experiment": experiment,
+            "run_id": run_id or self.run_dir.resolve().name,
+            "parameters": json.loads(json.dumps(parameters, default=str)),
+            "status": "running",
+            "started": None,
+            "ended": None,
+            "error": None,
+            "progress": {},
+            "resumed": [],
+        }
+
+    def start(self) -> None:
+        """Mark the run ``running`` (a resumed run keeps its first start time)."""
+        now = now_iso()
+        previous = self._previous = _read(self.path)
+        if previous is not None and previous.get("experiment") == self.record["experiment"]:
+            self.record["started"] = previous.get("started") or now
+            self.record["resumed"] = [*(previous.get("resumed") or []), now]
+            self.record["progress"] = previous.get("progress") or {}
+        else:
+            self.record["started"] = now
+        self._set(status="running", ended=None, error=None)
+
+    def progress(self, **fields: Any) -> None:
+        """Record the latest report (e.g. ``turns``, ``duration_s``); status stays ``running``."""
+        self.record["progress"] = {**fields, "updated": now_iso()}
+        self._set(status="running")
+
+    def finish(self, status: str, error: str | None = None, error_type: str = "RunFailed") -> None:
+        """End the record with ``status`` (``completed``, ``partial`` or ``failed``); ``error``
+        says why a run failed or stopped."""
+        if status not in STATUSES or status == "running":
+            raise ValueError(f"finish: status must be completed, partial or failed, got {status!r}")
+        self._set(
+            status=status,
+            ended=now_iso(),
+            error=None
+            if error is None
+            else {"type": error_type, "message": error, "traceback": None},
+        )
+
+    def restore(self) -> None:
+        """Put back the record the folder held before :meth:`start` (none: remove it), for
+        an invocation refused before it ran anything (e.g. a resume with other settings)."""
+        if self._previous is None:
+            self.path.unlink(missing_ok=True)
+        else:
+            write_json_atomic(self.path, self._previous)
+
+    def _set(self, **fields: Any) -> None:
+        self.record.update(fields)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.path, self.record)
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None
