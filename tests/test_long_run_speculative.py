@@ -9,7 +9,7 @@ import pytest
 
 from kakeya_lab.bench.long_run import run_long, standard_arms
 from kakeya_lab.bench.long_run.records import ids_digest
-from kakeya_lab.bench.long_run.summary import replies_match
+from kakeya_lab.bench.long_run.summary import relative_drift, replies_match
 from kakeya_lab.data import chained_user_turns, chitchat_conversations
 
 
@@ -44,6 +44,9 @@ def test_speculative_arm_replies_equal_plain_greedy_past_eviction(default_model)
     assert "matches_plain" not in run.summary["sink_window"]
     assert spec["reply_ids_sha256"].tolist() == plain["reply_ids_sha256"].tolist()
     assert plain["reply_ids_sha256"].nunique() == 6  # a digest per reply, not a constant
+    step = run.summary["speculative"]["step_over_plain"]
+    assert step["turns_compared"] == 6 and step["column"] == "step_s"
+    assert step["median_ratio"] > 1.0  # a block of 5 costs more than one token
 
 
 def test_replies_match_names_the_first_turn_that_differs():
@@ -65,6 +68,50 @@ def test_replies_match_names_the_first_turn_that_differs():
     table.loc[7, "error"] = "turn 3: boom"  # a failed turn is not compared
     assert replies_match(table, "speculative", "sink_window")["turns_compared"] == 3
     assert ids_digest([1, 2]) != ids_digest([2, 1]) and ids_digest([1, 2]) == ids_digest((1, 2))
+
+
+def test_relative_drift_cancels_the_machine_and_keeps_the_arm():
+    load = [1.0, 3.0, 1.5, 0.7, 2.0, 1.0]  # the machine's slowdown per round, both arms alike
+    rows = []
+    for turn, factor in enumerate(load):
+        rows.append(
+            {
+                "arm": "sink_window",
+                "turn": turn,
+                "error": None,
+                "decode_s_per_token": 0.1 * factor,
+                "generate_s": 1.6 * factor,
+                "generated_tokens": 16,
+                "tau": None,
+            }
+        )
+        grow = 1.0 + 0.1 * turn  # the speculative arm's own cost grows with the history
+        rows.append(
+            {
+                "arm": "speculative",
+                "turn": turn,
+                "error": None,
+                "decode_s_per_token": 0.05 * factor * grow,
+                "generate_s": 0.8 * factor * grow,
+                "generated_tokens": 16,
+                "tau": 4.0,
+            }
+        )
+    table = pd.DataFrame(rows)
+    per_token = relative_drift(table, "speculative", "sink_window", turns_per_bucket=2)
+    # buckets {0,1} and {4,5}: ratio p50 0.5 * 1.05 -> 0.5 * 1.45
+    assert per_token["drift_pct"] == pytest.approx(100 * (1.45 - 1.05) / 1.05)
+    step = relative_drift(table, "speculative", "sink_window", "step_s", turns_per_bucket=2)
+    assert step["first_p50"] == pytest.approx(2.0 * 1.05)  # 4 tokens per forward at half cost
+    flat = table.assign(
+        decode_s_per_token=[
+            0.1 * f if i % 2 == 0 else 0.05 * f
+            for i, f in enumerate(x for x in load for _ in range(2))
+        ]
+    )
+    assert relative_drift(flat, "speculative", "sink_window", turns_per_bucket=2)[
+        "drift_pct"
+    ] == pytest.approx(0.0)
 
 
 def test_speculative_arm_settings_are_checked_without_a_model():

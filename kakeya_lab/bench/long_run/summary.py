@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import pandas as pd
 
-from kakeya_lab.bench.aggregate import aggregate_arm
+from kakeya_lab.bench.aggregate import aggregate_arm, first_full_turn, latency_drift_p50
 from kakeya_lab.bench.long_run.arms import Arm
 
 
@@ -47,6 +47,14 @@ def summarize_long_run(
     for name, arm in arms.items():
         if arm.proposer is not None and plain is not None:
             out[name]["matches_plain"] = replies_match(table, name, plain)
+            start = first_full_turn(table[table["arm"] == name], arm.config.budget)
+            for key, column in (
+                ("decode_over_plain", "decode_s_per_token"),
+                ("step_over_plain", "step_s"),
+            ):
+                out[name][key] = relative_drift(
+                    table, name, plain, column, turns_per_bucket=turns_per_bucket, start_turn=start
+                )
     return out
 
 
@@ -75,6 +83,41 @@ def replies_match(table: pd.DataFrame, arm: str, plain: str) -> dict:
         "turns_equal": len(both) - len(mismatches),
         "first_mismatch_turn": int(mismatches[0]) if mismatches else None,
     }
+
+
+def relative_drift(
+    table: pd.DataFrame,
+    arm: str,
+    plain: str,
+    column: str = "decode_s_per_token",
+    *,
+    turns_per_bucket: int = 50,
+    start_turn: int | None = None,
+) -> dict:
+    """Drift of ``arm``'s ``column`` relative to ``plain``'s in the same rounds: the per-turn
+    ratio ``arm / plain``, its p50 per turn bucket, last full bucket vs first (as
+    :func:`~kakeya_lab.bench.aggregate.latency_drift_p50`, with ``ratio`` in place of
+    seconds). Arms alternate turn by turn, so what the machine's load does to both cancels
+    out; what is left is the arm's own change with the history.
+
+    ``column="step_s"``: seconds per verifier forward, ``generate_s · tau /
+    generated_tokens`` (tau missing: one token per forward) — the cost of a step, which
+    unlike the cost per token does not move with how many drafts the content lets land."""
+    ok = table[table["error"].isna()] if "error" in table else table
+    if column == "step_s":
+        tau = ok["tau"].fillna(1.0) if "tau" in ok else 1.0
+        ok = ok.assign(step_s=ok["generate_s"] * tau / ok["generated_tokens"].clip(lower=1))
+    ours = ok[ok["arm"] == arm].set_index("turn")[column]
+    theirs = ok[ok["arm"] == plain].set_index("turn")[column]
+    both = sorted(set(ours.index) & set(theirs.index))
+    ratios = pd.DataFrame({"turn": both, "ratio": [float(ours[t] / theirs[t]) for t in both]})
+    drift = latency_drift_p50(
+        ratios, "ratio", by="turns", size=turns_per_bucket, start_turn=start_turn
+    )
+    out = {k[:-2] if k.endswith("_s") else k: v for k, v in drift.items()}
+    out.update(column=column, plain_arm=plain, turns_compared=len(both))
+    out["median_ratio"] = float(ratios["ratio"].median()) if len(both) else None
+    return out
 
 
 def long_run_headline(summary: dict[str, dict]) -> dict[str, dict]:
