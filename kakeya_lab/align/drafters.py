@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kakeya_lab.attention import rotate
 from kakeya_lab.proposers import Draft
 from kakeya_lab.sampling import GREEDY, SamplingConfig
 from kakeya_lab.verifier import HiddenTrace, Verifier
@@ -89,13 +90,11 @@ class RMSNorm(nn.Module):
 
 
 def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding over the sequence axis of ``x`` ``[B, heads, L, d]``."""
+    """Rotary position embedding over the sequence axis of ``x`` ``[B, heads, L, d]``
+    (positions ``0..L-1``; the rotation itself is :func:`kakeya_lab.attention.rotate`)."""
     L, d = x.shape[-2], x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
-    ang = torch.arange(L, dtype=torch.float32, device=x.device)[:, None] * inv[None]
-    cos, sin = ang.cos().repeat(1, 2).to(x.dtype), ang.sin().repeat(1, 2).to(x.dtype)
-    half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
-    return x * cos + half * sin
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
+    return rotate(x, torch.arange(L, device=x.device), inv_freq)
 
 
 class Layer(nn.Module):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import pandas as pd
 from tqdm.auto import tqdm
@@ -49,6 +49,19 @@ class SpeculativeRun:
     turns: pd.DataFrame  # one row per (arm, conversation, turn)
     steps: pd.DataFrame  # one row per verifier step of a speculative arm
     summary: pd.DataFrame  # one row per arm
+
+
+@dataclass(frozen=True)
+class AssistedGeneration:
+    """transformers' assisted generation against its own plain ``generate`` (same prompts)."""
+
+    plain_tokens_per_s: float
+    assisted_tokens_per_s: float
+    speedup: float  # assisted tokens/s ÷ plain tokens/s
+    identical_output: bool  # every assisted sequence equal to the plain one
+
+    def to_dict(self) -> dict[str, float | bool]:
+        return asdict(self)
 
 
 def leviathan_speedup(
@@ -247,7 +260,7 @@ def greedy_streams_identical(turns: pd.DataFrame) -> bool:
 
 def hf_assisted_generation(
     target, draft, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64
-) -> dict:
+) -> AssistedGeneration:
     """transformers' own assisted generation vs its own plain greedy ``generate`` (stock
     SDPA attention, growing DynamicCache), on the same prompts, side by side.
 
@@ -274,9 +287,9 @@ def hf_assisted_generation(
             plain_tokens += plain.shape[1] - x.shape[1]
             assisted_tokens += assisted.shape[1] - x.shape[1]
             identical &= bool(torch.equal(plain, assisted))
-    return {
-        "plain_tokens_per_s": plain_tokens / plain_s,
-        "assisted_tokens_per_s": assisted_tokens / assisted_s,
-        "speedup": (assisted_tokens / assisted_s) / (plain_tokens / plain_s),
-        "identical_output": identical,
-    }
+    return AssistedGeneration(
+        plain_tokens_per_s=plain_tokens / plain_s,
+        assisted_tokens_per_s=assisted_tokens / assisted_s,
+        speedup=(assisted_tokens / assisted_s) / (plain_tokens / plain_s),
+        identical_output=identical,
+    )
