@@ -80,14 +80,17 @@ def kv_bytes_figure(
     return fig
 
 
-def tau_by_k_figure(
+def tau_by_draft_length_figure(
     summary: pd.DataFrame, title: str = "Tokens per verifier forward (tau) by draft length"
 ) -> go.Figure:
+    """``tau`` against ``draft_length``, one line per proposer, plain decoding at 1."""
     fig = go.Figure()
     for proposer, df in summary[summary["arm"] != "plain"].groupby("proposer", sort=False):
-        fig.add_trace(go.Scatter(x=df["k"], y=df["tau"], mode="lines+markers", name=proposer))
+        fig.add_trace(
+            go.Scatter(x=df["draft_length"], y=df["tau"], mode="lines+markers", name=proposer)
+        )
     fig.add_hline(y=1.0, line_dash="dot", line_color="gray", annotation_text="plain decoding")
-    fig.update_layout(title=title, xaxis_title="draft length k", yaxis_title="tau", height=380)
+    fig.update_layout(title=title, xaxis_title="draft length", yaxis_title="tau", height=380)
     return fig
 
 
@@ -112,13 +115,16 @@ def acceptance_by_position_figure(summary: pd.DataFrame) -> go.Figure:
 
 
 def speedup_figure(summary: pd.DataFrame) -> go.Figure:
-    """Measured speedup vs the Leviathan expectation from measured a and c, per arm."""
+    """Measured speedup vs the Leviathan expectation from the measured acceptance
+    probability and draft cost ratio, per arm."""
     spec = summary[summary["arm"] != "plain"]
     fig = go.Figure()
     fig.add_trace(go.Bar(x=spec["arm"], y=spec["speedup"], name="measured"))
     fig.add_trace(
         go.Bar(
-            x=spec["arm"], y=spec["expected_speedup"], name="expected (Leviathan, measured a, c)"
+            x=spec["arm"],
+            y=spec["expected_speedup"],
+            name="expected (Leviathan, measured acceptance and cost)",
         )
     )
     fig.add_hline(y=1.0, line_dash="dot", line_color="gray")
@@ -280,15 +286,16 @@ def domain_figure(summary: pd.DataFrame, metric: str = "tau") -> go.Figure:
     return fig
 
 
-def speedup_vs_k_figure(summary: pd.DataFrame) -> go.Figure:
-    """Measured speedup and the Leviathan expectation (measured a, c) against draft length."""
-    spec = summary[summary["arm"] != "plain"].sort_values("k")
+def speedup_vs_draft_length_figure(summary: pd.DataFrame) -> go.Figure:
+    """Measured speedup and the Leviathan expectation (measured acceptance probability and
+    draft cost ratio) against draft length."""
+    spec = summary[summary["arm"] != "plain"].sort_values("draft_length")
     fig = go.Figure()
     for i, (proposer, df) in enumerate(spec.groupby("proposer", sort=False)):
         color = px.colors.qualitative.Plotly[i % 10]
         fig.add_trace(
             go.Scatter(
-                x=df["k"],
+                x=df["draft_length"],
                 y=df["speedup"],
                 name=f"{proposer} measured",
                 mode="lines+markers",
@@ -297,7 +304,7 @@ def speedup_vs_k_figure(summary: pd.DataFrame) -> go.Figure:
         )
         fig.add_trace(
             go.Scatter(
-                x=df["k"],
+                x=df["draft_length"],
                 y=df["expected_speedup"],
                 name=f"{proposer} expected",
                 mode="lines+markers",
@@ -306,8 +313,8 @@ def speedup_vs_k_figure(summary: pd.DataFrame) -> go.Figure:
         )
     fig.add_hline(y=1.0, line_dash="dot", line_color="gray")
     fig.update_layout(
-        title="Speedup vs draft length k (held-out chit-chat)",
-        xaxis_title="k",
+        title="Speedup vs draft length (held-out chit-chat)",
+        xaxis_title="draft length",
         yaxis_title="× plain tokens/s",
         xaxis_dtick=1,
         height=400,

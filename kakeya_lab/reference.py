@@ -8,6 +8,8 @@ path against them compares two independent implementations.
   mask (exact for ``global`` positions, and for ``rolling`` before the cache first fills).
 * :func:`rolling_logits` — token-by-token decoding in the StreamingLLM way: the visible
   keys are re-rotated to their index inside the cache before every step.
+* :func:`oracle_logits` — the oracle of a config's position mode (dense for ``global``,
+  rolling for ``rolling``): what every incremental path must reproduce.
 """
 
 from __future__ import annotations
@@ -141,6 +143,17 @@ def rolling_logits(
     the global single-token path (equal to :func:`dense_logits` up to float error).
     """
     return RollingReference(model, config).extend(token_ids)
+
+
+def oracle_logits(
+    model: PreTrainedModel, token_ids: Sequence[int] | torch.Tensor, config: SinkWindowConfig
+) -> torch.Tensor:
+    """Next-token logits ``[n, vocab]`` that the sink-window cache must give under ``config``:
+    :func:`dense_logits` for ``positions="global"``, :func:`rolling_logits` for
+    ``"rolling"`` (valid at any length, past the budget too)."""
+    if config.positions == "global":
+        return dense_logits(model, token_ids, config)
+    return rolling_logits(model, token_ids, config)
 
 
 def _layer_storage(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

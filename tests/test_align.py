@@ -42,24 +42,16 @@ STEPS = {"feature": 150, "block": 150, "lora": 8}
 @pytest.fixture(scope="module")
 def rollouts(default_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("rollouts")
-    capture_rollouts(
-        default_model,
-        domain_conversations("chitchat", "train", limit=10),
-        root / "train",
-        config=CAPTURE_CACHE,
-        split="train",
-        options=OPTIONS,
-        progress=False,
-    )
-    capture_rollouts(
-        default_model,
-        domain_conversations("chitchat", "dev", limit=3),
-        root / "dev",
-        config=CAPTURE_CACHE,
-        split="dev",
-        options=OPTIONS,
-        progress=False,
-    )
+    for split, limit in (("train", 10), ("dev", 3)):
+        capture_rollouts(
+            default_model,
+            domain_conversations("chitchat", split, limit=limit),
+            root / split,
+            config=CAPTURE_CACHE,
+            split=split,
+            options=OPTIONS,
+            progress=False,
+        )
     train, dev = load_rollouts(root / "train"), load_rollouts(root / "dev")
     vocab = draft_vocabulary(train, 2048, always=model_eos_ids(default_model.model))
     return {"root": root, "train": train, "dev": dev, "vocab": vocab}

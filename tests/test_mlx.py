@@ -16,6 +16,14 @@ import torch
 
 pytest.importorskip("mlx_lm")
 
+from oracle_cases import (  # noqa: E402
+    blocks_with_rollback,
+    check_close,
+    chunked,
+    random_interleavings,
+    token_by_token,
+)
+
 from kakeya_lab import SinkWindowConfig, Verifier, reference  # noqa: E402
 from kakeya_lab.mlx_backend import load_mlx_model, mlx_dense_logits, mlx_early_exit_model  # noqa: E402
 from kakeya_lab.models import DEFAULT_MODEL, model_dir, tiny_random_model  # noqa: E402
@@ -44,84 +52,32 @@ def mlx_default():
     return load_mlx_model(model_dir(DEFAULT_MODEL))
 
 
-def torch_oracle(model, ids, config):
-    if config.positions == "global":
-        return reference.dense_logits(model, ids, config)
-    return reference.rolling_logits(model, ids, config)
-
-
-def token_by_token(model, ids, config):
-    v = Verifier(model, config)
-    return torch.stack([v.append([t]) for t in ids]), v
-
-
-def chunked(model, ids, config, rng):
-    v = Verifier(model, config, prefill_chunk=rng.randint(3, 9))
-    rows, i = [], 0
-    while i < len(ids):
-        chunk = ids[i : i + rng.randint(1, 13)]
-        rows.append(v.forward_block(chunk))
-        v.commit(len(chunk))
-        i += len(chunk)
-    last = Verifier(model, config, prefill_chunk=rng.randint(3, 9)).append(
-        ids
-    )  # multi-chunk append
-    return torch.cat(rows), last, v
-
-
-def blocks_with_rollback(model, ids, config, rng):
-    v = Verifier(model, config)
-    rows = [v.append(ids[:1])]
-    i = 1
-    while i < len(ids):
-        good = ids[i : i + rng.randint(1, 8)]
-        keep = rng.randint(0, len(good))
-        wrong = good[:keep] + [(t + 7) % v.vocab_size for t in good[keep:]]
-        logits = v.forward_block(wrong)
-        if rng.random() < 0.3:
-            v.rollback()
-            continue
-        v.commit(keep)
-        rows[i : i + keep] = list(logits[:keep])
-        i += keep
-        if keep == 0:
-            rows.append(v.append([ids[i]]))
-            i += 1
-    return torch.stack(rows), v
-
-
-def _check(name, got, want, tol, record_tolerance):
-    diff = (got - want).abs().max().item()
-    record_tolerance(name, diff)
-    assert diff <= tol, f"{name}: max |Δlogit| {diff:.3e} > {tol}"
-
-
 def _matrix(name, torch_model, mlx_model, ids, config, tol, record_tolerance):
-    want = torch_oracle(torch_model, ids, config)
+    want = reference.oracle_logits(torch_model, ids, config)
     if config.positions == "global":
         mlx_want = mlx_dense_logits(mlx_model, ids, config)
     else:  # the dense mask is the rolling oracle only up to the budget
         mlx_want = mlx_dense_logits(mlx_model, ids[: config.budget], config)
-    _check(
+    check_close(
         f"{name}/mlx dense vs torch oracle", mlx_want, want[: len(mlx_want)], tol, record_tolerance
     )
     rng = random.Random(0)
 
     got, v = token_by_token(mlx_model, ids, config)
-    _check(f"{name}/token-by-token vs torch oracle", got, want, tol, record_tolerance)
-    _check(
+    check_close(f"{name}/token-by-token vs torch oracle", got, want, tol, record_tolerance)
+    check_close(
         f"{name}/token-by-token vs mlx dense", got[: len(mlx_want)], mlx_want, tol, record_tolerance
     )
     assert v.cache_len == config.budget and v.history_len == len(ids)
     assert v.kv_live_bytes == v.kv_budget_bytes() > 0
 
     got, last, _ = chunked(mlx_model, ids, config, rng)
-    _check(f"{name}/chunked vs torch oracle", got, want, tol, record_tolerance)
-    _check(f"{name}/chunked append vs torch oracle", last, want[-1], tol, record_tolerance)
+    check_close(f"{name}/chunked vs torch oracle", got, want, tol, record_tolerance)
+    check_close(f"{name}/chunked append vs torch oracle", last, want[-1], tol, record_tolerance)
 
     got, v = blocks_with_rollback(mlx_model, ids, config, rng)
     assert v.history_token_ids == ids
-    _check(f"{name}/blocks+rollback vs torch oracle", got, want, tol, record_tolerance)
+    check_close(f"{name}/blocks+rollback vs torch oracle", got, want, tol, record_tolerance)
 
 
 @pytest.mark.parametrize("mode", ["global", "rolling"])
@@ -156,36 +112,8 @@ def test_mlx_random_interleavings_across_many_wraps(tiny, mode, record_tolerance
     config = SinkWindowConfig(sink=2, window=10, positions=mode)
     rng = random.Random(1234 if mode == "global" else 99)
     v = Verifier(mlx_model, config, prefill_chunk=4)
-    vocab = v.vocab_size
-    committed_ref = reference.RollingReference(torch_model, config)
-    open_ref, pending, worst, checks = None, [], 0.0, 0
-    for _ in range(300):
-        op = rng.random()
-        if not pending and (v.history_len == 0 or op < 0.25):
-            ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 9))]
-            got = v.append(ids)[None]
-            rolling_rows = committed_ref.extend(ids)[-1:]
-        elif op < 0.65:
-            ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
-            got = v.forward_block(ids)
-            open_ref = open_ref or committed_ref.copy()
-            rolling_rows = open_ref.extend(ids)
-            pending += ids
-        elif op < 0.85 and pending:
-            n = rng.randint(0, len(pending))
-            v.commit(n)
-            if n:
-                committed_ref.extend(pending[:n])
-            pending, open_ref = [], None
-            continue
-        else:
-            v.rollback()
-            pending, open_ref = [], None
-            continue
-        want = rolling_rows  # the single-token reference (global mode: equal to the dense forward)
-        worst = max(worst, (got - want).abs().max().item())
-        checks += 1
-        assert v.cache_len <= config.budget
+    # the single-token reference (global mode: equal to the dense forward)
+    worst, checks = random_interleavings(v, torch_model, rng, 300)
     assert v.history_len > 5 * config.budget, "the run must wrap the window many times"
     record_tolerance(f"tiny-qwen3/{mode}/mlx random interleavings ({checks} checks)", worst)
     assert worst <= TINY_TOL

@@ -6,8 +6,9 @@ import random
 
 import pytest
 import torch
+from oracle_cases import random_interleavings
 
-from kakeya_lab import SinkWindowConfig, Verifier, reference
+from kakeya_lab import SinkWindowConfig, Verifier
 
 TOL = 1e-4
 
@@ -22,42 +23,7 @@ def test_random_interleavings_match_oracle_and_replay(tiny_model, mode, record_t
     rng = random.Random(1234 if mode == "global" else 99)
     v = Verifier(model, config, prefill_chunk=4)
     vocab = v.vocab_size
-    committed_ref = reference.RollingReference(model, config)
-    open_ref = None
-    pending: list[int] = []
-    worst = 0.0
-    checks = 0
-    for _ in range(400):
-        op = rng.random()
-        if not pending and (v.history_len == 0 or op < 0.25):
-            ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 9))]
-            got = v.append(ids)[None]
-            rolling_rows = committed_ref.extend(ids)[-1:]
-            seq, rows = v.history_token_ids, 1
-        elif op < 0.65:
-            ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
-            got = v.forward_block(ids)
-            open_ref = open_ref or committed_ref.copy()
-            rolling_rows = open_ref.extend(ids)
-            pending += ids
-            seq, rows = v.history_token_ids + pending, len(ids)
-        elif op < 0.85 and pending:
-            n = rng.randint(0, len(pending))
-            v.commit(n)
-            if n:
-                committed_ref.extend(pending[:n])
-            pending, open_ref = [], None
-            continue
-        else:
-            v.rollback()
-            pending, open_ref = [], None
-            continue
-        want = (
-            reference.dense_logits(model, seq, config)[-rows:] if mode == "global" else rolling_rows
-        )
-        worst = max(worst, (got - want).abs().max().item())
-        checks += 1
-        assert v.cache_len <= config.budget
+    worst, checks = random_interleavings(v, model, rng, 400, dense=mode == "global")
     assert v.history_len > 5 * config.budget, "the run must wrap the window many times"
     record_tolerance(f"tiny-qwen3/{mode}/random interleavings ({checks} checks)", worst)
     assert worst <= TOL

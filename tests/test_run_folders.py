@@ -32,7 +32,7 @@ CI_PARAMETERS: dict[str, dict] = {
     },
     "30_speculative": {
         "proposers": ["ngram"],
-        "ks": [2],
+        "draft_lengths": [2],
         "conversations": 1,
         "turns": 1,
         "max_new_tokens": 12,
@@ -45,7 +45,7 @@ CI_PARAMETERS: dict[str, dict] = {
         "drafters": ["feature"],
         "steps": {"feature": 6},
         "eval_max_new_tokens": 12,
-        "ks": [4],
+        "draft_lengths": [4],
     },
     "90_report": {},
 }

@@ -6,6 +6,7 @@ import copy
 import random
 from collections import Counter
 
+import pandas as pd
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -327,3 +328,49 @@ def test_make_proposer_uses_an_already_loaded_draft_model(default_model, tiny_mo
     assert isinstance(proposer, DraftModelProposer) and proposer.model is tiny_model.model
     assert proposer.describe()["model"] == "tiny"
     assert make_proposer("none", default_model.model, config) is None
+
+
+# ---------------------------------------------------------------- the benchmark's records
+
+
+def test_leviathan_speedup_at_its_known_points():
+    from kakeya_lab.bench.speculative import leviathan_speedup
+
+    # one free draft accepted with probability p emits 1 + p tokens per verifier step
+    assert leviathan_speedup(0.5, draft_length=1, draft_cost_ratio=0.0) == pytest.approx(1.5)
+    # every draft accepted: draft_length + 1 tokens per step, each drafted token costing c
+    assert leviathan_speedup(1.0, draft_length=4, draft_cost_ratio=0.25) == pytest.approx(2.5)
+    # never accepted: one token per step, paying for the drafts
+    assert leviathan_speedup(0.0, draft_length=3, draft_cost_ratio=0.1) == pytest.approx(1 / 1.3)
+
+
+def test_benchmark_records_name_draft_length_acceptance_and_cost(default_model):
+    from kakeya_lab.bench.speculative import leviathan_speedup, run_speculative
+    from kakeya_lab.data import chitchat_conversations
+
+    run = run_speculative(
+        default_model,
+        {"ngram": NgramProposer},
+        [3],
+        chitchat_conversations("dev", limit=1, min_turns=2),
+        config=SinkWindowConfig(sink=4, window=60),
+        turns_per_conversation=1,
+        max_new_tokens=10,
+        progress=False,
+    )
+    assert {"draft_length", "proposed", "accepted"} <= set(run.steps.columns)
+    turns = run.turns.set_index("arm")
+    assert turns.loc["plain", "draft_length"] == 0 and turns.loc["ngram@3", "draft_length"] == 3
+    s = run.summary.set_index("arm")
+    assert pd.isna(s.loc["plain", "acceptance_probability"])  # nothing drafted, nothing measured
+    row, steps = s.loc["ngram@3"], run.steps[run.steps["arm"] == "ngram@3"]
+    length = 3
+    assert row["draft_length"] == length
+    assert steps["draft_length"].max() <= length  # shorter near the reply's token budget
+    assert len(row["acceptance_by_position"]) == length
+    assert steps["proposed"].sum() > 0  # the chat template repeats itself: lookup drafts
+    assert row["acceptance_rate"] == steps["accepted"].sum() / steps["proposed"].sum()
+    assert 0.0 <= row["acceptance_probability"] <= 1.0 and row["draft_cost_ratio"] > 0
+    assert row["expected_speedup"] == pytest.approx(
+        leviathan_speedup(row["acceptance_probability"], length, row["draft_cost_ratio"])
+    )

@@ -11,7 +11,7 @@ Neither frozen matrix is part of a drafter's checkpoint.
 * :class:`FeatureDrafter` (EAGLE-style): a small causal decoder over the pairs; drafts
   autoregressively, feeding back its own predicted feature with the token it chose.
 * :class:`BlockDrafter` (block-diffusion style, after DFlash): bidirectional layers over
-  the context pairs and ``k`` learned mask slots; one forward fills the whole block.
+  the context pairs and ``draft_length`` learned mask slots; one forward fills the whole block.
   Learnable bridges map the verifier's width to the drafter's narrower one and back.
 
 :class:`DrafterProposer` makes either one a proposer of the speculative-decoding protocol:
@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kakeya_lab.attention import rotate
 from kakeya_lab.proposers import Draft
 from kakeya_lab.sampling import GREEDY, SamplingConfig
 from kakeya_lab.verifier import HiddenTrace, Verifier
@@ -89,13 +90,11 @@ class RMSNorm(nn.Module):
 
 
 def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding over the sequence axis of ``x`` ``[B, heads, L, d]``."""
+    """Rotary position embedding over the sequence axis of ``x`` ``[B, heads, L, d]``
+    (positions ``0..L-1``; the rotation itself is :func:`kakeya_lab.attention.rotate`)."""
     L, d = x.shape[-2], x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
-    ang = torch.arange(L, dtype=torch.float32, device=x.device)[:, None] * inv[None]
-    cos, sin = ang.cos().repeat(1, 2).to(x.dtype), ang.sin().repeat(1, 2).to(x.dtype)
-    half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
-    return x * cos + half * sin
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
+    return rotate(x, torch.arange(L, device=x.device), inv_freq)
 
 
 class Layer(nn.Module):
@@ -178,9 +177,11 @@ class Drafter(nn.Module):
         """Logits over ``draft_vocab`` from (predicted) features."""
         return features @ self.head.T
 
-    def predict(self, window_features: torch.Tensor, window_tokens: torch.Tensor, k: int):
+    def predict(
+        self, window_features: torch.Tensor, window_tokens: torch.Tensor, draft_length: int
+    ):
         """Training view of a window of ``n + k + 1`` positions ``s..s+n+k`` (``n`` =
-        ``context_len``, ``p = s + n``): the context pairs are ``(f_j, t_{j+1})`` for
+        ``context_len``, ``k`` = ``draft_length``, ``p = s + n``): the context pairs are ``(f_j, t_{j+1})`` for
         ``j < p``. Returns predicted features ``[B, m, H]`` and the window offsets ``[m]``
         they predict (the feature at offset ``o`` yields the token at ``o + 1``)."""
         raise NotImplementedError
@@ -190,11 +191,11 @@ class Drafter(nn.Module):
         self,
         features: torch.Tensor,
         next_tokens: Sequence[int],
-        k: int,
+        draft_length: int,
         sampling: SamplingConfig = GREEDY,
         generator: torch.Generator | None = None,
     ) -> tuple[list[int], torch.Tensor | None]:
-        """Draft ``k`` tokens after the context; returns ids and, when sampling, ``q`` per draft."""
+        """Draft ``draft_length`` tokens after the context; returns ids and, when sampling, ``q`` per draft."""
         raise NotImplementedError
 
     def _choose(self, logits: torch.Tensor, sampling: SamplingConfig, generator):
@@ -217,11 +218,11 @@ class FeatureDrafter(Drafter):
         """Teacher-forced: predicted ``f_{j+1}`` for every pair ``j`` (``[B, n, H]``)."""
         return self.run(self.embed_pairs(features, next_tokens))
 
-    def predict(self, window_features, window_tokens, k):
+    def predict(self, window_features, window_tokens, draft_length):
         """Every context pair teacher-forced (offsets ``1..n``), then ``k - 1`` steps
-        unrolled on its own features with the verifier's tokens (offsets ``n+1..n+k-1``),
-        as when drafting (the training-time test of EAGLE-3)."""
-        n = self.config.context_len
+        (``k`` = ``draft_length``) unrolled on its own features with the verifier's tokens
+        (offsets ``n+1..n+k-1``), as when drafting (the training-time test of EAGLE-3)."""
+        n, k = self.config.context_len, draft_length
         feats, toks = window_features[:, :n], window_tokens[:, 1 : n + 1]
         out = self.forward(feats, toks)
         preds = [out]
@@ -232,7 +233,8 @@ class FeatureDrafter(Drafter):
         return torch.cat(preds, dim=1), torch.arange(1, n + k)
 
     @torch.no_grad()
-    def draft(self, features, next_tokens, k, sampling=GREEDY, generator=None):
+    def draft(self, features, next_tokens, draft_length, sampling=GREEDY, generator=None):
+        k = draft_length
         feats = features[None].float()
         toks = torch.tensor([list(next_tokens)], dtype=torch.long)
         out, qs = [], []
@@ -252,7 +254,7 @@ class FeatureDrafter(Drafter):
 
 class BlockDrafter(Drafter):
     """Block-diffusion style: bidirectional layers over the context pairs followed by
-    ``k`` learned mask slots; slot ``i`` predicts ``f_{p+i}``, all in one forward."""
+    ``draft_length`` learned mask slots; slot ``i`` predicts ``f_{p+i}``, all in one forward."""
 
     causal = False
 
@@ -260,7 +262,11 @@ class BlockDrafter(Drafter):
         super().__init__(config, embedding, lm_head)
         self.mask_slots = nn.Parameter(torch.randn(config.block_size, config.width) * 0.02)
 
-    def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, k: int) -> torch.Tensor:
+    def forward(
+        self, features: torch.Tensor, next_tokens: torch.Tensor, draft_length: int
+    ) -> torch.Tensor:
+        """Predicted features of the ``draft_length`` positions after the context pairs."""
+        k = draft_length
         if not 1 <= k <= self.config.block_size:
             raise ValueError(
                 f"a block drafter fills 1..{self.config.block_size} slots, asked for {k}"
@@ -269,14 +275,14 @@ class BlockDrafter(Drafter):
         slots = self.mask_slots[:k].to(ctx.dtype).expand(ctx.shape[0], -1, -1)
         return self.run(torch.cat([ctx, slots], dim=1))[:, -k:]
 
-    def predict(self, window_features, window_tokens, k):
+    def predict(self, window_features, window_tokens, draft_length):
         n = self.config.context_len
-        pred = self.forward(window_features[:, :n], window_tokens[:, 1 : n + 1], k)
-        return pred, torch.arange(n, n + k)
+        pred = self.forward(window_features[:, :n], window_tokens[:, 1 : n + 1], draft_length)
+        return pred, torch.arange(n, n + draft_length)
 
     @torch.no_grad()
-    def draft(self, features, next_tokens, k, sampling=GREEDY, generator=None):
-        k = min(k, self.config.block_size)
+    def draft(self, features, next_tokens, draft_length, sampling=GREEDY, generator=None):
+        k = min(draft_length, self.config.block_size)
         toks = torch.tensor([list(next_tokens)], dtype=torch.long)
         logits = self.logits(self.forward(features[None].float(), toks, k)[0])
         out, qs = [], []
@@ -349,13 +355,12 @@ class DrafterProposer:
         self.trace = verifier.trace_hidden(c.context_len + 2 * c.block_size + 64)
 
     def propose(self, context, draft_length, sampling=GREEDY, generator=None) -> Draft:
-        k = draft_length
         t0 = time.perf_counter()
         context = list(context)
         history = context[:-1]  # committed; the last token is emitted but not yet scored
         trace = self.trace
         n = trace.held_suffix(history, self.drafter.config.context_len) if trace else 0
-        if trace is None or n == 0 or k < 1:
+        if trace is None or n == 0 or draft_length < 1:
             return Draft([], None, time.perf_counter() - t0)
         positions = range(len(history) - n, len(history))
         feats = trace.features(positions, [history[p] for p in positions])
@@ -364,7 +369,7 @@ class DrafterProposer:
         tokens, probs = self.drafter.draft(
             feats,
             context[len(context) - n :],
-            k,
+            draft_length,
             sampling if sampling is not None else GREEDY,
             generator,
         )

@@ -34,7 +34,7 @@ def drafter_factory(
 def evaluate_by_domain(
     loaded,
     proposers: Mapping[str, Callable[[], Proposer]],
-    ks: Sequence[int],
+    draft_lengths: Sequence[int],
     *,
     config: SinkWindowConfig,
     domains: Sequence[str] = DOMAINS,
@@ -56,7 +56,7 @@ def evaluate_by_domain(
             run = run_speculative(
                 loaded,
                 proposers,
-                ks,
+                draft_lengths,
                 convs,
                 config=config,
                 turns_per_conversation=turns,

@@ -63,9 +63,10 @@ class LoraDrafter(nn.Module):
         self.register_buffer("draft_ids", ids, persistent=False)
         self.register_buffer("draft_index", ids.clone(), persistent=False)
 
-    def predict(self, window_features, window_tokens, k):
+    def predict(self, window_features, window_tokens, draft_length):
         """Final hidden states of the draft over the window's tokens; the one at offset
-        ``o`` predicts the token at ``o + 1`` (offsets ``0 .. n+k-1``)."""
+        ``o`` predicts the token at ``o + 1`` (offsets ``0 .. n+k-1``, ``k`` =
+        ``draft_length``, which the window's size already fixes)."""
         out = self.model(
             input_ids=window_tokens[:, :-1], output_hidden_states=True, use_cache=False
         )

@@ -170,9 +170,9 @@ def offline_before_after(histories: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
                     "drafter": kind,
                     "when": when,
                     **{
-                        c: row[c]
-                        for c in history.columns
-                        if c.startswith(("accept_at", "offline_tau", "eval_"))
+                        column: row[column]
+                        for column in history.columns
+                        if column.startswith(("accept_at", "offline_tau", "eval_"))
                     },
                 }
             )
@@ -200,7 +200,7 @@ def alignment_headline(summary: pd.DataFrame, curve: pd.DataFrame, best: str) ->
     dev = summary[summary["split"] == "dev"]
     return {
         "best_drafter": best,
-        "best_k": int(best_row["k"]),
+        "best_draft_length": int(best_row["draft_length"]),
         "tau": best_row["tau"],
         "speedup": best_row["speedup"],
         "lossless": bool(summary["lossless"].all()),
@@ -233,7 +233,7 @@ def write_alignment_results(
         header,
         {
             "by_domain": summary.to_dict(orient="records"),
-            "speedup_vs_k": curve.to_dict(orient="records"),
+            "speedup_vs_draft_length": curve.to_dict(orient="records"),
             "offline": offline.to_dict(orient="records"),
         },
         headline=alignment_headline(summary, curve, best),

@@ -275,13 +275,6 @@ def load_rollouts(*folders: str | Path):
     return datasets.concatenate_datasets(parts).with_format("numpy")
 
 
-def rollout_manifest(folder: str | Path) -> dict:
-    manifest = _read_manifest(Path(folder))
-    if manifest is None:
-        raise RolloutError(f"{folder} has no {MANIFEST}: not a rollout folder")
-    return manifest
-
-
 def draft_vocabulary(dataset, size: int, always: Sequence[int] = ()) -> list[int]:
     """The ``size`` token ids the rollouts use most (tokens and the verifier's top-1
     predictions), plus ``always`` (e.g. end-of-turn ids); sorted."""

@@ -169,10 +169,10 @@ class RolloutData:
 
 
 def step_losses(
-    drafter: AnyDrafter, batch: dict, k: int, weights: LossWeights
+    drafter: AnyDrafter, batch: dict, draft_length: int, weights: LossWeights
 ) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """Losses of one batch, plus the predicted logits and the window offsets they cover."""
-    pred, offsets = drafter.predict(batch["features"], batch["tokens"], k)
+    pred, offsets = drafter.predict(batch["features"], batch["tokens"], draft_length)
     logits = drafter.logits(pred)
     index = drafter.draft_index
     losses = distill_losses(
@@ -189,19 +189,21 @@ def step_losses(
 
 
 @torch.no_grad()
-def evaluate_offline(drafter: AnyDrafter, batch: dict, k: int, weights: LossWeights) -> dict:
+def evaluate_offline(
+    drafter: AnyDrafter, batch: dict, draft_length: int, weights: LossWeights
+) -> dict:
     """Held-out losses and greedy offline acceptance of the block drafted at ``p``.
 
     ``accept_at_i``: share of windows whose first ``i + 1`` draft tokens all equal the
     verifier's; ``offline_tau`` = 1 + expected accepted drafts (what a greedy verifier step
-    would emit with these drafts and ``k`` of them).
+    would emit with ``draft_length`` of these drafts).
     """
     was = drafter.training
     drafter.eval()
-    losses, logits, offsets = step_losses(drafter, batch, k, weights)
+    losses, logits, offsets = step_losses(drafter, batch, draft_length, weights)
     drafter.train(was)
     n = drafter.config.context_len
-    block = (offsets >= n).nonzero().flatten()  # offsets p .. p+k-1
+    block = (offsets >= n).nonzero().flatten()  # offsets p .. p+draft_length-1
     chosen = drafter.draft_ids[logits[:, block].argmax(-1)]
     truth = batch["topk_ids"][:, offsets[block], 0]  # what the greedy verifier emits
     prefix_ok = (chosen == truth).long().cumprod(dim=1).float()
@@ -303,8 +305,8 @@ def train_drafter(
     :class:`TrainingResumeMismatch` names the difference); ``resume=False`` starts over. ``stop_after`` ends the run after
     that many steps (as an interruption would), leaving a checkpoint to resume from.
     """
-    k = drafter.config.block_size
-    if data.context_len != drafter.config.context_len or data.block_size != k:
+    draft_length = drafter.config.block_size
+    if data.context_len != drafter.config.context_len or data.block_size != draft_length:
         raise ValueError("the rollout windows do not match the drafter's context_len/block_size")
     params = [p for p in drafter.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
@@ -326,7 +328,7 @@ def train_drafter(
     eval_batch = eval_data.fixed(cfg.eval_windows) if eval_data is not None else None
     end = cfg.steps if stop_after is None else min(cfg.steps, step + stop_after)
     if step == 0 and eval_batch is not None:
-        history.append({"step": 0, **evaluate_offline(drafter, eval_batch, k, cfg.loss)})
+        history.append({"step": 0, **evaluate_offline(drafter, eval_batch, draft_length, cfg.loss)})
     drafter.train()
     bar = tqdm(
         total=cfg.steps,
@@ -340,7 +342,7 @@ def train_drafter(
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr_at(step)
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        losses, _, _ = step_losses(drafter, data.sample(cfg.batch_size, g), k, cfg.loss)
+        losses, _, _ = step_losses(drafter, data.sample(cfg.batch_size, g), draft_length, cfg.loss)
         optimizer.zero_grad(set_to_none=True)
         losses["total"].backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -353,7 +355,7 @@ def train_drafter(
             **{f"train_{n}": float(v.detach()) for n, v in losses.items()},
         }
         if eval_batch is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
-            row.update(evaluate_offline(drafter, eval_batch, k, cfg.loss))
+            row.update(evaluate_offline(drafter, eval_batch, draft_length, cfg.loss))
             drafter.train()
         history.append(row)
         bar.update(1)

@@ -1,7 +1,8 @@
 """Speculative-decoding benchmark: proposers × draft lengths against plain decoding of the
 same verifier and cache, side by side in one process, over multi-turn conversations.
 
-For every conversation turn each arm (``plain`` and every ``proposer@k``) appends the same
+For every conversation turn each arm (``plain`` and every ``proposer@draft_length``, e.g.
+``ngram@4``) appends the same
 chat-templated user message to its own session and generates a reply; arms alternate turn
 by turn so they share machine conditions. Greedy arms stay on identical histories (the
 decoder is lossless), so per-turn speedups compare like with like.
@@ -10,18 +11,25 @@ Metrics follow `docs/design.md` ("Metrics"): acceptance rate (accepted / propose
 emitted per verifier forward; 1.0 for plain decoding), acceptance by draft position,
 proposer and verifier seconds, tokens/s, ``speedup`` (speculative tokens/s ÷ plain tokens/s
 over the same turns) and the Leviathan et al. (2023) expectation
-``(1 - a^(k+1)) / ((1 - a)(k c + 1))`` with ``a`` and ``c`` measured here:
+``(1 - a^(k+1)) / ((1 - a)(k c + 1))`` (``k`` the draft length) with ``a`` and ``c`` measured
+here and recorded under their own names:
 
-* ``a`` — per-token acceptance probability, estimated as accepted / (accepted + rejections)
-  (each step is a run of Bernoulli trials stopped by the first rejection);
-* ``c`` — proposer seconds per drafted token ÷ plain-decoding seconds per token.
+* ``acceptance_probability`` (``a``) — per-token acceptance probability, estimated as
+  accepted / (accepted + rejections) (each step is a run of Bernoulli trials stopped by the
+  first rejection); ``acceptance_rate`` is the plain share accepted / proposed;
+* ``draft_cost_ratio`` (``c``) — proposer seconds per drafted token ÷ plain-decoding seconds
+  per token.
+
+Table columns: ``turns`` and ``steps`` carry ``draft_length`` (0 for plain decoding); the
+summary adds ``acceptance_rate``, ``acceptance_probability``, ``draft_cost_ratio``,
+``expected_speedup`` and ``acceptance_by_position``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import pandas as pd
 from tqdm.auto import tqdm
@@ -43,6 +51,19 @@ class SpeculativeRun:
     summary: pd.DataFrame  # one row per arm
 
 
+@dataclass(frozen=True)
+class AssistedGeneration:
+    """transformers' assisted generation against its own plain ``generate`` (same prompts)."""
+
+    plain_tokens_per_s: float
+    assisted_tokens_per_s: float
+    speedup: float  # assisted tokens/s ÷ plain tokens/s
+    identical_output: bool  # every assisted sequence equal to the plain one
+
+    def to_dict(self) -> dict[str, float | bool]:
+        return asdict(self)
+
+
 def leviathan_speedup(
     acceptance_probability: float, draft_length: int, draft_cost_ratio: float
 ) -> float:
@@ -58,7 +79,7 @@ def leviathan_speedup(
 def run_speculative(
     loaded,
     proposers: Mapping[str, ProposerFactory],
-    ks: Sequence[int],
+    draft_lengths: Sequence[int],
     conversations: Sequence[Conversation],
     *,
     config: SinkWindowConfig,
@@ -69,15 +90,16 @@ def run_speculative(
     system: str | None = None,
     progress: bool = True,
 ) -> SpeculativeRun:
-    """Run ``plain`` and every ``proposer@k`` arm over the user turns of ``conversations``."""
+    """Run ``plain`` and one ``proposer@draft_length`` arm per proposer and draft length over
+    the user turns of ``conversations``."""
     if not conversations:
         raise ValueError("no conversations to run")
-    if not ks or any(k < 1 for k in ks):
-        raise ValueError(f"draft lengths must be >= 1, got {list(ks)}")
+    if not draft_lengths or any(n < 1 for n in draft_lengths):
+        raise ValueError(f"draft lengths must be >= 1, got {list(draft_lengths)}")
     arms: dict[str, tuple[ProposerFactory | None, int]] = {"plain": (None, 0)}
     for name, factory in proposers.items():
-        for k in ks:
-            arms[f"{name}@{k}"] = (factory, k)
+        for n in draft_lengths:
+            arms[f"{name}@{n}"] = (factory, n)
     model, tok = loaded.model, loaded.tokenizer
     turn_rows, step_rows = [], []
     total = sum(min(turns_per_conversation, len(c.turns[0::2])) for c in conversations) * len(arms)
@@ -85,23 +107,27 @@ def run_speculative(
     for ci, conv in enumerate(conversations):
         user_turns = list(conv.turns[0::2])[:turns_per_conversation]
         sessions = {}
-        for arm, (make_proposer, k) in arms.items():
+        for arm, (make_proposer, draft_length) in arms.items():
             store = SessionStore(model, config, capacity=1)
             sessions[arm] = (
                 store,
                 store.create(),
                 ChatTemplate(tok, system=system),
                 make_proposer() if make_proposer else None,
-                k,
+                draft_length,
             )
         for ti, text in enumerate(user_turns):
-            for arm, (store, sid, chat, proposer, k) in sessions.items():
+            for arm, (store, sid, chat, proposer, draft_length) in sessions.items():
                 store.append(sid, chat.user(text))
                 t0 = time.perf_counter()
                 sampling = SamplingConfig(temperature=temperature, seed=seed + 1000 * ci + ti)
                 result = collect_reply(
                     store.generate(
-                        sid, max_new_tokens, sampling, proposer=proposer, draft_length=max(k, 1)
+                        sid,
+                        max_new_tokens,
+                        sampling,
+                        proposer=proposer,
+                        draft_length=max(draft_length, 1),
                     )
                 )
                 seconds = time.perf_counter() - t0
@@ -111,7 +137,7 @@ def run_speculative(
                             "arm": arm,
                             "conversation": conv.id,
                             "turn": ti,
-                            "k": step.draft_length,
+                            "draft_length": step.draft_length,
                             "proposed": step.proposed,
                             "accepted": step.accepted,
                             "emitted": step.emitted,
@@ -125,7 +151,7 @@ def run_speculative(
                     {
                         "arm": arm,
                         "proposer": arm.split("@")[0],
-                        "k": k,
+                        "draft_length": draft_length,
                         "conversation": conv.id,
                         "turn": ti,
                         "history_len": done.counts.history_len,
@@ -148,7 +174,7 @@ def run_speculative(
             "arm",
             "conversation",
             "turn",
-            "k",
+            "draft_length",
             "proposed",
             "accepted",
             "emitted",
@@ -170,10 +196,10 @@ def _add_turn_speedups(turns: pd.DataFrame) -> pd.DataFrame:
     return turns
 
 
-def acceptance_by_position(steps: pd.DataFrame, max_k: int) -> list[float | None]:
-    """P(draft position i accepted | it was proposed), for i = 0..max_k-1."""
+def acceptance_by_position(steps: pd.DataFrame, draft_length: int) -> list[float | None]:
+    """P(draft position i accepted | it was proposed), for i = 0..draft_length-1."""
     out = []
-    for i in range(max_k):
+    for i in range(draft_length):
         proposed = steps[steps["proposed"] > i]
         out.append(float((proposed["accepted"] > i).mean()) if len(proposed) else None)
     return out
@@ -190,7 +216,7 @@ def summarize(turns: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
         row = {
             "arm": arm,
             "proposer": df["proposer"].iloc[0],
-            "k": int(df["k"].iloc[0]),
+            "draft_length": int(df["draft_length"].iloc[0]),
             "turns": len(df),
             "generated_tokens": int(tokens),
             "tokens_per_s": tokens / seconds,
@@ -199,8 +225,8 @@ def summarize(turns: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
             "proposer_s": df["proposer_s"].sum(),
             "verifier_s": df["verifier_s"].sum(),
             "acceptance_rate": None,
-            "alpha": None,
-            "c": None,
+            "acceptance_probability": None,
+            "draft_cost_ratio": None,
             "expected_speedup": None,
             "acceptance_by_position": None,
         }
@@ -208,16 +234,16 @@ def summarize(turns: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
         if arm != "plain" and len(s) and s["proposed"].sum() > 0:
             accepted, proposed = s["accepted"].sum(), s["proposed"].sum()
             rejections = (s["accepted"] < s["proposed"]).sum()
-            alpha = accepted / (accepted + rejections) if accepted + rejections else None
-            c = (s["proposer_s"].sum() / proposed) / plain_s_per_token
+            probability = accepted / (accepted + rejections) if accepted + rejections else None
+            cost_ratio = (s["proposer_s"].sum() / proposed) / plain_s_per_token
             row.update(
                 acceptance_rate=accepted / proposed,
-                alpha=alpha,
-                c=c,
-                expected_speedup=leviathan_speedup(alpha, row["k"], c)
-                if alpha is not None
+                acceptance_probability=probability,
+                draft_cost_ratio=cost_ratio,
+                expected_speedup=leviathan_speedup(probability, row["draft_length"], cost_ratio)
+                if probability is not None
                 else None,
-                acceptance_by_position=acceptance_by_position(s, row["k"]),
+                acceptance_by_position=acceptance_by_position(s, row["draft_length"]),
             )
         rows.append(row)
     return pd.DataFrame(rows)
@@ -234,7 +260,7 @@ def greedy_streams_identical(turns: pd.DataFrame) -> bool:
 
 def hf_assisted_generation(
     target, draft, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64
-) -> dict:
+) -> AssistedGeneration:
     """transformers' own assisted generation vs its own plain greedy ``generate`` (stock
     SDPA attention, growing DynamicCache), on the same prompts, side by side.
 
@@ -261,9 +287,9 @@ def hf_assisted_generation(
             plain_tokens += plain.shape[1] - x.shape[1]
             assisted_tokens += assisted.shape[1] - x.shape[1]
             identical &= bool(torch.equal(plain, assisted))
-    return {
-        "plain_tokens_per_s": plain_tokens / plain_s,
-        "assisted_tokens_per_s": assisted_tokens / assisted_s,
-        "speedup": (assisted_tokens / assisted_s) / (plain_tokens / plain_s),
-        "identical_output": identical,
-    }
+    return AssistedGeneration(
+        plain_tokens_per_s=plain_tokens / plain_s,
+        assisted_tokens_per_s=assisted_tokens / assisted_s,
+        speedup=(assisted_tokens / assisted_s) / (plain_tokens / plain_s),
+        identical_output=identical,
+    )

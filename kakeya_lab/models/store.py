@@ -15,11 +15,11 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kakeya_lab.durable import write_json_atomic  # the package's one atomic writer
 from kakeya_lab.models.errors import ModelNotAvailableError
 from kakeya_lab.models.registry import REGISTRY, get_spec
 
@@ -111,21 +111,6 @@ def content_files(folder: Path) -> list[Path]:
         ),
         key=lambda p: p.name,
     )
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` as indented JSON to ``path`` via a temporary file and a rename, so a
-    reader sees the old or the new file, never half of one."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(obj, indent=2) + "\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def safetensors_files(folder: Path) -> list[Path]:
