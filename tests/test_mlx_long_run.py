@@ -84,6 +84,7 @@ def test_mlx_long_run_replies_equal_torch(runs):
     assert margin <= NEAR_TIE, f"not a near-tie: margin {margin:.3e} at history token {i}"
 
 
+@pytest.mark.slow  # a CLI subprocess
 def test_long_run_backend_flag_is_for_in_process_arms(tmp_path):
     proc = subprocess.run(
         [
