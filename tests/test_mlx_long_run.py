@@ -107,3 +107,17 @@ def test_long_run_backend_flag_is_for_in_process_arms(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "--backend is for in-process arms" in proc.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_run_header_records_the_model_backend():
+    from kakeya_lab.results import run_header
+
+    model = {"name": "m", "weight_sha256": "0" * 64, "random": False, "backend": "mlx"}
+    assert run_header(experiment="x", run_id="r", model=model)["backend"] == "mlx"
+    assert (
+        run_header(experiment="x", run_id="r", model={**model, "backend": None})["backend"]
+        == "torch"
+    )
+    assert (
+        run_header(experiment="x", run_id="r", model=model, backend="torch")["backend"] == "torch"
+    )
