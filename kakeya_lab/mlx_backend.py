@@ -121,8 +121,8 @@ def kv_bytes_per_token(model: Any) -> int:
     from mlx.utils import tree_flatten
 
     n_layers, n_kv, head_dim, _ = _dims(model)
-    _, first = tree_flatten(model.parameters())[0]
-    return 2 * n_layers * n_kv * head_dim * int(first.itemsize)
+    leaves = cast("list[tuple[str, Any]]", tree_flatten(model.parameters()))
+    return 2 * n_layers * n_kv * head_dim * int(leaves[0][1].itemsize)
 
 
 def _rope_inv_freq(model: Any, head_dim: int) -> np.ndarray:
