@@ -6,7 +6,7 @@
     kakeya-lab chat [--model NAME] [--sink 4] [--window 1020] [--proposer ngram] ...
     kakeya-lab run NOTEBOOK [-p NAME VALUE ...] [--results DIR] [--experiment NAME]
     kakeya-lab sweep FILE.yaml [--profile smoke|full] [--executor local|ray] [--force-new]
-    kakeya-lab long-run OUT_DIR [--turns N | --duration-s S] [--arms ...] [--window W] [--force-new]
+    kakeya-lab long-run OUT_DIR [--turns N | --duration-s S] [--arms ...] [--window W] [--backend torch|mlx] [--force-new]
     kakeya-lab long-run OUT_DIR --endpoint grpc://HOST:PORT --endpoint http://HOST:PORT [--turns N]
     kakeya-lab align capture OUT_DIR [--domain chitchat|code|prose] [--split train|dev] ...
 
