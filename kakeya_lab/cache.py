@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -90,10 +90,15 @@ def rope_inv_freq(model: PreTrainedModel) -> torch.Tensor:
     raise ValueError(f"{type(model).__name__} has no rotary embedding: rolling positions need RoPE")
 
 
-def analytic_kv_budget_bytes(model: PreTrainedModel, config: SinkWindowConfig) -> int | None:
-    """``B × layers × kv_heads × head_dim × dtype_bytes × 2`` (None for a full cache)."""
+def analytic_kv_budget_bytes(model: Any, config: SinkWindowConfig) -> int | None:
+    """``B × layers × kv_heads × head_dim × dtype_bytes × 2`` (None for a full cache), for a
+    transformers model or an mlx-lm model (dtype of its weights)."""
     if config.budget is None:
         return None
+    if not isinstance(model, torch.nn.Module):  # an mlx-lm model
+        from kakeya_lab.mlx_backend import kv_bytes_per_token
+
+        return config.budget * kv_bytes_per_token(model)
     dtype_bytes = next(model.parameters()).element_size()
     return config.budget * model_dims(model).kv_bytes_per_token(dtype_bytes)
 

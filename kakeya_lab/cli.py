@@ -6,7 +6,7 @@
     kakeya-lab chat [--model NAME] [--sink 4] [--window 1020] [--proposer ngram] ...
     kakeya-lab run NOTEBOOK [-p NAME VALUE ...] [--results DIR] [--experiment NAME]
     kakeya-lab sweep FILE.yaml [--profile smoke|full] [--executor local|ray] [--force-new]
-    kakeya-lab long-run OUT_DIR [--turns N | --duration-s S] [--arms ...] [--window W] [--force-new]
+    kakeya-lab long-run OUT_DIR [--turns N | --duration-s S] [--arms ...] [--window W] [--backend torch|mlx] [--force-new]
     kakeya-lab long-run OUT_DIR --endpoint grpc://HOST:PORT --endpoint http://HOST:PORT [--turns N]
     kakeya-lab align capture OUT_DIR [--domain chitchat|code|prose] [--split train|dev] ...
     kakeya-lab evidence check [ROOT]
@@ -534,6 +534,11 @@ def cmd_long_run(args: argparse.Namespace) -> int:
     from kakeya_lab.resume import ResumeMismatch
 
     if args.endpoint:
+        if args.backend is not None:
+            raise UserError(
+                "--backend is for in-process arms; with --endpoint the server's own --backend "
+                "decides (drop --backend here)"
+            )
         return _long_run_served(args)
     if args.arms is None:
         args.arms = "sink_window,full_cache,reprefill"
@@ -585,7 +590,7 @@ def cmd_long_run(args: argparse.Namespace) -> int:
         raise UserError(f"--arms: {exc}") from exc
     out = _check_out_dir(args.out_dir)
     _check_model(args.model)
-    loaded = load_model(args.model, progress=not args.quiet)
+    loaded = load_model(args.model, backend=args.backend or "torch", progress=not args.quiet)
     turns = chained_user_turns(chitchat_conversations("dev"), args.turns)
     header = run_header(
         experiment="long_run",
@@ -880,6 +885,12 @@ def add_long_run_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--draft-length", type=int, default=4, help="draft tokens per step of the speculative arm"
+    )
+    p.add_argument(
+        "--backend",
+        choices=["torch", "mlx"],
+        default=None,
+        help="runtime of the in-process arms (default torch; mlx runs them on mlx-lm)",
     )
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=1020)

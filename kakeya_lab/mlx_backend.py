@@ -115,6 +115,16 @@ def _dims(model: Any) -> tuple[int, int, int, int]:
     return len(model.layers), n_kv, head_dim, args.vocab_size
 
 
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes of keys plus values one cached token takes over all layers of an mlx-lm model
+    (its weights' dtype: the cache stores keys and values in it)."""
+    from mlx.utils import tree_flatten
+
+    n_layers, n_kv, head_dim, _ = _dims(model)
+    leaves = cast("list[tuple[str, Any]]", tree_flatten(model.parameters()))
+    return 2 * n_layers * n_kv * head_dim * int(leaves[0][1].itemsize)
+
+
 def _rope_inv_freq(model: Any, head_dim: int) -> np.ndarray:
     import mlx.nn as nn
 

@@ -155,7 +155,7 @@ def run_header(
     experiment: str,
     run_id: str,
     model: Any,
-    backend: str = "torch",
+    backend: str | None = None,
     dtype: str = "float32",
     cache: dict | None = None,
     proposer: dict | str | None = None,
@@ -168,9 +168,13 @@ def run_header(
     ``model``: the ModelDescription of the loaded model (or a dict with at least ``name``
     and ``weight_sha256``); anything else raises :class:`ResultSchemaError`. ``cache``: a
     ``SinkWindowConfig.to_dict()`` (``sink``, ``window``, ``positions``). ``extra`` keys are
-    added at the top level and may not overwrite a header field.
+    added at the top level and may not overwrite a header field. ``backend``: default the
+    model description's ``backend`` (``"torch"`` if it has none).
     """
     cache = cache or {}
+    if backend is None:
+        named = model.get("backend") if isinstance(model, dict) else getattr(model, "backend", None)
+        backend = named if isinstance(named, str) else "torch"
     header = {
         "schema_version": SCHEMA_VERSION,
         "experiment": experiment,

@@ -23,6 +23,9 @@ speculative stream equals its plain stream.
 
 :func:`time_decode_step` (a benchmark, not a test) times one decode step of our MLX
 sink-window cache against ``RotatingKVCache`` at the same live length.
+:func:`oracle_agreement` checks our MLX cache against the dense masked oracles on a short
+case past eviction, and :func:`anchor_streams_figure` draws the anchor's streams
+(notebook ``15_mlx_backend``).
 """
 
 from __future__ import annotations
@@ -271,3 +274,122 @@ def time_decode_step(
         ratio_cache=cache_s / rot_s,
         ratio_verifier=ver_s / rot_s,
     )
+
+
+@dataclass(frozen=True)
+class OracleAgreement:
+    """Max |Δlogit| (fp32) of our MLX sink-window cache, decoding token by token, against
+    the dense masked MLX forward and the dense masked torch forward of the same weights,
+    over ``tokens`` positions (``budget`` = sink + window; eviction starts past it)."""
+
+    tokens: int
+    budget: int
+    cache_len: int
+    kv_live_bytes: int
+    kv_budget_bytes: int | None
+    vs_mlx_dense: float
+    vs_torch_dense: float
+    mlx_dense_vs_torch_dense: float
+
+
+def oracle_agreement(
+    mlx_model: Any, torch_model: Any, token_ids: Sequence[int], config: SinkWindowConfig
+) -> OracleAgreement:
+    """Decode ``token_ids`` one at a time through :class:`~kakeya_lab.verifier.Verifier` on
+    ``mlx_model`` and compare every position's logits with
+    :func:`~kakeya_lab.mlx_backend.mlx_dense_logits` and
+    :func:`kakeya_lab.reference.dense_logits` on ``torch_model`` (the same weights).
+    Global positions only (the dense mask is the rolling oracle only up to the budget)."""
+    import torch
+
+    from kakeya_lab.mlx_backend import mlx_dense_logits
+    from kakeya_lab.reference import dense_logits
+    from kakeya_lab.verifier import Verifier
+
+    if config.positions != "global":
+        raise ValueError("oracle_agreement compares global positions; use positions='global'")
+    ids = list(token_ids)
+    verifier = Verifier(mlx_model, config)
+    ours = torch.stack([verifier.append([t]) for t in ids])
+    mlx_dense = mlx_dense_logits(mlx_model, ids, config)
+    torch_dense = dense_logits(torch_model, ids, config)
+
+    def gap(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).abs().max())
+
+    return OracleAgreement(
+        tokens=len(ids),
+        budget=int(config.budget or len(ids)),
+        cache_len=verifier.cache_len,
+        kv_live_bytes=verifier.kv_live_bytes,
+        kv_budget_bytes=verifier.kv_budget_bytes(),
+        vs_mlx_dense=gap(ours, mlx_dense),
+        vs_torch_dense=gap(ours, torch_dense),
+        mlx_dense_vs_torch_dense=gap(mlx_dense, torch_dense),
+    )
+
+
+def anchor_streams_figure(result: RotatingAnchorResult) -> Any:
+    """A plotly figure: for each cache, whether each speculative token equals greedy
+    decoding of the same cache (1) or not (0), token by token, the first departure marked."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    rows = (
+        (
+            "mlx-lm RotatingKVCache",
+            result.rotating_greedy,
+            result.rotating_speculative,
+            result.rotating_departure_index,
+            "#d62728",
+        ),
+        (
+            "kakeya_lab sink-window",
+            result.ours_greedy,
+            result.ours_speculative,
+            result.ours_departure_index,
+            "#1f77b4",
+        ),
+    )
+    for offset, (name, greedy, spec, departure, color) in enumerate(rows):
+        same = [int(a == b) for a, b in zip(greedy, spec)]
+        fig.add_trace(
+            go.Scatter(
+                x=list(range(len(same))),
+                y=[v + 1.5 * offset for v in same],
+                mode="lines+markers",
+                line={"shape": "hv", "color": color},
+                name=name,
+                customdata=list(zip(greedy, spec)),
+                hovertemplate="token %{x}: greedy %{customdata[0]}, speculative %{customdata[1]}",
+            )
+        )
+        label = (
+            f"{name}: departs at token {departure}"
+            if departure is not None
+            else f"{name}: equal to greedy over {len(same)} tokens"
+        )
+        if departure is not None:
+            fig.add_vline(x=departure, line={"dash": "dash", "color": color})
+        fig.add_annotation(
+            x=0,
+            y=1.5 * offset + 1.25,
+            text=label,
+            showarrow=False,
+            xanchor="left",
+            font={"color": color},
+        )
+    fig.update_layout(
+        title=(
+            f"Speculative vs greedy past the window (budget {result.max_size}, keep {result.sink}, "
+            f"{result.num_draft_tokens} drafts/step)"
+        ),
+        xaxis_title="generated token",
+        yaxis={
+            "tickvals": [0, 1, 1.5, 2.5],
+            "ticktext": ["differs", "equal", "differs", "equal"],
+            "range": [-0.3, 3.0],
+        },
+        height=360,
+    )
+    return fig

@@ -39,11 +39,12 @@ def run_settings(
     """Everything that shapes a long run's numbers (not ``duration_s`` or
     ``checkpoint_every``, which only say how long and how often to save)."""
     script = hashlib.sha256(json.dumps(list(user_turns)).encode()).hexdigest()
+    model = {"name": loaded.description.name, "weight_sha256": loaded.description.weight_sha256}
+    backend = getattr(loaded.description, "backend", "torch")
+    if backend != "torch":  # torch checkpoints keep the settings they always saved
+        model["backend"] = backend
     return {
-        "model": {
-            "name": loaded.description.name,
-            "weight_sha256": loaded.description.weight_sha256,
-        },
+        "model": model,
         "arms": {name: arm.to_dict() for name, arm in arms.items()},
         "max_new_tokens": max_new_tokens,
         "turns": {"count": len(user_turns), "sha256": script},
