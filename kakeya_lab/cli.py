@@ -907,11 +907,6 @@ def _serve_options(args: argparse.Namespace):
             args.max_new_tokens_limit >= 1,
             f"--max-new-tokens-limit must be >= 1, got {args.max_new_tokens_limit}",
         ),
-        (
-            args.backend == "torch",
-            f"--backend {args.backend}: served sessions run on the torch backend only "
-            "(the session store drives a torch verifier); use --backend torch",
-        ),
     ]
     for ok, message in checks:
         if not ok:

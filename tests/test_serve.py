@@ -581,7 +581,6 @@ def test_cli_refuses_bad_arguments_before_loading_the_model(tmp_path, monkeypatc
         "--grpc-port": ["--grpc-port", "70000"],
         "--host": ["--host", "localhost:1"],
         "window": ["--window", "0"],
-        "--backend": ["--backend", "mlx"],
         "--max-wait-s": ["--max-wait-s", "-1"],
         "different ports": ["--grpc-port", "9000", "--http-port", "9000"],
     }

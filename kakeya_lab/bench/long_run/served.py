@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import pandas as pd
 
-from kakeya_lab.bench.aggregate import aggregate_arm
+from kakeya_lab.bench.aggregate import aggregate_arm, bucket_table
 
 SERVED_ARMS = ("grpc_session", "http_reuse", "http_stateless")
 
@@ -112,5 +112,23 @@ def summarize_served(
             seconds_per_bucket=seconds_per_bucket,
         )
         summary["budget_bytes"] = budget_bytes
+        summary.update(
+            append_latency_buckets(
+                df, turns_per_bucket=turns_per_bucket, seconds_per_bucket=seconds_per_bucket
+            )
+        )
         out[str(arm)] = summary
     return out
+
+
+def append_latency_buckets(
+    df: pd.DataFrame, *, turns_per_bucket: int = 50, seconds_per_bucket: float = 600.0
+) -> dict[str, list[dict]]:
+    """One arm's per-turn prefill (``append_latency_s``: the server-measured prefill of the
+    turn's new tokens) by turn buckets and by wall-clock buckets
+    (:func:`~kakeya_lab.bench.aggregate.bucket_table` rows: p50_s, p95_s, turns, full)."""
+    ok = df[df["error"].isna()] if "error" in df else df
+    return {
+        "append_buckets_by_turns": bucket_table(ok, "turns", turns_per_bucket, "append_latency_s"),
+        "append_buckets_by_time": bucket_table(ok, "time", seconds_per_bucket, "append_latency_s"),
+    }
