@@ -75,12 +75,16 @@ def check_served_arms(names: Sequence[str]) -> list[str]:
 
 def server_cache(grpc_target: str) -> dict:
     """The server's cache figures (``sink``, ``budget_tokens``, ``kv_budget_bytes``; 0
-    for a cache that never evicts), read from a session opened and closed for it."""
+    for a cache that never evicts), read from a session opened (with one token appended)
+    and closed for it."""
     from kakeya_lab.serve.client import SessionClient
 
-    with SessionClient(grpc_target, timeout_s=60) as client:
+    with SessionClient(grpc_target, timeout_s=600) as client:
         sid = client.create()
         try:
+            # one token, so the cache has allocated its storage: an empty session's
+            # kv_budget_bytes is 0 (the cache does not know its dtype yet)
+            client.append_ids(sid, [0])
             info = client.info(sid)
         finally:
             client.close_session(sid)
