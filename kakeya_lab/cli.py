@@ -751,12 +751,14 @@ def _long_run_served(args: argparse.Namespace) -> int:
     for flag, value in (
         ("--duration-s", args.duration_s),
         ("--turn-spacing-s", args.turn_spacing_s),
-        ("--proposer", args.proposer),
+        ("--reprefill-cap-s", args.reprefill_cap_s),
     ):
         if value is not None:
-            raise UserError(
-                f"{flag} is not supported with --endpoint (the served run is a fixed number of --turns)"
-            )
+            _check_positive(flag, value)
+    if args.proposer is not None:
+        raise UserError(
+            "--proposer is not supported with --endpoint (the served arms decode plainly)"
+        )
     try:
         names = check_served_arms(
             [a.strip() for a in (args.arms or ",".join(SERVED_ARMS)).split(",") if a.strip()]
@@ -804,6 +806,9 @@ def _long_run_served(args: argparse.Namespace) -> int:
             "max_new_tokens": args.max_new_tokens,
             "endpoints": {"grpc": endpoints.grpc_target, "http": endpoints.http_base},
             "server_cache": cache,
+            "turn_spacing_s": args.turn_spacing_s,
+            "duration_s": args.duration_s,
+            "stateless_cap_s": args.reprefill_cap_s,
         },
     )
     record = _cli_run_record(out, "long_run", args)
@@ -816,6 +821,10 @@ def _long_run_served(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             model=served_model,
             arms=names,
+            turn_spacing_s=args.turn_spacing_s,
+            duration_s=args.duration_s,
+            stateless_cap_s=args.reprefill_cap_s,
+            log=None if args.quiet else (lambda line: print(line, flush=True)),
         )
     except BaseException as exc:
         record.finish("failed", f"{type(exc).__name__}: {exc}", type(exc).__name__)
@@ -966,11 +975,6 @@ def _serve_options(args: argparse.Namespace):
         (
             args.max_new_tokens_limit >= 1,
             f"--max-new-tokens-limit must be >= 1, got {args.max_new_tokens_limit}",
-        ),
-        (
-            args.backend == "torch",
-            f"--backend {args.backend}: served sessions run on the torch backend only "
-            "(the session store drives a torch verifier); use --backend torch",
         ),
     ]
     for ok, message in checks:

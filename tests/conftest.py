@@ -1,6 +1,7 @@
 """Shared fixtures: the default real model (from the offline store) and a tiny random model.
 
-Observed oracle differences are collected by ``record_tolerance`` and printed at the end of
+``serve`` starts real ``kakeya-lab serve`` subprocesses on free loopback ports (always
+stopped). Observed oracle differences are collected by ``record_tolerance`` and printed at the end of
 the run, so every CI log states the tolerances actually reached (and written as JSON to
 ``$KAKEYA_TOLERANCES_JSON`` when it is set: ``evidence/oracle_agreement/``).
 """
@@ -9,6 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -65,3 +72,108 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("observed oracle max-abs logit differences (fp32)")
     for name, value in _TOLERANCES:
         terminalreporter.write_line(f"{value:.3e}  {name}")
+
+
+# ----------------------------------------------------------------- served runtime
+
+
+READY = re.compile(r"gRPC ([\d.]+:\d+); HTTP (http://[\d.]+:\d+)/v1")
+SERVER_START_TIMEOUT_S = 180
+
+
+@dataclass
+class Server:
+    """A real ``kakeya-lab serve`` subprocess on loopback: its addresses and stderr lines."""
+
+    proc: subprocess.Popen
+    grpc_target: str
+    http_base: str
+    stderr: list[str]
+
+    def client(self):
+        from kakeya_lab.serve.client import SessionClient
+
+        return SessionClient(self.grpc_target, timeout_s=120)
+
+    def openai(self, **kw):
+        import openai
+
+        return openai.OpenAI(
+            base_url=f"{self.http_base}/v1", api_key="x", max_retries=0, timeout=120, **kw
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """The server's /metrics samples as ``name{label=value,...}`` -> value."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.http_base}/metrics", timeout=30).text
+        values = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return values
+
+    def stop(self) -> int | None:
+        """SIGTERM, then kill after 20 s; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        return self.proc.returncode
+
+
+def start_server(*extra: str, model: str = DEFAULT_MODEL) -> Server:
+    """``kakeya-lab serve --model MODEL --grpc-port 0 --http-port 0 *extra`` (free loopback
+    ports unless ``extra`` names them); returns once its ready line is printed, or kills it
+    and raises after ``SERVER_START_TIMEOUT_S``."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    ports = [] if "--grpc-port" in extra else ["--grpc-port", "0", "--http-port", "0"]
+    cmd = [sys.executable, "-m", "kakeya_lab.cli", "serve", "--model", model, *ports, *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    stderr: list[str] = []
+    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
+    found: list[re.Match] = []
+
+    def read_ready() -> None:
+        for line in proc.stdout:
+            if match := READY.search(line):
+                found.append(match)
+                break
+
+    reader = threading.Thread(target=read_ready, daemon=True)
+    reader.start()
+    reader.join(timeout=SERVER_START_TIMEOUT_S)
+    if not found:
+        how = (
+            f"exited with {proc.poll()}"
+            if proc.poll() is not None
+            else f"not ready in {SERVER_START_TIMEOUT_S}s"
+        )
+        proc.kill()
+        proc.wait(timeout=10)
+        raise RuntimeError(f"server {how}: {''.join(stderr)[-2000:]}")
+    return Server(proc, found[0].group(1), found[0].group(2), stderr)
+
+
+@pytest.fixture(scope="module")
+def serve():
+    """A factory: ``serve(*args)`` starts a real server (:func:`start_server`); every server
+    it started is stopped when the module ends, whatever happened."""
+    started: list[Server] = []
+
+    def start(*extra: str, model: str = DEFAULT_MODEL) -> Server:
+        server = start_server(*extra, model=model)
+        started.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            server.stop()

@@ -4,12 +4,6 @@ the same turns.csv / metrics.json; bad endpoints refused before anything is cont
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import pandas as pd
@@ -23,60 +17,14 @@ from kakeya_lab.cli import main  # noqa: E402
 from kakeya_lab.models import DEFAULT_MODEL  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-READY = re.compile(r"gRPC ([\d.]+:\d+); HTTP (http://[\d.]+:\d+)/v1")
 SINK, WINDOW = 4, 40
 
 
 @pytest.fixture(scope="module")
-def server():
-    """A real ``kakeya-lab serve`` on free ports; always stopped (SIGTERM, then kill)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kakeya_lab.cli",
-            "serve",
-            "--model",
-            DEFAULT_MODEL,
-            "--grpc-port",
-            "0",
-            "--http-port",
-            "0",
-            "--sink",
-            str(SINK),
-            "--window",
-            str(WINDOW),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    stderr: list[str] = []
-    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
-    found: list[re.Match] = []
-
-    def read_ready() -> None:
-        for line in proc.stdout:
-            if match := READY.search(line):
-                found.append(match)
-                break
-
-    reader = threading.Thread(target=read_ready, daemon=True)
-    reader.start()
-    reader.join(timeout=180)
-    try:
-        if not found:
-            pytest.fail(f"server not ready: {''.join(stderr)[-2000:]}")
-        yield f"grpc://{found[0].group(1)}", found[0].group(2)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+def server(serve):
+    """A real ``kakeya-lab serve`` on free ports (the ``serve`` factory stops it)."""
+    started = serve("--sink", str(SINK), "--window", str(WINDOW))
+    return f"grpc://{started.grpc_target}", started.http_base
 
 
 @pytest.mark.slow  # a real server with the default model
@@ -132,6 +80,32 @@ def test_long_run_against_a_running_server(server, tmp_path, capsys):
     )
 
 
+@pytest.mark.slow  # a real server with the default model
+def test_paced_run_and_the_stateless_cap(server):
+    """Rounds start ``turn_spacing_s`` apart; the stateless arm stops after its first
+    request over ``stateless_cap_s`` while the session arms go on."""
+    from kakeya_lab.serve.served_long_run import run_served_long_run
+
+    grpc_url, http_url = server
+    lines: list[str] = []
+    df = run_served_long_run(
+        grpc_url.removeprefix("grpc://"),
+        http_url,
+        ["Hi!", "How are you?", "Bye."],
+        max_new_tokens=2,
+        turn_spacing_s=1.5,
+        stateless_cap_s=1e-3,  # every request takes longer
+        log=lines.append,
+    )
+    turns = df.groupby("arm")["turn"].apply(list).to_dict()
+    assert turns == {"grpc_session": [0, 1, 2], "http_reuse": [0, 1, 2], "http_stateless": [0]}
+    starts = df.groupby("turn")["wall_s"].min()  # wall_s is taken at the end of each turn
+    assert starts[2] >= 3.0 and starts[1] >= 1.5
+    assert any("http_stateless stopped after turn 0" in line for line in lines)
+    with pytest.raises(ValueError, match="turn_spacing_s must be > 0"):
+        run_served_long_run(grpc_url, http_url, ["x"], turn_spacing_s=0)
+
+
 @pytest.mark.parametrize(
     "endpoints,said",
     [
@@ -157,7 +131,8 @@ def test_bad_endpoints_are_refused(endpoints, said, tmp_path, capsys):
     "extra,said",
     [
         (["--arms", "sink_window"], "unknown served arm(s) ['sink_window']"),
-        (["--duration-s", "60"], "--duration-s is not supported with --endpoint"),
+        (["--duration-s", "0"], "--duration-s must be a finite number > 0"),
+        (["--turn-spacing-s", "-1"], "--turn-spacing-s must be a finite number > 0"),
         (["--proposer", "ngram"], "--proposer is not supported with --endpoint"),
         ([], "cannot reach the server"),  # nothing listens on port 1
     ],

@@ -11,15 +11,10 @@ oracle) with the same cache configuration.
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,12 +22,12 @@ import pytest
 grpc = pytest.importorskip("grpc", reason="needs the serve extra")
 openai = pytest.importorskip("openai", reason="needs the serve extra")
 httpx = pytest.importorskip("httpx", reason="needs the serve extra")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from conftest import Server, start_server  # noqa: E402
 
 from kakeya_lab.cache import SinkWindowConfig  # noqa: E402
 from kakeya_lab.chat import ChatTemplate  # noqa: E402
 from kakeya_lab.models import DEFAULT_MODEL  # noqa: E402
-from kakeya_lab.serve.client import SessionClient  # noqa: E402
 from kakeya_lab.serve.proto import session_pb2 as pb  # noqa: E402
 from kakeya_lab.session import SessionStore, Token  # noqa: E402
 
@@ -41,110 +36,18 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 SINK, WINDOW = 4, 60
 CONFIG = SinkWindowConfig(sink=SINK, window=WINDOW)
-READY = re.compile(r"gRPC ([\d.]+:\d+); HTTP (http://[\d.]+:\d+)/v1")
-START_TIMEOUT_S = 180
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    grpc_target: str
-    http_base: str
-    stderr: list[str]
-
-    def client(self) -> SessionClient:
-        return SessionClient(self.grpc_target, timeout_s=120)
-
-    def openai(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(
-            base_url=f"{self.http_base}/v1", api_key="x", max_retries=0, timeout=120, **kw
-        )
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.http_base}/metrics", timeout=30).text
-        values = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-                values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return values
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        return self.proc.returncode
-
-
-def _start(*extra: str) -> Server:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "kakeya_lab.cli",
-        "serve",
-        "--model",
-        DEFAULT_MODEL,
-        "--grpc-port",
-        "0",
-        "--http-port",
-        "0",
-        "--sink",
-        str(SINK),
-        "--window",
-        str(WINDOW),
-        *extra,
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    stderr: list[str] = []
-    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
-    found: list[re.Match] = []
-
-    def read_ready() -> None:
-        for line in proc.stdout:
-            match = READY.search(line)
-            if match:
-                found.append(match)
-                break
-
-    reader = threading.Thread(target=read_ready, daemon=True)
-    reader.start()
-    reader.join(timeout=START_TIMEOUT_S)
-    if not found:
-        how = (
-            f"exited with {proc.poll()}"
-            if proc.poll() is not None
-            else f"not ready in {START_TIMEOUT_S}s"
-        )
-        proc.kill()
-        proc.wait(timeout=10)
-        raise RuntimeError(f"server {how}: {''.join(stderr)[-2000:]}")
-    return Server(proc, found[0].group(1), found[0].group(2), stderr)
 
 
 @pytest.fixture(scope="module")
-def servers():
-    """Both servers, started in parallel; always stopped (SIGTERM, then kill)."""
+def servers(serve):
+    """Both servers, started in parallel (the ``serve`` factory stops them)."""
+    common = ("--sink", str(SINK), "--window", str(WINDOW))
     with ThreadPoolExecutor(2) as pool:
-        main = pool.submit(_start, "--capacity", "10", "--admission", "reject")
-        queued = pool.submit(_start, "--capacity", "2", "--admission", "queue", "--max-wait-s", "3")
-        started = []
-        try:
-            for future in (main, queued):
-                started.append(future.result())
-        finally:
-            if len(started) < 2:
-                for s in started:
-                    s.stop()
-    try:
-        yield {"main": started[0], "queued": started[1]}
-    finally:
-        for s in started:
-            s.stop()
+        main = pool.submit(serve, *common, "--capacity", "10", "--admission", "reject")
+        queued = pool.submit(
+            serve, *common, "--capacity", "2", "--admission", "queue", "--max-wait-s", "3"
+        )
+        return {"main": main.result(), "queued": queued.result()}
 
 
 @pytest.fixture(scope="module")
@@ -645,7 +548,18 @@ def test_sigterm_ends_active_streams_then_restart_reports_sessions_gone(servers)
     # silently reset session)
     grpc_port = queued.grpc_target.rsplit(":", 1)[1]
     http_port = queued.http_base.rsplit(":", 1)[1]
-    restarted = _start("--capacity", "2", "--grpc-port", grpc_port, "--http-port", http_port)
+    restarted = start_server(
+        "--sink",
+        str(SINK),
+        "--window",
+        str(WINDOW),
+        "--capacity",
+        "2",
+        "--grpc-port",
+        grpc_port,
+        "--http-port",
+        http_port,
+    )
     try:
         assert restarted.grpc_target == queued.grpc_target
         with restarted.client() as client:
@@ -667,7 +581,6 @@ def test_cli_refuses_bad_arguments_before_loading_the_model(tmp_path, monkeypatc
         "--grpc-port": ["--grpc-port", "70000"],
         "--host": ["--host", "localhost:1"],
         "window": ["--window", "0"],
-        "--backend": ["--backend", "mlx"],
         "--max-wait-s": ["--max-wait-s", "-1"],
         "different ports": ["--grpc-port", "9000", "--http-port", "9000"],
     }

@@ -15,12 +15,16 @@ tokens not prefilled again), plus a ``kakeya`` object (appended tokens, prefill 
 Errors use OpenAI's shape ``{"error": {"message", "type", "code"}}`` with 400 (bad input),
 413 (body too large), 404 (unknown session), 409 (session busy), 429 (no free slot), 503 (shutting down) and
 500 (engine error). A client that disconnects mid-stream stops generation; its session
-keeps exactly the tokens sent.
+keeps exactly the tokens sent. A client that disconnects during a non-streaming request
+stops it too (polled every ``DISCONNECT_POLL_S``): generation ends before the next token
+and the session keeps the tokens committed until then.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -84,6 +88,9 @@ class ChatCompletionRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     proposer: str = "none"
     draft_length: int = 4
+
+
+DISCONNECT_POLL_S = 0.05  # how often a non-streaming request checks for a hung-up client
 
 
 def _status(exc: BaseException) -> tuple[int, str]:
@@ -234,7 +241,7 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
         )
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
         t0 = time.perf_counter()
         try:
             options, att = await run_in_threadpool(prepare, req)
@@ -252,22 +259,35 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
         }
 
         if not req.stream:
+            gone = threading.Event()  # the client disconnected, or the reply is ready
 
             def run() -> tuple[list[int], Done | None]:
                 ids: list[int] = []
                 done = None
-                for event in served.generate(att.session.id, options):
+                for event in served.generate(att.session.id, options, cancelled=gone.is_set):
                     if isinstance(event, Token):
                         ids.append(event.id)
                     elif isinstance(event, Done):
                         done = event
                 return ids, done
 
+            async def watch_disconnect() -> None:
+                # no stream to fail on: poll, so a client that hangs up stops generation
+                # before the next token (the session keeps the tokens committed so far)
+                while not gone.is_set():
+                    if await request.is_disconnected():
+                        gone.set()
+                        return
+                    await anyio.sleep(DISCONNECT_POLL_S)
+
+            watcher = asyncio.ensure_future(watch_disconnect())
             try:
                 ids, done = await run_in_threadpool(run)
             except Exception as exc:
                 return fail(exc)
             finally:
+                gone.set()
+                watcher.cancel()
                 served.detach(att.session, close=stateless)
                 metrics.request_latency.labels("http:chat").observe(time.perf_counter() - t0)
             ext["generation"] = (

@@ -21,7 +21,7 @@ prefill and decode, per generated token).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 import openai
@@ -48,12 +48,30 @@ def run_served_long_run(
     max_new_tokens: int = 32,
     model: str | None = None,
     arms: Sequence[str] = ARMS,
+    turn_spacing_s: float | None = None,
+    duration_s: float | None = None,
+    stateless_cap_s: float | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> pd.DataFrame:
     """Drive ``user_turns`` through the server with every arm in ``arms``; one row per
-    (arm, turn). ``http_base`` is ``http://HOST:PORT`` (no ``/v1``)."""
+    (arm, turn). ``http_base`` is ``http://HOST:PORT`` (no ``/v1``).
+
+    ``turn_spacing_s``: round ``i`` (every arm's turn ``i``) starts ``i * turn_spacing_s``
+    seconds after the start (at once when behind). ``duration_s``: no round starts after
+    this much wall time. ``stateless_cap_s``: the ``http_stateless`` arm (whose requests
+    grow with the conversation) stops after its first turn whose request took longer;
+    the other arms go on. ``log`` gets one line per round."""
     unknown = set(arms) - set(ARMS)
     if unknown:
         raise ValueError(f"unknown served arm(s) {sorted(unknown)}: use {', '.join(ARMS)}")
+    for name, value in (
+        ("turn_spacing_s", turn_spacing_s),
+        ("duration_s", duration_s),
+        ("stateless_cap_s", stateless_cap_s),
+    ):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0 (got {value})")
+    active = list(arms)
     oc = openai.OpenAI(base_url=f"{http_base}/v1", api_key="unused", max_retries=0, timeout=600)
     model = model or oc.models.list().data[0].id
     rows: list[dict] = []
@@ -63,7 +81,11 @@ def run_served_long_run(
         conversations: dict[str, list[ChatCompletionMessageParam]] = {arm: [] for arm in arms}
         try:
             for i, text in enumerate(user_turns):
-                for arm in arms:
+                if duration_s is not None and time.perf_counter() - t0 >= duration_s:
+                    break
+                if turn_spacing_s is not None:
+                    time.sleep(max(0.0, t0 + i * turn_spacing_s - time.perf_counter()))
+                for arm in list(active):
                     if arm == "grpc_session" and sid is not None:  # sid: set for this arm
                         row = _grpc_turn(client, sid, text, max_new_tokens)
                     else:
@@ -82,6 +104,26 @@ def run_served_long_run(
                         rss_bytes=_server_rss(http_base),
                     )
                     rows.append(row)
+                    if (
+                        arm == "http_stateless"
+                        and stateless_cap_s is not None
+                        and row["request_s"] > stateless_cap_s
+                    ):
+                        active.remove(arm)
+                        if log is not None:
+                            log(
+                                f"http_stateless stopped after turn {i}: a request took "
+                                f"{row['request_s']:.1f}s > {stateless_cap_s}s"
+                            )
+                if log is not None:
+                    log(
+                        f"turn {i}: "
+                        + "  ".join(
+                            f"{r['arm']} {r['request_s']:.2f}s (prefill {r['append_latency_s']:.3f}s)"
+                            for r in rows
+                            if r["turn"] == i
+                        )
+                    )
         finally:
             if sid is not None:
                 client.close_session(sid)

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import pandas as pd
 
-from kakeya_lab.bench.aggregate import aggregate_arm
+from kakeya_lab.bench.aggregate import aggregate_arm, bucket_table
 
 SERVED_ARMS = ("grpc_session", "http_reuse", "http_stateless")
 
@@ -75,12 +75,16 @@ def check_served_arms(names: Sequence[str]) -> list[str]:
 
 def server_cache(grpc_target: str) -> dict:
     """The server's cache figures (``sink``, ``budget_tokens``, ``kv_budget_bytes``; 0
-    for a cache that never evicts), read from a session opened and closed for it."""
+    for a cache that never evicts), read from a session opened (with one token appended)
+    and closed for it."""
     from kakeya_lab.serve.client import SessionClient
 
-    with SessionClient(grpc_target, timeout_s=60) as client:
+    with SessionClient(grpc_target, timeout_s=600) as client:
         sid = client.create()
         try:
+            # one token, so the cache has allocated its storage: an empty session's
+            # kv_budget_bytes is 0 (the cache does not know its dtype yet)
+            client.append_ids(sid, [0])
             info = client.info(sid)
         finally:
             client.close_session(sid)
@@ -112,5 +116,23 @@ def summarize_served(
             seconds_per_bucket=seconds_per_bucket,
         )
         summary["budget_bytes"] = budget_bytes
+        summary.update(
+            append_latency_buckets(
+                df, turns_per_bucket=turns_per_bucket, seconds_per_bucket=seconds_per_bucket
+            )
+        )
         out[str(arm)] = summary
     return out
+
+
+def append_latency_buckets(
+    df: pd.DataFrame, *, turns_per_bucket: int = 50, seconds_per_bucket: float = 600.0
+) -> dict[str, list[dict]]:
+    """One arm's per-turn prefill (``append_latency_s``: the server-measured prefill of the
+    turn's new tokens) by turn buckets and by wall-clock buckets
+    (:func:`~kakeya_lab.bench.aggregate.bucket_table` rows: p50_s, p95_s, turns, full)."""
+    ok = df[df["error"].isna()] if "error" in df else df
+    return {
+        "append_buckets_by_turns": bucket_table(ok, "turns", turns_per_bucket, "append_latency_s"),
+        "append_buckets_by_time": bucket_table(ok, "time", seconds_per_bucket, "append_latency_s"),
+    }
