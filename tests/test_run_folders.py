@@ -21,6 +21,14 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 CI_PARAMETERS: dict[str, dict] = {
     "05_chat": {"max_new_tokens": 6, "scripted_turns": ["Hi!", "Why?"]},
     "00_quickstart": {"turns": 5, "max_new_tokens": 6, "window": 60},
+    "15_mlx_backend": {
+        "oracle_tokens": 48,
+        "anchor_window": 20,
+        "anchor_new_tokens": 12,
+        "timing_window": 60,
+        "timing_steps": 3,
+        "timing_rounds": 1,
+    },
     "10_sink_window_cache": {"n_tokens": 200, "window": 60, "chunk": 32, "stride": 32, "smooth": 8},
     "20_long_run": {
         "turns": 6,
