@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pandas as pd
@@ -57,21 +56,23 @@ def test_paced_turns_start_spacing_apart_and_time_reports_are_partial(tmp_path, 
 
 def test_sigint_in_process_ends_the_run_with_a_partial_report(tmp_path, tiny_model):
     reports = []
-    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    try:
-        run = run_long(
-            tiny_model,
-            standard_arms(4, 16, names=("sink_window",)),
-            TURNS,
-            max_new_tokens=2,
-            out_dir=tmp_path / "run",
-            turn_spacing_s=0.3,
-            on_report=reports.append,
-            progress=False,
-        )
-    finally:
-        timer.cancel()
+
+    def on_report(run) -> None:  # a real SIGINT, sent once the first checkpoint is written
+        reports.append(run)
+        if len(reports) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    run = run_long(
+        tiny_model,
+        standard_arms(4, 16, names=("sink_window",)),
+        TURNS,
+        max_new_tokens=2,
+        out_dir=tmp_path / "run",
+        checkpoint_every=1,
+        turn_spacing_s=0.3,
+        on_report=on_report,
+        progress=False,
+    )
     assert run.partial and run.abort_reason == "SIGINT" and reports[-1].abort_reason == "SIGINT"
     done = json.loads((tmp_path / "run" / "checkpoint.json").read_text())["next_turn"]
     assert 1 <= done < len(TURNS) and list(run.turns["turn"]) == list(range(done))
@@ -85,6 +86,7 @@ def test_sigint_in_process_ends_the_run_with_a_partial_report(tmp_path, tiny_mod
         TURNS,
         max_new_tokens=2,
         out_dir=tmp_path / "run",
+        checkpoint_every=1,
         turn_spacing_s=0.3,
         progress=False,
     )
