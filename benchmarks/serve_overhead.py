@@ -20,12 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -35,37 +31,13 @@ import torch
 from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.models import DEFAULT_MODEL, load_model
 from kakeya_lab.serve.client import SessionClient
+from kakeya_lab.serve.process import start_server
 from kakeya_lab.session import SessionStore, Token
 
-READY = re.compile(r"gRPC ([\d.]+:\d+); HTTP (http://[\d.]+:\d+)/v1")
 PROMPT = (
     "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps "
     "out loud as his father had taught him. At the top he"
 )
-
-
-def start_server(model: str, sink: int, window: int) -> tuple[subprocess.Popen, str, str]:
-    """``kakeya-lab serve`` on free loopback ports; (process, gRPC target, HTTP base)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "kakeya_lab.cli", "serve", "--model", model, "--grpc-port", "0",
-           "--http-port", "0", "--sink", str(sink), "--window", str(window)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    found: list[re.Match] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if m := READY.search(line):
-                found.append(m)
-                return
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout=300)
-    if not found:
-        proc.kill()
-        raise RuntimeError("the server did not start within 300 s")
-    return proc, found[0].group(1), found[0].group(2)
 
 
 def per_token(stamps: list[float]) -> float:
@@ -133,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         [{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True
     )
     ids = loaded.tokenizer(ids, add_special_tokens=False)["input_ids"]  # what HTTP renders
-    proc, grpc_target, http_base = start_server(args.model, args.sink, args.window)
+    server = start_server(
+        "--sink", str(args.sink), "--window", str(args.window), model=args.model, timeout_s=300
+    )
+    grpc_target, http_base = server.grpc_target, server.http_base
     times: dict[str, list[float]] = {"in_process": [], "grpc_stream": [], "http_stream": []}
     counts: dict[str, list[int]] = {k: [] for k in times}
     try:
@@ -158,11 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        server.stop(timeout_s=30)
     med = {k: statistics.median(v) for k, v in times.items()}
     out = {
         "model": loaded.description.name,

@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
-import subprocess
-import sys
-import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from kakeya_lab.models import DEFAULT_MODEL, load_model, tiny_random_model
+from kakeya_lab.serve.process import ServerProcess
+from kakeya_lab.serve.process import start_server as start_process
 
 _TOLERANCES: list[tuple[str, float]] = []
 
@@ -77,18 +73,11 @@ def pytest_terminal_summary(terminalreporter):
 # ----------------------------------------------------------------- served runtime
 
 
-READY = re.compile(r"gRPC ([\d.]+:\d+); HTTP (http://[\d.]+:\d+)/v1")
 SERVER_START_TIMEOUT_S = 180
 
 
-@dataclass
-class Server:
-    """A real ``kakeya-lab serve`` subprocess on loopback: its addresses and stderr lines."""
-
-    proc: subprocess.Popen
-    grpc_target: str
-    http_base: str
-    stderr: list[str]
+class Server(ServerProcess):
+    """A real ``kakeya-lab serve`` subprocess on loopback, with the tests' clients."""
 
     def client(self):
         from kakeya_lab.serve.client import SessionClient
@@ -115,50 +104,11 @@ class Server:
                 values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
         return values
 
-    def stop(self) -> int | None:
-        """SIGTERM, then kill after 20 s; the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        return self.proc.returncode
-
 
 def start_server(*extra: str, model: str = DEFAULT_MODEL) -> Server:
-    """``kakeya-lab serve --model MODEL --grpc-port 0 --http-port 0 *extra`` (free loopback
-    ports unless ``extra`` names them); returns once its ready line is printed, or kills it
-    and raises after ``SERVER_START_TIMEOUT_S``."""
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    ports = [] if "--grpc-port" in extra else ["--grpc-port", "0", "--http-port", "0"]
-    cmd = [sys.executable, "-m", "kakeya_lab.cli", "serve", "--model", model, *ports, *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    stderr: list[str] = []
-    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
-    found: list[re.Match] = []
-
-    def read_ready() -> None:
-        for line in proc.stdout:
-            if match := READY.search(line):
-                found.append(match)
-                break
-
-    reader = threading.Thread(target=read_ready, daemon=True)
-    reader.start()
-    reader.join(timeout=SERVER_START_TIMEOUT_S)
-    if not found:
-        how = (
-            f"exited with {proc.poll()}"
-            if proc.poll() is not None
-            else f"not ready in {SERVER_START_TIMEOUT_S}s"
-        )
-        proc.kill()
-        proc.wait(timeout=10)
-        raise RuntimeError(f"server {how}: {''.join(stderr)[-2000:]}")
-    return Server(proc, found[0].group(1), found[0].group(2), stderr)
+    """:func:`kakeya_lab.serve.process.start_server`, with the tests' clients attached."""
+    p = start_process(*extra, model=model, timeout_s=SERVER_START_TIMEOUT_S)
+    return Server(p.proc, p.grpc_target, p.http_base, p.stderr)
 
 
 @pytest.fixture(scope="module")
