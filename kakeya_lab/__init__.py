@@ -4,11 +4,15 @@ Public names (stable): ``load_model``, ``SinkWindowConfig``, ``SinkWindowCache``
 ``Verifier``, ``SessionStore`` and the ``reference`` oracles.
 """
 
-from kakeya_lab import reference
-from kakeya_lab.cache import SinkWindowCache, SinkWindowConfig
-from kakeya_lab.models import DEFAULT_MODEL, load_model, tiny_random_model
-from kakeya_lab.session import SessionStore
-from kakeya_lab.verifier import Verifier
+from kakeya_lab.blas import prefer_system_blas
+
+prefer_system_blas()  # before anything imports mlx: see kakeya_lab/blas.py
+
+from kakeya_lab import reference  # noqa: E402
+from kakeya_lab.cache import SinkWindowCache, SinkWindowConfig  # noqa: E402
+from kakeya_lab.models import DEFAULT_MODEL, load_model, tiny_random_model  # noqa: E402
+from kakeya_lab.session import SessionStore  # noqa: E402
+from kakeya_lab.verifier import Verifier  # noqa: E402
 
 __version__ = "0.1.0"
 

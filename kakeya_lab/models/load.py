@@ -47,7 +47,8 @@ class ModelDescription:
     for random models). ``source`` says where it came from (``registry:NAME (...)``,
     ``local:PATH``, ``hf-cache:ID`` or ``random-init ...``). ``dtype`` is the in-memory
     dtype, e.g. ``"float32"``. ``backend`` is the runtime holding the weights: ``"torch"``
-    or ``"mlx"`` (same files, same ``weight_sha256``).
+    or ``"mlx"`` (same files, same ``weight_sha256``). ``blas`` is, for MLX, the BLAS its
+    CPU backend calls (:func:`kakeya_lab.blas.mlx_blas`); "" for torch.
     """
 
     name: str
@@ -64,6 +65,7 @@ class ModelDescription:
     random: bool
     source: str
     backend: str = "torch"
+    blas: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-serialisable)."""
@@ -243,6 +245,7 @@ def _require_mlx() -> None:
 
 def _load_mlx(found: ResolvedFolder, tokenizer: Any, dtype: torch.dtype | str) -> LoadedModel:
     """Load the verified folder ``found`` with :mod:`kakeya_lab.mlx_backend`."""
+    from kakeya_lab.blas import mlx_blas
     from transformers import AutoConfig
 
     dtype_name = str(as_torch_dtype(dtype, found.folder)).removeprefix("torch.")
@@ -278,6 +281,7 @@ def _load_mlx(found: ResolvedFolder, tokenizer: Any, dtype: torch.dtype | str) -
         random=False,
         source=found.source,
         backend="mlx",
+        blas=mlx_blas(),
     )
     return LoadedModel(model, tokenizer, description)
 
