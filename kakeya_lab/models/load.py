@@ -245,8 +245,9 @@ def _require_mlx() -> None:
 
 def _load_mlx(found: ResolvedFolder, tokenizer: Any, dtype: torch.dtype | str) -> LoadedModel:
     """Load the verified folder ``found`` with :mod:`kakeya_lab.mlx_backend`."""
-    from kakeya_lab.blas import mlx_blas
     from transformers import AutoConfig
+
+    from kakeya_lab.blas import mlx_blas
 
     dtype_name = str(as_torch_dtype(dtype, found.folder)).removeprefix("torch.")
     try:
