@@ -65,7 +65,7 @@ def test_a_run_carries_its_fitted_cost_model(default_model):
     cost = run.cost
     assert cost is not None and cost.context_tokens > 0
     assert sorted(cost.timings) == [1, 2, 3, 4]  # 1 .. longest draft + 1
-    assert all(len(ts) == 3 and min(ts) > 0 for ts in cost.timings.values())
+    assert all(len(ts) == 2 * 3 and min(ts) > 0 for ts in cost.timings.values())  # before + after
     assert all(cost.block(n) > 0 for n in cost.timings)
     assert list(cost.arms.columns) == ARM_COLUMNS
     assert list(cost.arms["arm"]) == ["ngram@2", "ngram@3"]

@@ -39,8 +39,8 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from kakeya_lab.bench.speculative_cost import (
+    BlockCostProbe,
     RunCostModel,
-    measure_run_block_cost,
     run_cost_model,
 )
 from kakeya_lab.cache import SinkWindowConfig
@@ -106,7 +106,8 @@ def run_speculative(
     the user turns of ``conversations``.
 
     With ``measure_cost`` the verifier's block cost ``v(n)`` for ``n = 1..max(draft
-    length) + 1`` is timed once (``cost_repeats`` times per size) before the arms run, and
+    length) + 1`` is timed ``cost_repeats`` times per size before the arms run and again
+    after them (:class:`~kakeya_lab.bench.speculative_cost.BlockCostProbe`), and
     ``run.cost`` holds the fitted cost model with each arm's predicted speedup
     (:mod:`kakeya_lab.bench.speculative_cost`)."""
     if not conversations:
@@ -118,18 +119,10 @@ def run_speculative(
         for n in draft_lengths:
             arms[f"{name}@{n}"] = (factory, n)
     model, tok = loaded.model, loaded.tokenizer
-    timings, context_tokens = (
-        measure_run_block_cost(
-            loaded,
-            config,
-            conversations,
-            max(draft_lengths) + 1,
-            repeats=cost_repeats,
-            system=system,
-        )
-        if measure_cost
-        else ({}, 0)
-    )
+    probe = None
+    if measure_cost:
+        probe = BlockCostProbe(loaded, config, conversations, max(draft_lengths) + 1, system=system)
+        probe.measure(cost_repeats)
     turn_rows, step_rows = [], []
     total = sum(min(turns_per_conversation, len(c.turns[0::2])) for c in conversations) * len(arms)
     bar = tqdm(total=total, desc="speculative", unit="turn", disable=not progress)
@@ -213,7 +206,10 @@ def run_speculative(
     )
     turns = _add_turn_speedups(turns)
     summary = summarize(turns, steps)
-    cost = run_cost_model(timings, context_tokens, summary, steps) if measure_cost else None
+    cost = None
+    if probe is not None:
+        probe.measure(cost_repeats)
+        cost = run_cost_model(probe.timings, probe.context_tokens, summary, steps)
     return SpeculativeRun(turns=turns, steps=steps, summary=summary, cost=cost)
 
 

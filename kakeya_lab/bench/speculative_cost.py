@@ -1,5 +1,6 @@
 """The cost model of one speculative benchmark run: this machine's verifier block cost
-``v(n) = fixed_s + per_token_s · n`` measured once per run, each arm's drafting cost, and
+``v(n) = fixed_s + per_token_s · n`` measured in each run (before and after its arms,
+fitted together), each arm's drafting cost, and
 the speedups the model predicts beside the measured ones.
 
 Per speculative arm (``k`` its draft length, ``a`` its measured per-token acceptance
@@ -63,7 +64,9 @@ class RunCostModel:
             "per_token_s": self.block.per_token_s,
             "context_tokens": self.context_tokens,
             "timings": {str(n): ts for n, ts in sorted(self.timings.items())},
-            "arms": self.arms.to_dict(orient="records"),
+            "arms": self.arms.astype(object)
+            .where(self.arms.notna(), None)
+            .to_dict(orient="records"),  # NaN -> null
         }
 
     def describe(self) -> str:
@@ -89,31 +92,41 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None or pd.isna(value) else format(value, spec)
 
 
-def measure_run_block_cost(
-    loaded,
-    config: SinkWindowConfig,
-    conversations: Sequence[Conversation],
-    max_block: int,
-    *,
-    repeats: int = 5,
-    system: str | None = None,
-) -> tuple[dict[int, list[float]], int]:
-    """Time verifier blocks of ``1..max_block`` tokens (at least 1..2) after the
-    chat-templated turns of the first conversation, up to the cache's budget (a context
-    like the run's);
-    returns the timings and that context's length in tokens."""
-    chat = ChatTemplate(loaded.tokenizer, system=system)
-    context: list[int] = []
-    limit = config.budget or 1024  # a full cache is the run's steady state; no longer prefill
-    for i, text in enumerate(conversations[0].turns):
-        if len(context) >= limit:
-            break
-        context.extend(chat.user(text) if i % 2 == 0 else chat.assistant(text))
-    context = context[:limit]
-    verifier = Verifier(loaded.model, config)
-    verifier.append(context)
-    sizes = range(1, max(2, max_block) + 1)
-    return measure_block_cost(verifier, sizes, repeats=repeats), len(context)
+class BlockCostProbe:
+    """Times this machine's verifier blocks of ``1..max_block`` tokens (at least 1..2)
+    after the chat-templated turns of the first conversation, up to the cache's budget (a
+    context like the run's). One untimed forward per size first (warm-up); every
+    :meth:`measure` adds ``repeats`` timings per size to ``timings``, so a run can measure
+    before and after its arms and fit both (machine drift then weighs on both ends)."""
+
+    def __init__(
+        self,
+        loaded,
+        config: SinkWindowConfig,
+        conversations: Sequence[Conversation],
+        max_block: int,
+        *,
+        system: str | None = None,
+    ):
+        chat = ChatTemplate(loaded.tokenizer, system=system)
+        context: list[int] = []
+        limit = config.budget or 1024  # a full cache is the run's steady state; no longer
+        for i, text in enumerate(conversations[0].turns):
+            if len(context) >= limit:
+                break
+            context.extend(chat.user(text) if i % 2 == 0 else chat.assistant(text))
+        self.context_tokens = len(context[:limit])
+        self.verifier = Verifier(loaded.model, config)
+        self.verifier.append(context[:limit])
+        self.sizes = list(range(1, max(2, max_block) + 1))
+        measure_block_cost(self.verifier, self.sizes, repeats=1)  # warm-up, not kept
+        self.timings: dict[int, list[float]] = {n: [] for n in self.sizes}
+
+    def measure(self, repeats: int = 5) -> dict[int, list[float]]:
+        """Time ``repeats`` more forwards of every size; return all timings so far."""
+        for n, ts in measure_block_cost(self.verifier, self.sizes, repeats=repeats).items():
+            self.timings[n].extend(ts)
+        return self.timings
 
 
 def arm_costs(block: BlockCost, summary: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
