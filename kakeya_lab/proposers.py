@@ -419,6 +419,11 @@ def make_proposer(
         from kakeya_lab.align.drafters import DrafterProposer
         from kakeya_lab.align.named import load_named_drafter
 
+        if backend_name_of(model) == "mlx":
+            raise ValueError(
+                f"{spec!r}: named drafters read the verifier's hidden states, which only the "
+                "torch backend traces; load the model with backend='torch'"
+            )
         drafter = load_named_drafter(arg, model, verifier_sha256)
         if drafter.config.kind == "lora":  # a distilled draft model, with its own cache
             return DraftModelProposer(cast("LoraDrafter", drafter).draft_model(), config, label=arg)
