@@ -215,3 +215,26 @@ def test_the_chat_panel_offers_the_named_drafters_of_its_verifier(
     assert record.finished and record.token_ids and record.error is None
     other = ChatPanel(tiny_model, config, max_new_tokens=2)
     assert not any(o.startswith("drafter:") for o in other.proposer.options)
+
+
+@pytest.mark.slow  # captures 3 real conversations and trains a drafter (about 40 s)
+def test_a_second_run_reuses_the_capture_and_needs_no_training_checkpoint(in_made, default_model):
+    work = in_made / ".work" / NAME
+    assert not (work / "train").exists()  # removed once the drafter was saved
+    manifest = work / "rollouts" / "chitchat-train" / "manifest.json"
+    before = manifest.read_text()
+    second = ["t-block" if a == NAME else a for a in TRAIN]
+    second[second.index("feature")] = "block"
+    second[second.index("--steps") + 1] = "3"  # other training settings: trains afresh
+    try:
+        assert main([*second, "--work-dir", str(work)]) == 0
+        rows = {r["name"]: r for r in list_drafters()}
+        assert sorted(rows) == ["t-block", NAME] and rows["t-block"]["kind"] == "block"
+        assert rows["t-block"]["steps"] == 3
+        assert json.loads(manifest.read_text())["shards"] == json.loads(before)["shards"]
+        drafter = load_named_drafter(
+            "t-block", default_model.model, default_model.description.weight_sha256
+        )
+        assert drafter.config.kind == "block"
+    finally:
+        shutil.rmtree(in_made / "t-block", ignore_errors=True)

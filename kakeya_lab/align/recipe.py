@@ -11,6 +11,7 @@ folder into place, so an interrupted run leaves nothing under the name.
 from __future__ import annotations
 
 import math
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from kakeya_lab.align.drafters import build_drafter, drafter_config_for
 from kakeya_lab.align.named import check_name, drafters_home, save_named_drafter
 from kakeya_lab.align.pipeline import capture_domains, drafter_shapes, train_config_for
 from kakeya_lab.align.rollouts import CaptureOptions, draft_vocabulary, load_rollouts
-from kakeya_lab.align.train import RolloutData, train_drafter
+from kakeya_lab.align.train import RolloutData, TrainingResumeMismatch, train_drafter
 from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.results import now_iso
 from kakeya_lab.session import model_eos_ids
@@ -96,7 +97,10 @@ def align_named_drafter(
     with held-out evaluation, and save it as the named drafter ``name``.
 
     Returns the drafter's folder and its training record. Refuses an existing name
-    unless ``overwrite`` (checked before any work).
+    unless ``overwrite`` (checked before any work). An interrupted run resumes its capture
+    and training when run again with the same settings; once the drafter is saved the
+    training checkpoint is removed and the capture kept, so a later run with other
+    training settings reuses the capture.
     """
     check_name(name)
     if (drafters_home() / name).exists() and not overwrite:
@@ -130,9 +134,15 @@ def align_named_drafter(
     cfg = train_config_for(
         recipe.kind, recipe.steps, seed=recipe.seed, batch_size=recipe.batch_size, lr=recipe.lr
     )
-    history = train_drafter(
-        drafter, data, cfg, work / "train", eval_data=held_out, progress=progress
-    )
+    try:
+        history = train_drafter(
+            drafter, data, cfg, work / "train", eval_data=held_out, progress=progress
+        )
+    except TrainingResumeMismatch as exc:
+        raise TrainingResumeMismatch(
+            f"{exc}. An interrupted `align train` resumes only with the same settings: run it "
+            f"again with them, or remove {work / 'train'} to start training over"
+        ) from None
     described = {
         "domain": recipe.domain,
         "capture": {k: str(v) for k, v in ((f"{d}-{s}", f) for (d, s), f in folders.items())},
@@ -155,4 +165,5 @@ def align_named_drafter(
         training=record,
         overwrite=overwrite,
     )
+    shutil.rmtree(work / "train", ignore_errors=True)  # saved; the capture stays for reuse
     return folder, record
