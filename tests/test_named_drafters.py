@@ -238,3 +238,41 @@ def test_a_second_run_reuses_the_capture_and_needs_no_training_checkpoint(in_mad
         assert drafter.config.kind == "block"
     finally:
         shutil.rmtree(in_made / "t-block", ignore_errors=True)
+
+
+@pytest.mark.slow  # a real `align train` subprocess, interrupted, then run to the end (~60 s)
+def test_an_interrupted_align_train_leaves_no_drafter_and_resumes(in_made, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "KAKEYA_LAB_DRAFTERS": str(in_made),
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    work = tmp_path / "work"
+    cmd = [sys.executable, "-m", "kakeya_lab.cli", *TRAIN, "--steps", "40", "--work-dir", str(work)]
+    cmd[cmd.index(NAME)] = "t-int"
+    dev = work / "rollouts" / "chitchat-dev" / "manifest.json"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not dev.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)  # the capture is done: training is under way
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err.decode()[-500:]
+    assert "t-int" not in drafter_names() and not (in_made / "t-int").exists()
+    assert not [p for p in in_made.iterdir() if p.name.startswith(".t-int.")]
+    train_shards = json.loads((work / "rollouts" / "chitchat-train" / "manifest.json").read_text())
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, timeout=600)
+        assert done.returncode == 0, done.stderr.decode()[-500:]
+        assert "t-int" in drafter_names()
+        again = json.loads((work / "rollouts" / "chitchat-train" / "manifest.json").read_text())
+        assert again["shards"] == train_shards["shards"]  # the capture was resumed, not redone
+    finally:
+        shutil.rmtree(in_made / "t-int", ignore_errors=True)
