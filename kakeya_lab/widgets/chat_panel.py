@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import html
 
+from kakeya_lab.backend import backend_name_of
 from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.widgets.live_chat import STOPPED_BY_USER, CacheSnapshot, LiveChat, ReplyRecord
 
@@ -157,7 +158,7 @@ class ChatPanel:
     ``tokenizer``); ``config`` the sink-window cache for a new store. ``proposers`` are
     the proposer specs offered; by default ``none``, ``ngram``, ``early-exit:8`` and
     ``drafter:NAME`` for every named drafter trained for this verifier
-    (:func:`named_drafter_specs`).
+    (:func:`named_drafter_specs`; torch backend only).
     """
 
     def __init__(
@@ -186,11 +187,12 @@ class ChatPanel:
             verifier_sha256=verifier_sha256,
         )
         if proposers is None:
+            torch_backend = backend_name_of(self.chat.store.model) != "mlx"  # drafters: torch
             proposers = (
                 "none",
                 "ngram",
                 "early-exit:8",
-                *named_drafter_specs(self.chat.verifier_sha256),
+                *(named_drafter_specs(self.chat.verifier_sha256) if torch_backend else []),
             )
         self.keep_turns = keep_turns
         self.message = w.Text(placeholder="type a message", layout=w.Layout(width="60%"))
