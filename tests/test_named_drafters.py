@@ -91,6 +91,10 @@ def test_unknown_name_on_an_empty_store_is_a_clear_error(drafters_home, default_
         load_named_drafter("nope", default_model.model, default_model.description.weight_sha256)
     assert main(["chat", "--proposer", "drafter:nope"]) == 2
     assert "no named drafter 'nope'" in capsys.readouterr().err
+    out = drafters_home.parent / "long-run"
+    long_run = ["long-run", str(out), "--arms", "sink_window,speculative", "--turns", "2"]
+    assert main([*long_run, "--proposer", "drafter:nope"]) == 2
+    assert "no named drafter 'nope'" in capsys.readouterr().err and not out.exists()
     assert main(["align", "train", "Bad/Name", "--steps", "1"]) == 2
     assert "bad drafter name" in capsys.readouterr().err
     assert not drafters_home.exists()  # nothing written by the refused commands
