@@ -9,6 +9,8 @@
     kakeya-lab long-run OUT_DIR [--turns N | --duration-s S] [--arms ...] [--window W] [--backend torch|mlx] [--force-new]
     kakeya-lab long-run OUT_DIR --endpoint grpc://HOST:PORT --endpoint http://HOST:PORT [--turns N]
     kakeya-lab align capture OUT_DIR [--domain chitchat|code|prose] [--split train|dev] ...
+    kakeya-lab align train NAME [--verifier MODEL] [--kind feature|block|lora] [--steps N] ...
+    kakeya-lab align list [--json]
     kakeya-lab evidence check [ROOT]
 
 Layout: :func:`build_parser` builds the whole argparse tree; every leaf sub-command sets
@@ -150,8 +152,14 @@ def _check_proposer(spec: str) -> None:
     if kind == "draft" and arg:
         _check_model(arg, "--proposer draft:")
         return
+    if kind == "drafter" and arg:
+        from kakeya_lab.align.named import read_record
+
+        read_record(arg)  # DrafterNotFound (lists the names that exist) before a model loads
+        return
     raise UserError(
-        f"unknown proposer {spec!r}: use none, ngram[:SIZES], early-exit:LAYERS or draft:MODEL"
+        f"unknown proposer {spec!r}: use none, ngram[:SIZES], early-exit:LAYERS, draft:MODEL "
+        "or drafter:NAME"
     )
 
 
@@ -325,7 +333,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
     sid = store.create()
     chat = ChatTemplate(tok, system=args.system)
     try:
-        proposer = make_proposer(args.proposer, loaded.model, config, tok)
+        proposer = make_proposer(
+            args.proposer,
+            loaded.model,
+            config,
+            tok,
+            verifier_sha256=loaded.description.weight_sha256,
+        )
     except ValueError as exc:
         raise UserError(str(exc)) from exc
     interactive = sys.stdin.isatty()
@@ -397,7 +411,8 @@ def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--proposer",
         default="none",
-        help="none | ngram | early-exit:LAYERS | draft:MODEL (speculative decoding)",
+        help="none | ngram | early-exit:LAYERS | draft:MODEL | drafter:NAME (a named drafter, "
+        "see `kakeya-lab align list`) (speculative decoding)",
     )
     p.add_argument(
         "--draft-length",
@@ -565,6 +580,8 @@ def cmd_long_run(args: argparse.Namespace) -> int:
             )
         if "speculative" in names and args.proposer is None:
             raise UserError("the speculative arm needs --proposer, e.g. --proposer ngram")
+        if args.proposer is not None and args.proposer.startswith("drafter:"):
+            _check_proposer(args.proposer)  # an unknown named drafter before a model loads
         _check_int("--draft-length", args.draft_length, 1)
         arms = standard_arms(
             args.sink,
@@ -890,7 +907,8 @@ def add_long_run_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--proposer",
         default=None,
-        help="the speculative arm's proposer: ngram[:SIZES], early-exit:LAYERS or draft:MODEL",
+        help="the speculative arm's proposer: ngram[:SIZES], early-exit:LAYERS, draft:MODEL "
+        "or drafter:NAME",
     )
     p.add_argument(
         "--draft-length", type=int, default=4, help="draft tokens per step of the speculative arm"
@@ -1104,6 +1122,115 @@ def cmd_align_capture(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_align_train(args: argparse.Namespace) -> int:
+    """``kakeya-lab align train NAME``: capture (or reuse) rollouts, train a drafter with
+    held-out evaluation and save it as a named drafter (resumable; nothing under NAME
+    until it is finished)."""
+    from kakeya_lab.align.named import check_name, drafters_home
+    from kakeya_lab.align.recipe import AlignRecipe, align_named_drafter
+    from kakeya_lab.models import load_model
+
+    config = _check_cache(args)
+    try:
+        check_name(args.name)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    if (drafters_home() / args.name).exists() and not args.overwrite:
+        raise UserError(
+            f"a drafter named {args.name!r} exists in {drafters_home()}: choose another name "
+            "or pass --overwrite"
+        )
+    for flag, value in (
+        ("--steps", args.steps),
+        ("--conversations", args.conversations),
+        ("--dev-conversations", args.dev_conversations),
+        ("--turns", args.turns),
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--draft-vocab", args.draft_vocab),
+        ("--batch-size", args.batch_size),
+    ):
+        _check_int(flag, value, 1)
+    _check_positive("--lr", args.lr)
+    if args.work_dir is not None:
+        _check_out_dir(args.work_dir, "--work-dir")
+    _check_model(args.verifier, "--verifier")
+    recipe = AlignRecipe(
+        kind=args.kind,
+        steps=args.steps,
+        domain=args.domain,
+        train_conversations=args.conversations,
+        dev_conversations=args.dev_conversations,
+        turns=args.turns,
+        max_new_tokens=args.max_new_tokens,
+        draft_vocab_size=args.draft_vocab,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        cache=config,
+    )
+    loaded = load_model(args.verifier, progress=not args.quiet)
+    folder, record = align_named_drafter(
+        loaded,
+        args.name,
+        recipe,
+        work_dir=args.work_dir,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+    )
+
+    def fmt(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    data = record["data"]
+    print(f"{args.name}: {folder}")
+    print(
+        f"  {args.kind} drafter for {loaded.description.name} "
+        f"(weights {loaded.description.weight_sha256[:12]}), {record['steps']} steps on "
+        f"{data['train']['tokens']} tokens ({data['train']['conversations']} conversations)"
+    )
+    print(
+        f"  train loss {fmt(record['train_loss'])}, held-out loss {fmt(record['held_out_loss'])}, "
+        f"held-out offline tau {fmt(record['held_out_tau'])} "
+        f"(untrained {fmt(record['held_out_tau_untrained'])})"
+    )
+    print(f"  use it: {PROG} chat --model {loaded.description.name} --proposer drafter:{args.name}")
+    return 0
+
+
+def cmd_align_list(args: argparse.Namespace) -> int:
+    """``kakeya-lab align list``: the named drafters (complete ones only)."""
+    from kakeya_lab.align.named import drafters_home, list_drafters
+
+    rows = list_drafters()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print(f"no named drafters in {drafters_home()}; make one with `{PROG} align train NAME`")
+        return 0
+
+    def fmt(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    table = [
+        [
+            r["name"],
+            str(r["kind"]),
+            str(r["verifier"]),
+            (r["verifier_sha256"] or "-")[:12],
+            str(r["steps"]),
+            fmt(r["train_loss"]),
+            fmt(r["held_out_loss"]),
+            fmt(r["held_out_tau"]),
+        ]
+        for r in rows
+    ]
+    header = ["name", "kind", "verifier", "verifier sha256", "steps", "train loss"]
+    print(_table(table, [*header, "held-out loss", "held-out tau"]))
+    print(f"\nDrafters: {drafters_home()}  (set KAKEYA_LAB_DRAFTERS to move them)")
+    return 0
+
+
 def add_align_parser(subparsers: argparse._SubParsersAction) -> None:
     from kakeya_lab.models import DEFAULT_MODEL
 
@@ -1133,6 +1260,42 @@ def add_align_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, default=252)
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_align_capture)
+
+    p = sub.add_parser(
+        "train",
+        help="capture, train and evaluate a drafter; save it as a named drafter",
+        description="Capture (or resume/reuse) verifier rollouts of one domain, train a drafter "
+        "on them with held-out evaluation, and save it in the store as NAME (then "
+        "`--proposer drafter:NAME`). Interrupted runs resume; NAME appears only when finished.",
+    )
+    p.add_argument("name", metavar="NAME", help="drafter name, e.g. smollm2-feature")
+    p.add_argument("--verifier", default=DEFAULT_MODEL, help="the model it drafts for")
+    p.add_argument("--kind", default="feature", choices=["feature", "block", "lora"])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--domain", default="chitchat", choices=["chitchat", "code", "prose"])
+    p.add_argument("--conversations", type=int, default=64, help="training conversations")
+    p.add_argument("--dev-conversations", type=int, default=8, help="held-out conversations")
+    p.add_argument("--turns", type=int, default=3, help="user turns per conversation")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--draft-vocab", type=int, default=4096, help="tokens the drafter may propose")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--work-dir",
+        default=None,
+        help="rollouts and training checkpoints (default <drafters>/.work/NAME; reused when "
+        "run again with the same settings)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace a drafter of that name")
+    p.add_argument("--sink", type=int, default=4)
+    p.add_argument("--window", type=int, default=252)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_align_train)
+
+    p = sub.add_parser("list", help="list the named drafters")
+    p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    p.set_defaults(func=cmd_align_list)
 
 
 # --------------------------------------------------------------------------- parser / main

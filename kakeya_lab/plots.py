@@ -137,6 +137,74 @@ def speedup_figure(summary: pd.DataFrame) -> go.Figure:
     return fig
 
 
+def cost_model_figure(cost) -> go.Figure:
+    """Left: the verifier block cost ``v(n)`` as measured (every repeat) and as fitted.
+    Right: each arm's speedup predicted by the cost model (geometric acceptance, and the
+    fitted costs of the steps it took) against the measured speedup; on the diagonal the
+    model explains the run. ``cost`` is a :class:`~kakeya_lab.bench.speculative_cost.RunCostModel`."""
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        subplot_titles=("Verifier block cost v(n)", "Predicted vs measured speedup"),
+    )
+    sizes = sorted(cost.timings)
+    xs = [n for n in sizes for _ in cost.timings[n]]
+    ys = [t * 1e3 for n in sizes for t in cost.timings[n]]
+    fig.add_trace(
+        go.Scatter(x=xs, y=ys, mode="markers", name="measured", marker={"opacity": 0.5}),
+        row=1,
+        col=1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=sizes,
+            y=[cost.block(n) * 1e3 for n in sizes],
+            mode="lines",
+            name=f"fit {cost.block.fixed_s * 1e3:.1f} + {cost.block.per_token_s * 1e3:.2f}·n ms",
+        ),
+        row=1,
+        col=1,
+    )
+    arms = cost.arms.dropna(subset=["speedup"])
+    for column, label, symbol in (
+        ("predicted_speedup", "predicted (acceptance model)", "circle"),
+        ("step_cost_speedup", "from the steps taken", "diamond"),
+    ):
+        fig.add_trace(
+            go.Scatter(
+                x=arms["speedup"],
+                y=arms[column],
+                mode="markers+text",
+                text=arms["arm"],
+                textposition="top center",
+                marker={"symbol": symbol, "size": 9},
+                name=label,
+            ),
+            row=1,
+            col=2,
+        )
+    values = [v for c in ("speedup", "predicted_speedup", "step_cost_speedup") for v in arms[c]]
+    values = [float(v) for v in values if v is not None and not pd.isna(v)] or [1.0]
+    lo, hi = min(0.0, *values), max(1.0, *values) * 1.1
+    fig.add_trace(
+        go.Scatter(
+            x=[lo, hi],
+            y=[lo, hi],
+            mode="lines",
+            line={"dash": "dot", "color": "gray"},
+            name="y = x",
+        ),
+        row=1,
+        col=2,
+    )
+    fig.update_xaxes(title_text="block size n (tokens)", row=1, col=1)
+    fig.update_yaxes(title_text="ms per forward", row=1, col=1)
+    fig.update_xaxes(title_text="measured speedup (× plain)", row=1, col=2)
+    fig.update_yaxes(title_text="predicted speedup (× plain)", row=1, col=2)
+    fig.update_layout(title="Cost model of this run", height=420)
+    return fig
+
+
 def speculative_turns_figure(turns: pd.DataFrame) -> go.Figure:
     """Per-turn tau and speedup against history length: does speculation decay with history?"""
     fig = make_subplots(rows=1, cols=2, subplot_titles=("tau per turn", "speedup per turn"))

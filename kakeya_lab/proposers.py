@@ -28,7 +28,7 @@ import copy
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -40,6 +40,10 @@ from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.inputs import InputTypeError
 from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.verifier import Verifier
+
+if TYPE_CHECKING:
+    from kakeya_lab.align.drafters import Drafter
+    from kakeya_lab.align.lora import LoraDrafter
 
 
 @dataclass
@@ -360,6 +364,7 @@ def make_proposer(
     *,
     draft_model=None,
     shared_replies=None,
+    verifier_sha256: str | None = None,
 ) -> Proposer | None:
     """Build a proposer from a short spec (CLI, notebooks, sweep files).
 
@@ -369,9 +374,13 @@ def make_proposer(
     ``early-exit:LAYERS``; ``draft:MODEL`` (a registry name or local folder, loaded with
     :func:`~kakeya_lab.models.load_model` unless ``draft_model`` — an already loaded model,
     i.e. what ``load_model`` returns or a bare ``PreTrainedModel`` — is given; its tokenizer
-    must equal ``tokenizer``).
+    must equal ``tokenizer``); ``drafter:NAME`` (a named drafter of the store, see
+    :mod:`kakeya_lab.align.named`; needs ``verifier_sha256``, the verifier's
+    ``LoadedModel.description.weight_sha256``, which must be the one it was trained for).
     """
-    usage = "use none, ngram[:SIZES], suffix[:DEPTH], early-exit:LAYERS or draft:MODEL"
+    usage = (
+        "use none, ngram[:SIZES], suffix[:DEPTH], early-exit:LAYERS, draft:MODEL or drafter:NAME"
+    )
     if spec is not None and not isinstance(spec, str):
         raise InputTypeError(
             f"proposer spec must be a string or None, got {type(spec).__name__} ({usage})"
@@ -406,4 +415,17 @@ def make_proposer(
             verifier_tokenizer=tokenizer,
             label=arg,
         )
+    if kind == "drafter" and arg:
+        from kakeya_lab.align.drafters import DrafterProposer
+        from kakeya_lab.align.named import load_named_drafter
+
+        if backend_name_of(model) == "mlx":
+            raise ValueError(
+                f"{spec!r}: named drafters read the verifier's hidden states, which only the "
+                "torch backend traces; load the model with backend='torch'"
+            )
+        drafter = load_named_drafter(arg, model, verifier_sha256)
+        if drafter.config.kind == "lora":  # a distilled draft model, with its own cache
+            return DraftModelProposer(cast("LoraDrafter", drafter).draft_model(), config, label=arg)
+        return DrafterProposer(cast("Drafter", drafter), label=arg)
     raise ValueError(f"unknown proposer {spec!r}: {usage}")

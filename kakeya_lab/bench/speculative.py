@@ -20,6 +20,10 @@ here and recorded under their own names:
 * ``draft_cost_ratio`` (``c``) — proposer seconds per drafted token ÷ plain-decoding seconds
   per token.
 
+The fitted cost model of the run (this machine's verifier block cost ``v(n)``, each arm's
+drafting cost and the speedup they predict) is ``run.cost``, see
+:mod:`kakeya_lab.bench.speculative_cost`.
+
 Table columns: ``turns`` and ``steps`` carry ``draft_length`` (0 for plain decoding); the
 summary adds ``acceptance_rate``, ``acceptance_probability``, ``draft_cost_ratio``,
 ``expected_speedup`` and ``acceptance_by_position``.
@@ -34,6 +38,11 @@ from dataclasses import asdict, dataclass
 import pandas as pd
 from tqdm.auto import tqdm
 
+from kakeya_lab.bench.speculative_cost import (
+    BlockCostProbe,
+    RunCostModel,
+    run_cost_model,
+)
 from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.data import Conversation
@@ -49,6 +58,7 @@ class SpeculativeRun:
     turns: pd.DataFrame  # one row per (arm, conversation, turn)
     steps: pd.DataFrame  # one row per verifier step of a speculative arm
     summary: pd.DataFrame  # one row per arm
+    cost: RunCostModel | None = None  # the run's fitted cost model (measure_cost=True)
 
 
 @dataclass(frozen=True)
@@ -89,9 +99,17 @@ def run_speculative(
     seed: int = 0,
     system: str | None = None,
     progress: bool = True,
+    measure_cost: bool = True,
+    cost_repeats: int = 5,
 ) -> SpeculativeRun:
     """Run ``plain`` and one ``proposer@draft_length`` arm per proposer and draft length over
-    the user turns of ``conversations``."""
+    the user turns of ``conversations``.
+
+    With ``measure_cost`` the verifier's block cost ``v(n)`` for ``n = 1..max(draft
+    length) + 1`` is timed ``cost_repeats`` times per size before the arms run and again
+    after them (:class:`~kakeya_lab.bench.speculative_cost.BlockCostProbe`), and
+    ``run.cost`` holds the fitted cost model with each arm's predicted speedup
+    (:mod:`kakeya_lab.bench.speculative_cost`)."""
     if not conversations:
         raise ValueError("no conversations to run")
     if not draft_lengths or any(n < 1 for n in draft_lengths):
@@ -101,6 +119,10 @@ def run_speculative(
         for n in draft_lengths:
             arms[f"{name}@{n}"] = (factory, n)
     model, tok = loaded.model, loaded.tokenizer
+    probe = None
+    if measure_cost:
+        probe = BlockCostProbe(loaded, config, conversations, max(draft_lengths) + 1, system=system)
+        probe.measure(cost_repeats)
     turn_rows, step_rows = [], []
     total = sum(min(turns_per_conversation, len(c.turns[0::2])) for c in conversations) * len(arms)
     bar = tqdm(total=total, desc="speculative", unit="turn", disable=not progress)
@@ -183,7 +205,12 @@ def run_speculative(
         ],
     )
     turns = _add_turn_speedups(turns)
-    return SpeculativeRun(turns=turns, steps=steps, summary=summarize(turns, steps))
+    summary = summarize(turns, steps)
+    cost = None
+    if probe is not None:
+        probe.measure(cost_repeats)
+        cost = run_cost_model(probe.timings, probe.context_tokens, summary, steps)
+    return SpeculativeRun(turns=turns, steps=steps, summary=summary, cost=cost)
 
 
 def _add_turn_speedups(turns: pd.DataFrame) -> pd.DataFrame:

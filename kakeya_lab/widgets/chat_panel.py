@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import html
 
+from kakeya_lab.backend import backend_name_of
 from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.widgets.live_chat import STOPPED_BY_USER, CacheSnapshot, LiveChat, ReplyRecord
 
@@ -138,12 +139,26 @@ def status_html(record: ReplyRecord | None, busy: bool) -> str:
     )
 
 
+def named_drafter_specs(verifier_sha256: str | None) -> list[str]:
+    """``drafter:NAME`` for every named drafter trained for the verifier weights
+    ``verifier_sha256`` (none when it is unknown), sorted by name."""
+    from kakeya_lab.align.named import list_drafters
+
+    if not verifier_sha256:
+        return []
+    return [
+        f"drafter:{r['name']}" for r in list_drafters() if r["verifier_sha256"] == verifier_sha256
+    ]
+
+
 class ChatPanel:
     """An ipywidgets chat with a session; see the module docstring.
 
     ``source``: a loaded model (``load_model``) or a ``SessionStore`` (then pass
     ``tokenizer``); ``config`` the sink-window cache for a new store. ``proposers`` are
-    the proposer specs offered (``none``, ``ngram``, ``early-exit:N``).
+    the proposer specs offered; by default ``none``, ``ngram``, ``early-exit:8`` and
+    ``drafter:NAME`` for every named drafter trained for this verifier
+    (:func:`named_drafter_specs`; torch backend only).
     """
 
     def __init__(
@@ -155,16 +170,30 @@ class ChatPanel:
         system: str | None = None,
         max_new_tokens: int = 128,
         keep_turns: int = 20,
-        proposers: tuple[str, ...] = ("none", "ngram", "early-exit:8"),
+        proposers: tuple[str, ...] | None = None,
         draft_lengths: tuple[int, ...] = (1, 2, 3, 4, 6, 8),
+        verifier_sha256: str | None = None,
     ):
         import ipywidgets as w
 
         if keep_turns < 1:
             raise ValueError(f"keep_turns must be >= 1, got {keep_turns}")
         self.chat = LiveChat(
-            source, config, tokenizer=tokenizer, system=system, max_new_tokens=max_new_tokens
+            source,
+            config,
+            tokenizer=tokenizer,
+            system=system,
+            max_new_tokens=max_new_tokens,
+            verifier_sha256=verifier_sha256,
         )
+        if proposers is None:
+            torch_backend = backend_name_of(self.chat.store.model) != "mlx"  # drafters: torch
+            proposers = (
+                "none",
+                "ngram",
+                "early-exit:8",
+                *(named_drafter_specs(self.chat.verifier_sha256) if torch_backend else []),
+            )
         self.keep_turns = keep_turns
         self.message = w.Text(placeholder="type a message", layout=w.Layout(width="60%"))
         self.message.add_class("kl-message")

@@ -75,6 +75,8 @@ class LiveChat:
 
     ``source`` is a ``SessionStore`` (then ``tokenizer`` is required) or a loaded model
     (``load_model(...)``; a one-session store over ``config`` is made). Greedy decoding.
+    ``verifier_sha256`` (taken from a loaded model's description when not given) lets
+    ``drafter:NAME`` proposers check that a named drafter was trained for this verifier.
     One reply streams at a time; ``send`` while streaming raises ``RuntimeError``.
     """
 
@@ -87,7 +89,12 @@ class LiveChat:
         system: str | None = None,
         max_new_tokens: int = 128,
         latency_history_tokens: int = 2000,
+        verifier_sha256: str | None = None,
     ):
+        if verifier_sha256 is None and hasattr(source, "description"):
+            verifier_sha256 = source.description.weight_sha256
+        # the verifier's weights, which a named drafter (``drafter:NAME``) must have been made for
+        self.verifier_sha256 = verifier_sha256
         if isinstance(source, SessionStore):
             store = source
             if tokenizer is None:
@@ -151,12 +158,17 @@ class LiveChat:
         return out
 
     def proposer(self, spec: str):
-        """The proposer for ``spec`` (``none``, ``ngram``, ``early-exit:N``), built once."""
+        """The proposer for ``spec`` (``none``, ``ngram``, ``early-exit:N``,
+        ``drafter:NAME``), built once."""
         if spec in ("", "none", None):
             return None
         if spec not in self._proposers:
             self._proposers[spec] = make_proposer(
-                spec, self.store.model, self.store.config, self.tokenizer
+                spec,
+                self.store.model,
+                self.store.config,
+                self.tokenizer,
+                verifier_sha256=self.verifier_sha256,
             )
         return self._proposers[spec]
 

@@ -90,7 +90,13 @@ def new_proposer(loaded, arm: Arm):
         return None
     from kakeya_lab.proposers import make_proposer
 
-    return make_proposer(arm.proposer, loaded.model, arm.config, loaded.tokenizer)
+    return make_proposer(
+        arm.proposer,
+        loaded.model,
+        arm.config,
+        loaded.tokenizer,
+        verifier_sha256=loaded.description.weight_sha256,
+    )
 
 
 def fresh_progress(loaded, arms: Mapping[str, Arm]) -> Progress:
