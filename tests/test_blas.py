@@ -41,6 +41,7 @@ def _probe(**env: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the bundled BLAS is Linux's")
 def test_system_blas_is_used_and_agrees_with_the_bundled_one() -> None:
     system = ctypes.util.find_library("openblas")
