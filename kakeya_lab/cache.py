@@ -213,7 +213,9 @@ class SlotTable:
         k = len(indices)
         idx = torch.tensor(list(indices), dtype=torch.long, device=self.device)
         if k and (int(idx.min()) < 0 or int(idx.max()) >= self.pending_len):
-            raise ValueError(f"provisional entries {list(indices)} outside 0..{self.pending_len - 1}")
+            raise ValueError(
+                f"provisional entries {list(indices)} outside 0..{self.pending_len - 1}"
+            )
         sources = self.used + idx
         want = torch.arange(self.history_len, self.history_len + k, device=self.device)
         if not torch.equal(self.positions[sources], want):
