@@ -40,7 +40,8 @@ from kakeya_lab.verifier import Verifier
 @dataclass(frozen=True)
 class SpeculativeStep:
     """One verifier forward: ``proposed`` drafts (asked: ``draft_length``), ``accepted`` of
-    them, ``emitted`` tokens offered to the consumer."""
+    them, ``emitted`` tokens offered to the consumer. ``tree``: a draft tree was verified
+    (``proposed`` its nodes, ``draft_length`` the node budget, ``accepted`` the path's length)."""
 
     draft_length: int
     proposed: int
@@ -48,6 +49,7 @@ class SpeculativeStep:
     emitted: int
     proposer_s: float
     verifier_s: float
+    tree: bool = False
 
 
 def accept_greedy(rows: torch.Tensor, draft: Sequence[int]) -> tuple[int, int]:
@@ -355,6 +357,7 @@ class Decoder:
             emitted=len(offered),
             proposer_s=proposer_s,
             verifier_s=verifier_s,
+            tree=self._path is not None,
         )
         self.steps.append(step)
         if self.schedule:
