@@ -14,7 +14,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from kakeya_lab import SinkWindowConfig, Verifier, reference
 from kakeya_lab.attention import enable_sink_window_attention
-from kakeya_lab.proposers import ChainTree, NgramProposer, make_proposer
+from kakeya_lab.proposers import ChainTree, DraftModelProposer, NgramProposer, make_proposer
 from kakeya_lab.sampling import SamplingConfig, sampling_probs
 from kakeya_lab.speculative import (
     SpeculativeStep,
@@ -421,3 +421,54 @@ def test_greedy_tree_acceptance_follows_the_argmax():
     rows = torch.full((5, 8), -1.0)
     rows[0, 2] = rows[2, 4] = rows[4, 6] = 1.0  # root -> 2 (node 2) -> 4 (node 4) -> 6
     assert accept_greedy_tree(rows, block) == ([2, 4], 6)
+
+
+def test_a_chain_as_a_1_wide_tree_samples_exactly_like_the_chain(tiny_model):
+    """Same seed, same draws: rejection sampling over a 1-wide tree carrying the draft
+    model's proposal distributions emits the chain decoder's stream, past eviction."""
+    model = tiny_model.model
+    config = SinkWindowConfig(sink=2, window=8)
+    prompt = list(range(100, 130))
+    sampling = SamplingConfig(temperature=0.7, seed=5)
+    streams = []
+    for wrap in (False, True):
+        proposer = DraftModelProposer(model, config)
+        v = Verifier(model, config)
+        decoder = speculative_decode(
+            v,
+            v.append(prompt),
+            ChainTree(proposer) if wrap else proposer,
+            max_new_tokens=30,
+            draft_length=3,
+            sampling=sampling,
+        )
+        out = [t for t in decoder if not isinstance(t, SpeculativeStep)]
+        assert v.history_token_ids == prompt + out
+        streams.append(out)
+    assert streams[0] == streams[1]
+
+
+def test_sampled_tree_decoding_commits_what_it_delivers():
+    """Sampling with a branching tree proposer past eviction (an 8-token vocabulary, so
+    the suffix index always matches): the committed cache equals a fresh replay of the
+    delivered stream."""
+    model = _small_model(1)
+    config = SinkWindowConfig(sink=2, window=8, positions="rolling")
+    prompt = [1, 2, 3, 4, 1, 2, 5, 6, 1, 2, 3, 7] * 3
+    v = Verifier(model, config)
+    decoder = speculative_decode(
+        v,
+        v.append(prompt),
+        SuffixTreeProposer(min_probability=0.01),
+        max_new_tokens=40,
+        draft_length=8,
+        sampling=SamplingConfig(temperature=1.0, seed=3),
+    )
+    out = list(decoder)
+    tokens = [t for t in out if not isinstance(t, SpeculativeStep)]
+    steps = [s for s in out if isinstance(s, SpeculativeStep)]
+    assert v.history_token_ids == prompt + tokens
+    assert all(s.tree for s in steps) and sum(s.accepted for s in steps) > 0
+    fresh = Verifier(model, config)
+    fresh.append(v.history_token_ids)
+    assert fresh.cached_token_ids == v.cached_token_ids
