@@ -473,3 +473,17 @@ def test_sampled_tree_decoding_commits_what_it_delivers():
     fresh = Verifier(model, config)
     fresh.append(v.history_token_ids)
     assert fresh.cached_token_ids == v.cached_token_ids
+
+
+def test_tree_specs_pass_the_cli_and_long_run_checks():
+    from kakeya_lab.bench.long_run.arms import check_proposer_spec
+    from kakeya_lab.cli import UserError, _check_proposer
+
+    for spec in ("ngram-tree", "ngram-tree:3,2", "suffix-tree", "suffix-tree:6", "tree:ngram"):
+        check_proposer_spec(spec)
+        _check_proposer(spec)
+    for bad in ("tree:suffix-tree", "draft-tree:x", "tree:", "ngram-tree:x", "suffix-tree:x"):
+        with pytest.raises(ValueError):
+            check_proposer_spec(bad)
+        with pytest.raises(UserError):
+            _check_proposer(bad)

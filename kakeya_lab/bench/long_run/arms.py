@@ -33,8 +33,15 @@ class Arm:
 
 def check_proposer_spec(spec: str | None) -> None:
     """Raise ValueError unless ``spec`` names a proposer (``ngram[:SIZES]``,
-    ``early-exit:LAYERS``, ``draft:MODEL``) — checked without a model."""
+    ``suffix[:DEPTH]``, ``early-exit:LAYERS``, ``draft:MODEL``, the tree proposers
+    ``ngram-tree[:SIZES]``, ``suffix-tree[:DEPTH]`` and ``tree:SPEC``) — checked without a model."""
     kind, _, arg = (spec or "").partition(":")
+    if kind == "tree":  # a chain proposer verified as a 1-wide tree
+        if arg.partition(":")[0] in ("tree", "ngram-tree", "suffix-tree"):
+            raise ValueError(f"tree:SPEC wraps a chain proposer, got {spec!r}")
+        check_proposer_spec(arg)
+        return
+    kind = {"ngram-tree": "ngram", "suffix-tree": "suffix"}.get(kind, kind)
     if kind not in PROPOSER_KINDS:
         raise ValueError(
             f"the speculative arm needs a proposer: ngram[:SIZES], suffix[:DEPTH], early-exit:LAYERS or "
