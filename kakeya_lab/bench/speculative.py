@@ -187,6 +187,7 @@ def run_speculative(
             "emitted",
             "proposer_s",
             "verifier_s",
+            "tree",
         ],
     )
     turns = _add_turn_speedups(turns)
