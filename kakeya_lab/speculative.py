@@ -165,7 +165,9 @@ class AdaptiveDraftLength:
 class Decoder:
     """Decodes after ``verifier``'s committed history, whose next-token logits are ``next_logits``.
 
-    ``proposer=None`` is plain decoding. Drive it with :meth:`advance` (one step; returns
+    ``proposer=None`` is plain decoding. A tree proposer (one with ``propose_tree``) gets
+    the draft length as its node budget; the adaptive and cost-aware schedules then treat
+    the tree's longest path as the drafted chain. Drive it with :meth:`advance` (one step; returns
     the :class:`SpeculativeStep` in speculative mode), then :meth:`deliver` each token of
     :attr:`batch`, until :attr:`finished`; always end with :meth:`settle`. Or iterate it
     (``for item in decoder``): token ids (and steps), each delivered as it is yielded,
@@ -329,7 +331,7 @@ class Decoder:
             raise
         self._path = [0, *path]
         tokens = [block.tokens[i] for i in path]
-        return self._offer(rows, tokens, nxt, length, len(tree), seconds, verifier_s)
+        return self._offer(rows, tokens, nxt, length, len(tree), seconds, verifier_s, tree.depth)
 
     def _offer(
         self,
@@ -340,6 +342,7 @@ class Decoder:
         proposed: int,
         proposer_s: float,
         verifier_s: float,
+        depth: int | None = None,
     ) -> SpeculativeStep | None:
         n = len(accepted)
         offered = accepted + [nxt]  # never more than `room` tokens
@@ -360,8 +363,8 @@ class Decoder:
             tree=self._path is not None,
         )
         self.steps.append(step)
-        if self.schedule:
-            self.schedule.update(step.proposed, n)
+        if self.schedule:  # a tree's chain-like trial is its longest path
+            self.schedule.update(step.proposed if depth is None else depth, n)
         return step
 
     def deliver(self) -> int:

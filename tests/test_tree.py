@@ -203,7 +203,8 @@ def plain_code_runs(default_model, code_prompt):
 
 def _tree_cases():
     for mode in ("global", "rolling"):
-        for spec in ("ngram-tree", "suffix-tree", "tree:ngram", "decoy", "tree:early-exit:6"):
+        specs = ("ngram-tree", "suffix-tree", "suffix-tree+adaptive", "tree:ngram", "decoy")
+        for spec in (*specs, "tree:early-exit:6"):
             fast = spec != "tree:early-exit:6" and (mode == "global" or spec == "decoy")
             yield pytest.param(
                 mode, spec, marks=() if fast else pytest.mark.slow, id=f"{spec}-{mode}"
@@ -219,8 +220,9 @@ def test_greedy_tree_speculation_equals_plain_decoding(
     if spec == "decoy":
         proposer = _DecoyTree(code_prompt, want, model.config.vocab_size)
     else:
-        proposer = make_proposer(spec, model, config, default_model.tokenizer)
-    got, steps, v = _decode(model, config, code_prompt, proposer)
+        proposer = make_proposer(spec.split("+")[0], model, config, default_model.tokenizer)
+    options = {"adaptive_draft_length": True} if spec.endswith("+adaptive") else {}
+    got, steps, v = _decode(model, config, code_prompt, proposer, **options)
     assert got == want
     assert v.history_token_ids == code_prompt + want
     assert v.cache_len == config.budget
