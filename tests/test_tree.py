@@ -513,3 +513,19 @@ def test_tree_specs_pass_the_cli_and_long_run_checks():
             check_proposer_spec(bad)
         with pytest.raises(UserError):
             _check_proposer(bad)
+
+
+def test_mlx_verifier_refuses_a_tree_and_loses_nothing(tiny_model, tmp_path):
+    """Tree verification is torch-only so far: the MLX verifier says so and is unchanged."""
+    pytest.importorskip("mlx.core")
+    from kakeya_lab.mlx_backend import load_mlx_model
+
+    tiny_model.model.save_pretrained(tmp_path, safe_serialization=True)
+    v = Verifier(load_mlx_model(tmp_path), SinkWindowConfig(sink=2, window=6))
+    v.append([1, 2, 3])
+    with pytest.raises(NotImplementedError, match="torch backend"):
+        v.forward_tree(DraftTree([4, 5], [-1, -1]))
+    assert v.history_token_ids == [1, 2, 3] and v.pending_len == 0 and v.cache.pending_len == 0
+    v.forward_block([4])
+    v.commit(1)
+    assert v.history_token_ids == [1, 2, 3, 4]
