@@ -13,6 +13,11 @@ row ``i`` of the block's logits predicts the token after ``block[:i+1]``, so it 
   from ``p``. This preserves the verifier's distribution (Leviathan et al. 2023).
   Deterministic drafts (``q`` one-hot) are the special case ``q(d) = 1``.
 
+Draft trees (docs/design.md, "Draft trees"): a tree proposer's :class:`~kakeya_lab.tree.DraftTree`
+is verified rooted at ``x`` in one forward; greedy acceptance follows the argmax child
+from the root, sampling eliminates rejected siblings from ``p`` one by one; the accepted
+root-to-node path is committed even when it is not a prefix of the block.
+
 Delivery: a step's tokens stay *provisional* until handed out one by one with
 :meth:`Decoder.deliver`. :meth:`Decoder.settle` commits exactly the delivered tokens,
 rolls the rest of the step back (verifier block and proposer state) and leaves
@@ -316,7 +321,11 @@ class Decoder:
         tree = tree.pruned(max_nodes=length, max_depth=room - 1)
         block = tree.rooted(x)
         t0 = time.perf_counter()
-        rows = self.verifier.forward_tree(block)
+        try:
+            rows = self.verifier.forward_tree(block)
+        except BaseException:  # e.g. ids outside the vocabulary: nothing was written
+            proposer.accept(0)
+            raise
         verifier_s = time.perf_counter() - t0
         self.verifier_s += verifier_s
         self.verifier_forwards += 1
