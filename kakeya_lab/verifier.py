@@ -2,9 +2,11 @@
 
 ``append`` commits tokens and returns the next-token logits; ``forward_block`` scores a
 provisional block (logits for every position) that ``commit(n)`` keeps in part and
-``rollback()`` drops. Every forward gives each position the oracle's context (the
-attention mask is built from positions, see :mod:`kakeya_lab.attention`), so a block, a
-chunked append and token-by-token decoding agree.
+``rollback()`` drops; ``forward_tree`` scores a draft tree (positions by depth, each
+node seeing its ancestors only) whose accepted root-to-node path ``commit_path`` keeps.
+Every forward gives each position the oracle's context (the attention mask is built from
+positions, see :mod:`kakeya_lab.attention`), so a block, a chunked append, a tree and
+token-by-token decoding agree.
 """
 
 from __future__ import annotations
