@@ -529,3 +529,41 @@ def test_mlx_verifier_refuses_a_tree_and_loses_nothing(tiny_model, tmp_path):
     v.forward_block([4])
     v.commit(1)
     assert v.history_token_ids == [1, 2, 3, 4]
+
+
+def test_tree_sessions_match_plain_across_turns(default_model):
+    """Through the session runtime, over several chat turns past the window, with the
+    suffix tree sharing replies across the turns' index."""
+    from kakeya_lab.chat import ChatTemplate
+    from kakeya_lab.session import SessionStore, Token
+    from kakeya_lab.suffix import SharedReplies
+
+    model, tok = default_model.model, default_model.tokenizer
+    config = SinkWindowConfig(sink=4, window=48)
+    outputs = {}
+    shared = SharedReplies()
+    for label, proposer in (
+        ("plain", None),
+        ("suffix-tree", SuffixTreeProposer(shared=shared)),
+        ("ngram-tree", NgramTreeProposer()),
+    ):
+        store = SessionStore(model, config)
+        sid = store.create()
+        chat = ChatTemplate(tok)
+        toks = []
+        for user in ["Hi there!", "Name three colours.", "And three more?"]:
+            store.append(sid, chat.user(user))
+            events = list(store.generate(sid, 16, proposer=proposer, draft_length=8))
+            reply = [e.id for e in events if isinstance(e, Token)]
+            chat.generated(reply, eos_token_ids=store.eos_token_ids)
+            toks += reply
+            if proposer is not None:
+                steps = [e for e in events if isinstance(e, SpeculativeStep)]
+                # a step with no room for a draft (the reply's last token) is plain
+                assert any(s.tree for s in steps)
+                assert all(s.tree or s.draft_length == 0 for s in steps)
+        outputs[label] = toks
+        assert store.info(sid).history_len > config.budget
+    assert outputs["suffix-tree"] == outputs["plain"]
+    assert outputs["ngram-tree"] == outputs["plain"]
+    assert shared.replies == 3
