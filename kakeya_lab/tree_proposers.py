@@ -6,10 +6,11 @@ scored candidate becomes the next node (so parents are stored before children), 
 own children become candidates.
 
 * :class:`NgramTreeProposer` — prompt lookup over *every* earlier occurrence of the
-  history's last n-gram (largest n first, the latest ``max_occurrences`` inside the
-  lookback): the continuations that followed them form a trie, scored by how many
-  occurrences pass through a node, ties to the most recent. With one occurrence, or a
-  budget no larger than the chain's draft, it drafts what :class:`NgramProposer` drafts.
+  history's last n-gram, for every n-gram size (largest first, newest first, at most
+  ``max_occurrences`` inside the lookback): the continuations that followed them form a
+  trie, a node scored by the longest n-gram that led to it, then by how many occurrences
+  pass through it, then by recency. When the longest n-gram occurs once, the chain
+  :class:`NgramProposer` drafts is the tree's first path.
 * :class:`SuffixTreeProposer` — the suffix index of :class:`~kakeya_lab.suffix.SuffixProposer`:
   a node's children are the ``branch`` most frequent continuations of the longest
   matching suffix of ``context + path``, scored by the path's estimated probability (the
@@ -52,21 +53,26 @@ class NgramTreeProposer(NgramProposer):
         self.max_depth = inputs.count(max_depth, "max_depth", minimum=1, maximum=inputs.MAX_SIZE)
         self.max_occurrences = inputs.count(max_occurrences, "max_occurrences", minimum=1)
 
-    def _occurrences(self) -> list[int]:
-        """Start positions of the continuations of the latest occurrences, newest first."""
+    def _occurrences(self) -> list[tuple[int, int]]:
+        """``(n, start)`` of the continuations of the latest occurrences of the history's
+        last n-gram for every size ``n`` (largest first, newest first; a start found
+        with a larger ``n`` is not repeated), at most ``max_occurrences``."""
         seen, length = self._seen, len(self._seen)
         window = length if self.max_lookback is None else min(length, self.max_lookback)
+        out: list[tuple[int, int]] = []
+        taken: set[int] = set()
         for n in self.ngram_sizes:
             if window <= n:
                 continue
             ends = self._ends[n].get(tuple(seen[length - n :]))
             self.work += 1
-            if not ends:
-                continue
-            recent = [e for e in reversed(ends) if e - n >= length - window]
-            if recent:
-                return recent[: self.max_occurrences]
-        return []
+            for e in reversed(ends or ()):
+                if len(out) >= self.max_occurrences or e - n < length - window:
+                    break
+                if e not in taken:
+                    taken.add(e)
+                    out.append((n, e))
+        return out
 
     def propose_tree(
         self,
@@ -80,32 +86,37 @@ class NgramTreeProposer(NgramProposer):
         seen = self._seen
         # trie of continuations: node -> {token: child}; per node its count and recency
         kids: list[dict[int, int]] = [{}]  # node 0 is the context itself
-        count, recency, token_of = [0], [0], [-1]
-        for rank, start in enumerate(self._occurrences()):
+        best_n, count, recency, token_of = [0], [0], [0], [-1]
+        for rank, (n, start) in enumerate(self._occurrences()):
             node = 0
             for token in seen[start : start + self.max_depth]:
                 child = kids[node].get(token)
                 if child is None:
                     child = kids[node][token] = len(kids)
                     kids.append({})
+                    best_n.append(n)
                     count.append(0)
                     recency.append(rank)
                     token_of.append(token)
                 count[child] += 1
                 node = child
                 self.work += 1
+
+        def key(c: int) -> tuple[int, int, int]:  # longer match, then more often, then newer
+            return (-best_n[c], -count[c], recency[c])
+
         tokens: list[int] = []
         parents: list[int] = []
         order = itertools.count()
-        heap = [(-count[c], recency[c], next(order), c, -1) for c in kids[0].values()]
+        heap = [(key(c), next(order), c, -1) for c in kids[0].values()]
         heapq.heapify(heap)
         while heap and len(tokens) < max_nodes:
-            _, _, _, trie_node, parent = heapq.heappop(heap)
+            _, _, trie_node, parent = heapq.heappop(heap)
             tokens.append(token_of[trie_node])
             parents.append(parent)
             here = len(tokens) - 1
             for c in kids[trie_node].values():
-                heapq.heappush(heap, (-count[c], recency[c], next(order), c, here))
+                heapq.heappush(heap, (key(c), next(order), c, here))
         return DraftTree(tokens, parents)
 
     def describe(self) -> dict:

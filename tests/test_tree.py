@@ -241,6 +241,12 @@ def test_tree_proposers_branch_and_contain_the_chain_draft():
     assert [tree.tokens[i] for i in tree.children(-1)] == [7, 9]
     assert tree.tokens[0] == 7
     assert [tree.tokens[i] for i in tree.path(len(chain) - 1)] == chain  # stored first
+    # the 3-gram occurs once; the 1-gram (3,) adds a second branch after the chain's path
+    context2 = [5, 1, 2, 3, 4, 9, 3, 8, 1, 2, 3]
+    tree2 = NgramTreeProposer().propose_tree(context2, 16)
+    chain2 = NgramProposer().propose(context2, 16).tokens
+    assert list(tree2.tokens[: len(chain2)]) == chain2 == [4, 9, 3, 8, 1, 2, 3]
+    assert [tree2.tokens[i] for i in tree2.children(-1)] == [4, 8]
     small = NgramTreeProposer().propose_tree(context, 3)
     assert len(small) == 3
     suffix = SuffixTreeProposer(min_probability=0.05).propose_tree(context, 10)
