@@ -12,12 +12,14 @@ from kakeya_lab import reference  # noqa: E402
 from kakeya_lab.cache import SinkWindowCache, SinkWindowConfig  # noqa: E402
 from kakeya_lab.models import DEFAULT_MODEL, load_model, tiny_random_model  # noqa: E402
 from kakeya_lab.session import SessionStore  # noqa: E402
+from kakeya_lab.tree import DraftTree  # noqa: E402
 from kakeya_lab.verifier import Verifier  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_MODEL",
+    "DraftTree",
     "SessionStore",
     "SinkWindowCache",
     "SinkWindowConfig",

@@ -115,13 +115,20 @@ def key_layout(
     sink: int,
     window: int | None,
     rolling: bool,
+    ancestors: torch.Tensor | None = None,
 ) -> KeyLayout:
     """The layout of a forward whose regular key columns hold ``key_positions``.
 
     With ``rolling`` (and a window), queries past ``sink + window - 1`` get their own
-    rotated sink copies (see the module docstring).
+    rotated sink copies (see the module docstring). ``ancestors`` (a draft tree's
+    ``[q, q]`` mask, :meth:`kakeya_lab.tree.DraftTree.ancestor_mask`) restricts the last
+    ``q`` key columns — the block's own — on top of the visibility rule: a node sees only
+    its own path there.
     """
     visible = visibility(query_positions, key_positions, sink, window)
+    if ancestors is not None:
+        q = query_positions.numel()
+        visible[:, visible.shape[1] - q :] &= ancestors.to(visible.device)
     copies = None
     if rolling and window is not None:
         shift = torch.clamp(query_positions - (sink + window - 1), min=0)

@@ -17,6 +17,7 @@ same code on every backend.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -24,6 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kakeya_lab.cache import SinkWindowCache, SinkWindowConfig
+from kakeya_lab.tree import DraftTree
 
 BACKENDS = ("torch", "mlx")
 
@@ -46,7 +48,10 @@ class Backend(Protocol):
     ``next_position, next_position + 1, ...`` as provisional entries; if it raises, the
     backend is as it was before the call (earlier provisional entries included).
     ``commit(n)`` keeps the first ``n`` provisional entries and evicts; ``rollback()``
-    drops them all.
+    drops them all. With ``tree`` (a :class:`~kakeya_lab.tree.DraftTree` of
+    ``token_ids``, no provisional entries open) token ``i`` sits at ``next_position +
+    depth(i)`` and sees, among the block, only its ancestors; ``select(path)`` then
+    keeps a root-to-node path as the first provisional entries (before ``commit``).
     """
 
     name: str
@@ -54,8 +59,15 @@ class Backend(Protocol):
     vocab_size: int
 
     def forward(
-        self, token_ids: Sequence[int], *, all_rows: bool, hidden: bool = False
+        self,
+        token_ids: Sequence[int],
+        *,
+        all_rows: bool,
+        hidden: bool = False,
+        tree: DraftTree | None = None,
     ) -> Forward: ...
+
+    def select(self, indices: Sequence[int]) -> None: ...
 
     def commit(self, n: int) -> None: ...
 
@@ -167,6 +179,9 @@ class CacheBackend:
     def commit(self, n: int) -> None:
         self.cache.commit(n)
 
+    def select(self, indices: Sequence[int]) -> None:
+        self.cache.select(indices)
+
     def rollback(self) -> None:
         self.cache.rollback()
 
@@ -207,19 +222,30 @@ class TorchBackend(CacheBackend):
         self.device = next(model.parameters()).device
         self.cache = SinkWindowCache(model, config, auto_commit=False)
 
-    def forward(self, token_ids: Sequence[int], *, all_rows: bool, hidden: bool = False) -> Forward:
+    def forward(
+        self,
+        token_ids: Sequence[int],
+        *,
+        all_rows: bool,
+        hidden: bool = False,
+        tree: DraftTree | None = None,
+    ) -> Forward:
         ids = list(token_ids)
         start = self.cache.next_position
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + len(ids), device=self.device)[None]
         captured: list[torch.Tensor] = []
         hook = None
         if hidden:
             hook = final_norm(self.model).register_forward_hook(
                 lambda _m, _i, out: captured.append(out[0].detach().float())
             )
+        shape = self.cache.tree_forward(tree) if tree is not None else nullcontext(None)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), shape as tree_positions:
+                if tree_positions is None:
+                    positions = torch.arange(start, start + len(ids), device=self.device)[None]
+                else:
+                    positions = tree_positions.to(self.device)[None]
                 out = self.model(
                     input_ids=input_ids,
                     position_ids=positions,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
@@ -153,6 +153,8 @@ class SlotTable:
         self.used = 0
         self.pending_len = 0
         self.history_len = 0
+        # the open forward's draft-tree shape (depth per query, ancestor mask), if any
+        self.tree: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def capacity(self) -> int:
@@ -164,16 +166,28 @@ class SlotTable:
         return self.history_len + self.pending_len
 
     def layout(self, query_length: int) -> KeyLayout:
-        """The key layout of the next forward of ``query_length`` tokens (changes nothing)."""
-        queries = torch.arange(
-            self.next_position,
-            self.next_position + query_length,
-            dtype=torch.long,
-            device=self.device,
-        )
+        """The key layout of the next forward of ``query_length`` tokens (changes nothing);
+        a draft tree's queries sit at ``next_position + depth`` under its ancestor mask."""
+        ancestors = None
+        if self.tree is not None:
+            depths, ancestors = self.tree
+            if depths.numel() != query_length:
+                raise RuntimeError(
+                    f"a draft tree of {depths.numel()} nodes but a forward of {query_length} tokens"
+                )
+            queries = self.next_position + depths.to(self.device)
+        else:
+            queries = torch.arange(
+                self.next_position,
+                self.next_position + query_length,
+                dtype=torch.long,
+                device=self.device,
+            )
         keys = torch.cat([self.positions[: self.used + self.pending_len], queries])
         c = self.config
-        return key_layout(keys, queries, c.sink, c.window, rolling=c.positions == "rolling")
+        return key_layout(
+            keys, queries, c.sink, c.window, rolling=c.positions == "rolling", ancestors=ancestors
+        )
 
     def open(self, query_length: int) -> Block:
         """Append ``query_length`` provisional positions; where the layers write them."""
@@ -190,6 +204,30 @@ class SlotTable:
         self.positions[start:stop] = layout.query_positions
         self.pending_len += query_length
         return Block(start, stop, layout.copies)
+
+    def select(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make provisional entries ``indices`` (ascending) the first ``len(indices)``
+        provisional entries and drop the others; they must hold consecutive positions from
+        ``history_len`` on (a draft tree's root-to-node path). Returns the slot moves
+        ``(sources, destinations)`` the layers must make. ValueError, nothing changed, else."""
+        k = len(indices)
+        idx = torch.tensor(list(indices), dtype=torch.long, device=self.device)
+        if k and (int(idx.min()) < 0 or int(idx.max()) >= self.pending_len):
+            raise ValueError(
+                f"provisional entries {list(indices)} outside 0..{self.pending_len - 1}"
+            )
+        sources = self.used + idx
+        want = torch.arange(self.history_len, self.history_len + k, device=self.device)
+        if not torch.equal(self.positions[sources], want):
+            raise ValueError(
+                f"provisional entries {list(indices)} are not a path of consecutive positions "
+                f"from {self.history_len}"
+            )
+        destinations = self.used + torch.arange(k, dtype=torch.long, device=self.device)
+        self.positions[self.used + k : self.used + self.pending_len] = -1
+        self.positions[destinations] = want
+        self.pending_len = k
+        return sources, destinations
 
     def commit(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Keep ``n`` provisional entries, drop the rest, evict; returns the slot moves
@@ -471,6 +509,35 @@ class SinkWindowCache(Cache):
                     if layer.is_initialized:
                         layer.reserve(capacity, self.table.used)
             self._next_layer = 0
+
+    @torch.inference_mode()
+    def select(self, indices: Sequence[int]) -> None:
+        """Keep provisional entries ``indices`` (a draft tree's root-to-node path, block
+        indices ascending) as the first ``len(indices)`` provisional entries, dropping the
+        rest: their K/V move into the slots a prefix would have used (keys were rotated at
+        their path position, so nothing is re-rotated). Then ``commit(len(indices))``
+        commits the path. Nothing is evicted here; ValueError, nothing changed, if
+        ``indices`` is not such a path."""
+        self._check_forward_complete()
+        with interrupts_deferred():
+            sources, destinations = self.table.select(indices)
+            if not torch.equal(sources, destinations):
+                for layer in self.sink_window_layers:
+                    layer.move(sources, destinations)
+
+    @contextmanager
+    def tree_forward(self, tree: Any) -> Iterator[torch.Tensor]:
+        """Within the block, the next forward is the :class:`~kakeya_lab.tree.DraftTree`
+        ``tree`` (queries at ``next_position + depth`` under its ancestor mask); yields the
+        position ids to feed."""
+        if self.pending_len:
+            raise RuntimeError("a draft tree is verified on its own: commit or roll back first")
+        depths = torch.tensor(tree.depths(), dtype=torch.long, device=self.table.device)
+        self.table.tree = (depths, tree.ancestor_mask().to(self.table.device))
+        try:
+            yield self.next_position + depths
+        finally:
+            self.table.tree = None
 
     @torch.inference_mode()
     def rollback(self) -> None:

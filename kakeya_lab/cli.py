@@ -145,6 +145,13 @@ def _check_proposer(spec: str) -> None:
     kind, _, arg = (spec or "none").partition(":")
     if kind == "none" and not arg:
         return
+    if kind == "tree" and arg and not arg.startswith(("tree", "ngram-tree", "suffix-tree")):
+        _check_proposer(arg)  # a chain proposer verified as a 1-wide tree
+        return
+    if kind in ("suffix", "suffix-tree") and (not arg or arg.isdigit()):
+        return
+    if kind == "ngram-tree":
+        kind = "ngram"
     if kind == "ngram" and (not arg or all(p.isdigit() and int(p) >= 1 for p in arg.split(","))):
         return
     if kind == "early-exit" and arg.isdigit() and int(arg) >= 1:
@@ -158,8 +165,8 @@ def _check_proposer(spec: str) -> None:
         read_record(arg)  # DrafterNotFound (lists the names that exist) before a model loads
         return
     raise UserError(
-        f"unknown proposer {spec!r}: use none, ngram[:SIZES], early-exit:LAYERS, draft:MODEL "
-        "or drafter:NAME"
+        f"unknown proposer {spec!r}: use none, ngram[:SIZES], suffix[:DEPTH], early-exit:LAYERS, "
+        "draft:MODEL, drafter:NAME, ngram-tree[:SIZES], suffix-tree[:DEPTH] or tree:SPEC"
     )
 
 

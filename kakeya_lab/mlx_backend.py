@@ -457,9 +457,21 @@ class MLXBackend(CacheBackend):
         self.vocab_size = _dims(model)[3]
         self.cache = MLXSinkWindowCache(model, config)
 
-    def forward(self, token_ids: Sequence[int], *, all_rows: bool, hidden: bool = False) -> Forward:
+    def forward(
+        self,
+        token_ids: Sequence[int],
+        *,
+        all_rows: bool,
+        hidden: bool = False,
+        tree: Any = None,
+    ) -> Forward:
         import mlx.core as mx
 
+        if tree is not None:
+            raise NotImplementedError(
+                "draft trees are only verified on the torch backend so far: use a chain "
+                "proposer (e.g. suffix instead of suffix-tree) or a torch verifier"
+            )
         if hidden:
             raise NotImplementedError(
                 "final hidden states are only available on the torch backend; a hidden-state "

@@ -39,6 +39,7 @@ from kakeya_lab.backend import backend_name_of
 from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.inputs import InputTypeError
 from kakeya_lab.sampling import SamplingConfig
+from kakeya_lab.tree import DraftTree
 from kakeya_lab.verifier import Verifier
 
 if TYPE_CHECKING:
@@ -71,6 +72,64 @@ class Proposer(Protocol):
     def accept(self, n: int) -> None: ...
 
     def describe(self) -> dict: ...
+
+
+@runtime_checkable
+class TreeProposer(Protocol):
+    """A proposer that drafts a :class:`~kakeya_lab.tree.DraftTree` of at most
+    ``max_nodes`` nodes (the decoder's draft length is the node budget); ``accept(n)``
+    then gets the accepted path's length."""
+
+    name: str
+
+    def propose_tree(
+        self,
+        context: Sequence[int],
+        max_nodes: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None = None,
+    ) -> DraftTree: ...
+
+    def accept(self, n: int) -> None: ...
+
+    def describe(self) -> dict: ...
+
+
+def is_tree_proposer(proposer: object) -> bool:
+    """Whether the decoder should verify ``proposer``'s drafts as trees."""
+    return callable(getattr(proposer, "propose_tree", None))
+
+
+class ChainTree:
+    """Any chain proposer as a 1-wide tree proposer (the tree path with chain drafts;
+    proposal distributions are kept, so rejection sampling works as for chains). Other
+    attributes (``bind``, ``observe_reply``, ``verifier``...) are the wrapped proposer's."""
+
+    def __init__(self, proposer: Proposer):
+        check_proposer(proposer)
+        self.proposer = proposer
+        self.name = f"tree:{proposer.name}"
+
+    def propose(self, context, draft_length, sampling=None, generator=None) -> Draft:
+        return self.proposer.propose(context, draft_length, sampling, generator)
+
+    def propose_tree(self, context, max_nodes, sampling=None, generator=None) -> DraftTree:
+        draft = self.proposer.propose(context, max_nodes, sampling, generator)
+        tokens = list(draft.tokens)[:max_nodes]
+        probs = None if draft.probs is None else draft.probs[: len(tokens)]
+        return DraftTree.chain(tokens, probs)
+
+    def accept(self, n: int) -> None:
+        self.proposer.accept(n)
+
+    def describe(self) -> dict:
+        inner = self.proposer.describe() if hasattr(self.proposer, "describe") else {}
+        return {**inner, "name": self.name, "tree": "chain"}
+
+    def __getattr__(self, name: str):
+        if name == "proposer":  # not set yet (e.g. during copying): no recursion
+            raise AttributeError(name)
+        return getattr(self.proposer, name)
 
 
 def check_proposer(proposer: object) -> None:
@@ -371,7 +430,10 @@ def make_proposer(
     ``none`` → ``None`` (plain decoding); ``ngram`` or ``ngram:3,2,1``; ``suffix`` or
     ``suffix:DEPTH`` (sharing ``shared_replies``, a
     :class:`~kakeya_lab.suffix.SharedReplies`, when given);
-    ``early-exit:LAYERS``; ``draft:MODEL`` (a registry name or local folder, loaded with
+    ``early-exit:LAYERS``; tree proposers ``ngram-tree[:SIZES]`` and
+    ``suffix-tree[:DEPTH]`` (:mod:`kakeya_lab.tree_proposers`; the draft length is their
+    node budget) and ``tree:SPEC`` (any chain proposer above as a 1-wide tree);
+    ``draft:MODEL`` (a registry name or local folder, loaded with
     :func:`~kakeya_lab.models.load_model` unless ``draft_model`` — an already loaded model,
     i.e. what ``load_model`` returns or a bare ``PreTrainedModel`` — is given; its tokenizer
     must equal ``tokenizer``); ``drafter:NAME`` (a named drafter of the store, see
@@ -379,7 +441,8 @@ def make_proposer(
     ``LoadedModel.description.weight_sha256``, which must be the one it was trained for).
     """
     usage = (
-        "use none, ngram[:SIZES], suffix[:DEPTH], early-exit:LAYERS, draft:MODEL or drafter:NAME"
+        "use none, ngram[:SIZES], suffix[:DEPTH], early-exit:LAYERS, draft:MODEL, "
+        "drafter:NAME, ngram-tree[:SIZES], suffix-tree[:DEPTH] or tree:SPEC"
     )
     if spec is not None and not isinstance(spec, str):
         raise InputTypeError(
@@ -388,6 +451,33 @@ def make_proposer(
     if spec in (None, "", "none"):
         return None
     kind, _, arg = spec.partition(":")
+    if kind == "tree" and arg:  # any chain proposer verified as a 1-wide tree
+        inner = make_proposer(
+            arg,
+            model,
+            config,
+            tokenizer,
+            draft_model=draft_model,
+            shared_replies=shared_replies,
+            verifier_sha256=verifier_sha256,
+        )
+        if inner is None or is_tree_proposer(inner):
+            raise ValueError(f"tree:SPEC wraps a chain proposer, got {spec!r} ({usage})")
+        return ChainTree(inner)
+    if kind in ("ngram-tree", "suffix-tree"):
+        from kakeya_lab.tree_proposers import NgramTreeProposer, SuffixTreeProposer
+
+        if kind == "suffix-tree":
+            if arg and not arg.isdigit():
+                raise ValueError(f"bad suffix depth in {spec!r}: write it like suffix-tree:8")
+            return SuffixTreeProposer(max_depth=int(arg) if arg else 8, shared=shared_replies)
+        try:
+            tree_sizes = [int(n) for n in arg.split(",")] if arg else [3, 2, 1]
+        except ValueError:
+            raise ValueError(
+                f"bad n-gram sizes in {spec!r}: write them like ngram-tree:3,2,1"
+            ) from None
+        return NgramTreeProposer(tree_sizes)
     if kind == "ngram":
         try:
             sizes = [int(n) for n in arg.split(",")] if arg else (3, 2, 1)

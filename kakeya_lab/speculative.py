@@ -13,6 +13,11 @@ row ``i`` of the block's logits predicts the token after ``block[:i+1]``, so it 
   from ``p``. This preserves the verifier's distribution (Leviathan et al. 2023).
   Deterministic drafts (``q`` one-hot) are the special case ``q(d) = 1``.
 
+Draft trees (docs/design.md, "Draft trees"): a tree proposer's :class:`~kakeya_lab.tree.DraftTree`
+is verified rooted at ``x`` in one forward; greedy acceptance follows the argmax child
+from the root, sampling eliminates rejected siblings from ``p`` one by one; the accepted
+root-to-node path is committed even when it is not a prefix of the block.
+
 Delivery: a step's tokens stay *provisional* until handed out one by one with
 :meth:`Decoder.deliver`. :meth:`Decoder.settle` commits exactly the delivered tokens,
 rolls the rest of the step back (verifier block and proposer state) and leaves
@@ -24,21 +29,24 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from kakeya_lab import inputs
 from kakeya_lab.cost_model import CostAwareDraftLength, CostModel
 from kakeya_lab.inputs import InputTypeError
-from kakeya_lab.proposers import Draft, Proposer, check_proposer
+from kakeya_lab.proposers import Draft, Proposer, TreeProposer, check_proposer, is_tree_proposer
 from kakeya_lab.sampling import GREEDY, SamplingConfig
+from kakeya_lab.tree import DraftTree
 from kakeya_lab.verifier import Verifier
 
 
 @dataclass(frozen=True)
 class SpeculativeStep:
     """One verifier forward: ``proposed`` drafts (asked: ``draft_length``), ``accepted`` of
-    them, ``emitted`` tokens offered to the consumer."""
+    them, ``emitted`` tokens offered to the consumer. ``tree``: a draft tree was verified
+    (``proposed`` its nodes, ``draft_length`` the node budget, ``accepted`` the path's length)."""
 
     draft_length: int
     proposed: int
@@ -46,6 +54,7 @@ class SpeculativeStep:
     emitted: int
     proposer_s: float
     verifier_s: float
+    tree: bool = False
 
 
 def accept_greedy(rows: torch.Tensor, draft: Sequence[int]) -> tuple[int, int]:
@@ -81,6 +90,67 @@ def accept_sampled(
     return len(tokens), int(torch.multinomial(p, 1, generator=generator))
 
 
+def accept_greedy_tree(rows: torch.Tensor, block: DraftTree) -> tuple[list[int], int]:
+    """Greedy acceptance over a verified tree block (node 0 the last emitted token): from
+    the root, follow the child equal to the verifier's argmax while there is one. Returns
+    the accepted nodes (block indices, root excluded) and the verifier's next token."""
+    targets = torch.argmax(rows, dim=-1).tolist()
+    path: list[int] = []
+    node = 0
+    while True:
+        child = next((c for c in block.children(node) if block.tokens[c] == targets[node]), None)
+        if child is None:
+            return path, int(targets[node])
+        path.append(child)
+        node = child
+
+
+def accept_sampled_tree(
+    rows: torch.Tensor,
+    block: DraftTree,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """Rejection sampling over a verified tree block, preserving the verifier's distribution.
+
+    At each node with deterministic children (distinct tokens ``d1, d2, ...``): accept
+    ``d1`` with probability ``p(d1)``; on rejection set ``p(d1) = 0``, renormalise and try
+    ``d2``, and so on; if every child is rejected draw from what is left of ``p``. Each
+    token is thus emitted with exactly its probability under ``p``. A 1-wide tree with
+    proposal distributions follows the chain rule (:func:`accept_sampled`). Returns the
+    accepted nodes (root excluded) and the next token."""
+    path: list[int] = []
+    node = 0
+    while True:
+        p = sampling.probs(rows[node])
+        children = block.children(node)
+        if block.probs is not None and children:  # a chain with q: the chain rule
+            (child,) = children
+            d, q = block.tokens[child], block.probs[child].to(p)
+            u = float(torch.rand((), generator=generator))
+            if q[d] > 0 and u < min(1.0, float(p[d] / q[d])):
+                path.append(child)
+                node = child
+                continue
+            residual = torch.clamp(p - q, min=0.0)
+            total = residual.sum()
+            if total <= 0:
+                residual, total = p, p.sum()
+            return path, int(torch.multinomial(residual / total, 1, generator=generator))
+        for child in children:
+            d = block.tokens[child]
+            u = float(torch.rand((), generator=generator))
+            if u < float(p[d]):
+                path.append(child)
+                node = child
+                break
+            p = p.clone()
+            p[d] = 0.0
+            p = p / p.sum()
+        else:
+            return path, int(torch.multinomial(p, 1, generator=generator))
+
+
 class AdaptiveDraftLength:
     """Grow the draft length by one after a fully accepted draft, shrink it after a draft
     that lost more than half; bounded to ``[1, max_draft_length]``."""
@@ -100,7 +170,9 @@ class AdaptiveDraftLength:
 class Decoder:
     """Decodes after ``verifier``'s committed history, whose next-token logits are ``next_logits``.
 
-    ``proposer=None`` is plain decoding. Drive it with :meth:`advance` (one step; returns
+    ``proposer=None`` is plain decoding. A tree proposer (one with ``propose_tree``) gets
+    the draft length as its node budget; the adaptive and cost-aware schedules then treat
+    the tree's longest path as the drafted chain. Drive it with :meth:`advance` (one step; returns
     the :class:`SpeculativeStep` in speculative mode), then :meth:`deliver` each token of
     :attr:`batch`, until :attr:`finished`; always end with :meth:`settle`. Or iterate it
     (``for item in decoder``): token ids (and steps), each delivered as it is yielded,
@@ -166,7 +238,9 @@ class Decoder:
         self._in_block = 0
         self._taken = 0
         self._drafted = False
+        self._path: list[int] | None = None  # a tree step: the accepted block nodes, root first
         self._last: int | None = None
+        self.tree = proposer is not None and is_tree_proposer(proposer)
         if proposer is not None:
             verifier.check_proposer(proposer)  # same backend (torch / mlx) or a clear error
             bind = getattr(proposer, "bind", None)
@@ -202,6 +276,8 @@ class Decoder:
         length = self.schedule.draft_length if self.schedule else self.draft_length
         proposer = self.proposer
         length = min(length, room - 1) if proposer is not None else 0
+        if proposer is not None and length > 0 and self.tree:
+            return self._advance_tree(x, length, room)
         if proposer is not None and length > 0:
             draft = proposer.propose(
                 self.verifier.history_view([x]), length, self.sampling, self.generator
@@ -223,7 +299,62 @@ class Decoder:
         except BaseException:
             self._roll_back_block()
             raise
-        offered = draft.tokens[:n] + [nxt]  # never more than `room` tokens
+        self._path = None
+        return self._offer(
+            rows, draft.tokens[:n], nxt, length, len(draft.tokens), draft.seconds, verifier_s
+        )
+
+    def _advance_tree(self, x: int, length: int, room: int) -> SpeculativeStep | None:
+        """A step verifying a draft tree of at most ``length`` nodes (docs/design.md,
+        "Draft trees"); the accepted root-to-node path is committed by :meth:`_close_step`."""
+        proposer = cast(TreeProposer, self.proposer)
+        t_draft = time.perf_counter()
+        tree = proposer.propose_tree(
+            self.verifier.history_view([x]), length, self.sampling, self.generator
+        )
+        seconds = time.perf_counter() - t_draft
+        if not isinstance(tree, DraftTree):
+            raise TypeError(
+                f"{type(proposer).__name__}.propose_tree must return a DraftTree, "
+                f"got {type(tree).__name__}"
+            )
+        tree = tree.pruned(max_nodes=length, max_depth=room - 1)
+        block = tree.rooted(x)
+        t0 = time.perf_counter()
+        try:
+            rows = self.verifier.forward_tree(block)
+        except BaseException:  # e.g. ids outside the vocabulary: nothing was written
+            proposer.accept(0)
+            raise
+        verifier_s = time.perf_counter() - t0
+        self.verifier_s += verifier_s
+        self.verifier_forwards += 1
+        self._drafted = True
+        try:
+            if self.sampling.greedy:
+                path, nxt = accept_greedy_tree(rows, block)
+            else:
+                path, nxt = accept_sampled_tree(rows, block, self.sampling, self.generator)
+        except BaseException:
+            self._roll_back_block()
+            raise
+        self._path = [0, *path]
+        tokens = [block.tokens[i] for i in path]
+        return self._offer(rows, tokens, nxt, length, len(tree), seconds, verifier_s, tree.depth)
+
+    def _offer(
+        self,
+        rows: torch.Tensor,
+        accepted: list[int],
+        nxt: int,
+        length: int,
+        proposed: int,
+        proposer_s: float,
+        verifier_s: float,
+        depth: int | None = None,
+    ) -> SpeculativeStep | None:
+        n = len(accepted)
+        offered = accepted + [nxt]  # never more than `room` tokens
         first_stop = next((j for j, t in enumerate(offered) if t in self.stop_token_ids), None)
         if first_stop is not None:
             offered = offered[: first_stop + 1]
@@ -233,15 +364,16 @@ class Decoder:
             return None
         step = SpeculativeStep(
             draft_length=length,
-            proposed=len(draft.tokens),
+            proposed=proposed,
             accepted=n,
             emitted=len(offered),
-            proposer_s=draft.seconds,
+            proposer_s=proposer_s,
             verifier_s=verifier_s,
+            tree=self._path is not None,
         )
         self.steps.append(step)
-        if self.schedule:
-            self.schedule.update(step.proposed, n)
+        if self.schedule:  # a tree's chain-like trial is its longest path
+            self.schedule.update(step.proposed if depth is None else depth, n)
         return step
 
     def deliver(self) -> int:
@@ -289,6 +421,7 @@ class Decoder:
     # ---------------------------------------------------------------- internals
     def _roll_back_block(self) -> None:
         self.verifier.rollback()
+        self._path = None
         if self._drafted and self.proposer is not None:  # only a proposer drafts
             self.proposer.accept(0)
         self._drafted = False
@@ -302,7 +435,11 @@ class Decoder:
                 self.pending = offered[0]
             return
         keep = min(taken, self._in_block)  # delivered tokens that are accepted drafts
-        self.verifier.commit(1 + keep)
+        path, self._path = self._path, None
+        if path is None:
+            self.verifier.commit(1 + keep)
+        else:  # a tree: the accepted nodes need not be a prefix of the block
+            self.verifier.commit_path(path[: 1 + keep])
         if self._drafted and self.proposer is not None:  # only a proposer drafts
             self.proposer.accept(keep)
         self._drafted = False
@@ -310,7 +447,7 @@ class Decoder:
             self.pending = offered[taken - 1]
         else:
             self.pending = None
-            self.next_logits = rows[keep]
+            self.next_logits = rows[keep if path is None else path[keep]]
 
 
 def plain_decode(verifier: Verifier, next_logits: torch.Tensor, **options) -> Decoder:

@@ -2,9 +2,11 @@
 
 ``append`` commits tokens and returns the next-token logits; ``forward_block`` scores a
 provisional block (logits for every position) that ``commit(n)`` keeps in part and
-``rollback()`` drops. Every forward gives each position the oracle's context (the
-attention mask is built from positions, see :mod:`kakeya_lab.attention`), so a block, a
-chunked append and token-by-token decoding agree.
+``rollback()`` drops; ``forward_tree`` scores a draft tree (positions by depth, each
+node seeing its ancestors only) whose accepted root-to-node path ``commit_path`` keeps.
+Every forward gives each position the oracle's context (the attention mask is built from
+positions, see :mod:`kakeya_lab.attention`), so a block, a chunked append, a tree and
+token-by-token decoding agree.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kakeya_lab.backend import (  # noqa: F401 (final_norm, vocab_size_of: re-ex
     vocab_size_of,
 )
 from kakeya_lab.cache import SinkWindowConfig, interrupts_deferred
+from kakeya_lab.tree import DraftTree
 
 
 def check_token_ids(token_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> list[int]:
@@ -139,6 +142,8 @@ class Verifier:
         self.vocab_size = self.backend.vocab_size
         self._history: list[int] = []
         self._pending: list[int] = []
+        self._tree: DraftTree | None = None  # the open block when it is a draft tree
+        self._tree_hidden: torch.Tensor | None = None
         self.trace: HiddenTrace | None = None  # set to record final hidden states
 
     @property
@@ -159,6 +164,7 @@ class Verifier:
         """Free the cache's storage and forget the history (a closed session)."""
         self.backend.reset()
         self._history, self._pending = [], []
+        self._tree, self._tree_hidden = None, None
 
     def trace_hidden(self, capacity: int | None = 64) -> HiddenTrace:
         """Start recording final hidden states (kept if already on with enough capacity).
@@ -217,12 +223,71 @@ class Verifier:
         Nothing is committed or evicted; a second call extends the open block.
         """
         ids = check_token_ids(token_ids, self.vocab_size)
+        if self._tree is not None:
+            raise RuntimeError("a draft tree is open: commit_path(nodes) or rollback() first")
         logits = self._forward(ids, all_rows=True)
         self._pending.extend(ids)
         return logits
 
+    def forward_tree(self, tree: DraftTree) -> torch.Tensor:
+        """Score a draft tree in one forward (docs/design.md, "Draft trees"): logits
+        ``[len(tree), vocab]``, row ``i`` predicting after ``history + path(i)``.
+
+        Node ``i`` sits at position ``next_position + depth(i)`` and attends to the cache
+        under the visibility rule and, inside the block, to its ancestors only. Needs no
+        open block; the tree stays provisional until :meth:`commit_path` (or
+        :meth:`rollback`). A tree with an id outside the vocabulary, or an empty one, is a
+        ValueError and changes nothing.
+        """
+        if not isinstance(tree, DraftTree):
+            raise TypeError(
+                f"forward_tree takes a kakeya_lab.tree.DraftTree, got {type(tree).__name__}"
+            )
+        if not len(tree):
+            raise ValueError("an empty draft tree: nothing to verify")
+        tree.check_vocab(self.vocab_size)
+        if self._pending:
+            raise RuntimeError("a provisional block is open: commit(n) or rollback() first")
+        out = self.backend.forward(
+            list(tree.tokens), all_rows=True, hidden=self.trace is not None, tree=tree
+        )
+        self._pending = list(tree.tokens)
+        self._tree, self._tree_hidden = tree, out.hidden
+        return out.logits
+
+    def commit_path(self, nodes: Sequence[int]) -> None:
+        """Commit the open tree's root-to-node path ``nodes`` (node indices, a root first,
+        each the parent of the next; empty: nothing), drop every other node, then evict.
+
+        The path need not be a prefix of the tree's storage order: its K/V are moved into
+        the slots a prefix would occupy first. ValueError, nothing changed, if ``nodes`` is
+        not such a path.
+        """
+        tree = self._tree
+        if tree is None:
+            raise RuntimeError("no draft tree is open: forward_tree(tree) first")
+        path = list(nodes)
+        if not tree.is_path(path):
+            raise ValueError(
+                f"{path} is not a root-to-node path of the open draft tree (parents "
+                f"{list(tree.parents)}): start at a root (parent -1), each node a child of the last"
+            )
+        with interrupts_deferred():
+            start = self.backend.next_position - len(self._pending)
+            self.backend.select(path)
+            self.backend.commit(len(path))
+            tokens = [tree.tokens[i] for i in path]
+            self._history.extend(tokens)
+            if self.trace is not None and self._tree_hidden is not None and path:
+                self.trace.record(start, tokens, self._tree_hidden[path])
+            self._pending, self._tree, self._tree_hidden = [], None, None
+
     def commit(self, n: int) -> None:
-        """Keep the first ``n`` tokens of the open block, drop the rest (then evict)."""
+        """Keep the first ``n`` tokens of the open block, drop the rest (then evict).
+        For an open draft tree: its first ``n`` nodes, which must form a path."""
+        if self._tree is not None:
+            self.commit_path(list(range(inputs.count(n, "commit n", minimum=0))))
+            return
         n = inputs.count(
             n,
             "commit n",
@@ -239,6 +304,7 @@ class Verifier:
         """Drop the open block; the committed history and cache are unchanged."""
         self.backend.rollback()
         self._pending = []
+        self._tree, self._tree_hidden = None, None
 
     # ------------------------------------------------------------------- state
     @property

@@ -27,6 +27,12 @@ drafting cost and the speedup they predict) is ``run.cost``, see
 Table columns: ``turns`` and ``steps`` carry ``draft_length`` (0 for plain decoding); the
 summary adds ``acceptance_rate``, ``acceptance_probability``, ``draft_cost_ratio``,
 ``expected_speedup`` and ``acceptance_by_position``.
+
+Tree arms (a :class:`~kakeya_lab.proposers.TreeProposer`, e.g. ``suffix-tree@16``): the
+draft length is the node budget, ``proposed`` counts the tree's nodes and ``accepted``
+the accepted path's length, so ``acceptance_rate`` is accepted path nodes per verified
+node, ``acceptance_by_position`` the share of steps accepting at least ``i + 1`` tokens;
+``acceptance_probability`` and ``expected_speedup`` (chain formulas) are left empty.
 """
 
 from __future__ import annotations
@@ -165,6 +171,7 @@ def run_speculative(
                             "emitted": step.emitted,
                             "proposer_s": step.proposer_s,
                             "verifier_s": step.verifier_s,
+                            "tree": step.tree,
                         }
                     )
                 done = result.done
@@ -202,6 +209,7 @@ def run_speculative(
             "emitted",
             "proposer_s",
             "verifier_s",
+            "tree",
         ],
     )
     turns = _add_turn_speedups(turns)
@@ -263,6 +271,8 @@ def summarize(turns: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
             rejections = (s["accepted"] < s["proposed"]).sum()
             probability = accepted / (accepted + rejections) if accepted + rejections else None
             cost_ratio = (s["proposer_s"].sum() / proposed) / plain_s_per_token
+            if "tree" in s and bool(s["tree"].any()):
+                probability = None  # Leviathan's formula describes chains, not trees
             row.update(
                 acceptance_rate=accepted / proposed,
                 acceptance_probability=probability,

@@ -9,7 +9,7 @@ from typing import cast
 from kakeya_lab.cache import PositionMode, SinkWindowConfig
 
 ARM_NAMES = ("sink_window", "full_cache", "reprefill", "speculative")
-PROPOSER_KINDS = ("ngram", "suffix", "early-exit", "draft")
+PROPOSER_KINDS = ("ngram", "suffix", "early-exit", "draft", "drafter")
 
 
 @dataclass(frozen=True)
@@ -33,12 +33,20 @@ class Arm:
 
 def check_proposer_spec(spec: str | None) -> None:
     """Raise ValueError unless ``spec`` names a proposer (``ngram[:SIZES]``,
-    ``early-exit:LAYERS``, ``draft:MODEL``) — checked without a model."""
+    ``suffix[:DEPTH]``, ``early-exit:LAYERS``, ``draft:MODEL``, ``drafter:NAME``, the tree proposers
+    ``ngram-tree[:SIZES]``, ``suffix-tree[:DEPTH]`` and ``tree:SPEC``) — checked without a model."""
     kind, _, arg = (spec or "").partition(":")
+    if kind == "tree":  # a chain proposer verified as a 1-wide tree
+        if arg.partition(":")[0] in ("tree", "ngram-tree", "suffix-tree"):
+            raise ValueError(f"tree:SPEC wraps a chain proposer, got {spec!r}")
+        check_proposer_spec(arg)
+        return
+    kind = {"ngram-tree": "ngram", "suffix-tree": "suffix"}.get(kind, kind)
     if kind not in PROPOSER_KINDS:
         raise ValueError(
-            f"the speculative arm needs a proposer: ngram[:SIZES], suffix[:DEPTH], early-exit:LAYERS or "
-            f"draft:MODEL, got {spec!r}"
+            "the speculative arm needs a proposer: ngram[:SIZES], suffix[:DEPTH], "
+            "early-exit:LAYERS, draft:MODEL, drafter:NAME, ngram-tree[:SIZES], "
+            f"suffix-tree[:DEPTH] or tree:SPEC, got {spec!r}"
         )
     if (
         kind == "ngram"
@@ -52,6 +60,8 @@ def check_proposer_spec(spec: str | None) -> None:
         raise ValueError(f"bad layer count in {spec!r}: write it like early-exit:8")
     if kind == "draft" and not arg:
         raise ValueError(f"no draft model in {spec!r}: write it like draft:MODEL")
+    if kind == "drafter" and not arg:
+        raise ValueError(f"no drafter name in {spec!r}: write it like drafter:NAME")
 
 
 def standard_arms(
