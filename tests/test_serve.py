@@ -113,23 +113,33 @@ def test_grpc_multi_turn_equals_in_process_greedy(main_server, default_model, or
     assert any(d is not None and d > 0 for d in truncated)  # eviction was reported
 
 
-def test_grpc_ngram_proposer_greedy_equals_plain(main_server, default_model):
+def test_grpc_served_proposers_greedy_equal_plain(main_server, default_model):
+    """Every served proposer, chains and trees, streams plain greedy decoding's tokens."""
     ids = default_model.tokenizer(
         "one two three four, one two three four, one two", add_special_tokens=False
     )["input_ids"]
+    proposers = ("none", "ngram", "suffix", "ngram-tree", "suffix-tree")
     with main_server.client() as client:
         outputs = []
-        for proposer in ("none", "ngram"):
+        for proposer in proposers:
             sid = client.create()
             client.append_ids(sid, ids)
             events = list(client.stream(sid, 10, proposer=proposer))
             outputs.append([e.token.id for e in events if e.WhichOneof("event") == "token"])
             steps = [e.step for e in events if e.WhichOneof("event") == "step"]
-            assert bool(steps) == (proposer == "ngram")
+            assert bool(steps) == (proposer != "none")
             info = client.info(sid)
-            assert (info.proposed > 0) == (proposer == "ngram")
+            assert (info.proposed > 0) == (proposer != "none"), proposer
             client.close_session(sid)
-    assert outputs[0] == outputs[1] and len(outputs[0]) > 0
+        sid = client.create()
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate(sid, 4, proposer="early-exit:4")
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "model-free" in refused.value.details()
+        assert client.info(sid).history_len == 0  # refused before any state changed
+        client.close_session(sid)
+    assert len(outputs[0]) > 0
+    assert all(out == outputs[0] for out in outputs), dict(zip(proposers, outputs))
 
 
 def test_grpc_cancel_keeps_exactly_the_sent_tokens(main_server, default_model, oracle):

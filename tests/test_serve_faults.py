@@ -6,8 +6,8 @@ Engine errors are provoked for real, not simulated: a sampling temperature so sm
 (1e-45) that the logits overflow to inf and ``torch.multinomial`` refuses the resulting NaN
 distribution (a ``RuntimeError`` deep in the engine -> ``INTERNAL`` / 500), and a proposer
 spec that cannot be built (``ngram:0`` -> ``INVALID_ARGUMENT`` / 400). A draft model with
-another vocabulary cannot be provoked here: the server serves only the ``none`` and
-``ngram`` proposers and refuses ``draft:`` specs before the engine runs.
+another vocabulary cannot be provoked here: the server serves only the model-free
+proposers (n-gram, suffix, and their trees) and refuses ``draft:`` specs before the engine runs.
 
 Baseline: open sessions and live KV bytes (``/metrics``) must return exactly to their
 values before the fault. RSS (``process_resident_memory_bytes``) is checked only against

@@ -59,7 +59,12 @@ def build_served(loaded, cache: SinkWindowConfig, options: ServeOptions) -> Serv
     )
     admission = Admission("queue" if options.admission == "queue" else "reject", options.max_wait_s)
     return ServedSessions(
-        store, loaded.tokenizer, admission, options.limits, model_name=loaded.description.name
+        store,
+        loaded.tokenizer,
+        admission,
+        options.limits,
+        model_name=loaded.description.name,
+        verifier_sha256=loaded.description.weight_sha256,
     )
 
 

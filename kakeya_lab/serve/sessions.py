@@ -22,6 +22,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 from kakeya_lab import inputs
+from kakeya_lab.backend import backend_name_of
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.proposers import make_proposer
 from kakeya_lab.sampling import SamplingConfig
@@ -38,6 +39,10 @@ from kakeya_lab.session import (
     Token,
     UnknownSession,
 )
+
+# Proposers a request may name: the model-free ones, built per request from the session's
+# own history (a model drafter would be loaded per request; those run in-process).
+SERVED_PROPOSERS = ("none", "ngram", "suffix", "ngram-tree", "suffix-tree")
 
 
 class ServerShuttingDown(Exception):
@@ -111,8 +116,10 @@ class ServedSessions:
         admission: Admission,
         limits: ServeLimits = ServeLimits(),
         model_name: str = "model",
+        verifier_sha256: str | None = None,
     ):
         self.store = store
+        self.verifier_sha256 = verifier_sha256  # lets requests name a drafter (drafter:NAME)
         self.tokenizer = tokenizer
         self.admission = admission
         self.limits = limits
@@ -364,9 +371,17 @@ class ServedSessions:
         if options.stop_token_ids:
             inputs.stop_token_ids(list(options.stop_token_ids), self.store.vocab_size)
         kind = (options.proposer or "none").partition(":")[0]
-        if kind not in ("none", "ngram"):
+        if kind not in SERVED_PROPOSERS:
             raise ValueError(
-                f"proposer {options.proposer!r} is not served: use none or ngram[:SIZES]"
+                f"proposer {options.proposer!r} is not served: use none, ngram[:SIZES], "
+                "suffix[:DEPTH], ngram-tree[:SIZES] or suffix-tree[:DEPTH] (model-free "
+                "proposers; model drafters run in-process)"
+            )
+        backend = backend_name_of(self.store.model)
+        if kind.endswith("-tree") and backend != "torch":
+            raise ValueError(
+                f"proposer {options.proposer!r}: draft trees are verified on the torch backend "
+                f"only; this server runs {backend}"
             )
 
     def generate(
@@ -386,7 +401,11 @@ class ServedSessions:
         self.check_options(options)
         served = self.get(session_id)
         proposer = make_proposer(
-            options.proposer or "none", self.store.model, self.store.config, self.tokenizer
+            options.proposer or "none",
+            self.store.model,
+            self.store.config,
+            self.tokenizer,
+            verifier_sha256=self.verifier_sha256,
         )
         stream = self.store.generate(
             session_id,
