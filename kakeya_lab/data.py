@@ -181,3 +181,21 @@ def domain_conversations(
         if limit is not None and len(out) >= limit:
             break
     return out
+
+
+def prompt_set_conversations(
+    prompt_set: str, *, limit: int | None = None, min_turns: int = 2
+) -> list[Conversation]:
+    """The conversations a benchmark names as ``DOMAIN-SPLIT`` (``chitchat-dev``,
+    ``code-dev``, ``prose-dev``; ``-train`` for the training side). Chit-chat keeps
+    conversations with at least ``min_turns`` turns; a code or prose conversation is one
+    passage and a "Go on." turn (2 user turns), whatever ``min_turns`` asks."""
+    domain, _, split = prompt_set.rpartition("-")
+    if domain not in DOMAINS or split not in ("train", "dev"):
+        raise ValueError(
+            f"unknown prompt set {prompt_set!r}: use DOMAIN-SPLIT with DOMAIN one of "
+            f"{', '.join(DOMAINS)} and SPLIT dev or train (e.g. code-dev)"
+        )
+    if domain == "chitchat":
+        return chitchat_conversations(split, limit=limit, min_turns=min_turns)  # type: ignore[arg-type]
+    return domain_conversations(domain, split, limit=limit)  # type: ignore[arg-type]

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from kakeya_lab.data import (
     REPO_DATA,
     chained_user_turns,
     chitchat_conversations,
     dev_ids_manifest,
+    prompt_set_conversations,
     split_of,
 )
 
@@ -55,3 +58,19 @@ def test_code_and_prose_come_from_the_package_with_a_fixed_split():
     assert dev_prose and all(split_of(c.id.split(":", 1)[1]) == "dev" for c in dev_prose)
     train_ids = {c.id for c in domain_conversations("code", "train")}
     assert not train_ids & {c.id for c in domain_conversations("code", "dev")}
+
+
+def test_prompt_sets_name_a_domain_and_a_split():
+    for domain in ("code", "prose"):
+        dev = prompt_set_conversations(f"{domain}-dev", limit=3)
+        train = prompt_set_conversations(f"{domain}-train", limit=50)
+        assert len(dev) == 3 and all(c.domain == domain for c in dev)
+        assert {c.id for c in dev}.isdisjoint(c.id for c in train)
+        assert all(len(c.turns[0::2]) == 2 for c in dev)  # passage, then "Go on."
+    chat = prompt_set_conversations("chitchat-dev", limit=2, min_turns=6)
+    assert [c.id for c in chat] == [
+        c.id for c in chitchat_conversations("dev", limit=2, min_turns=6)
+    ]
+    for bad in ("chitchat", "code-test", "poetry-dev", ""):
+        with pytest.raises(ValueError, match="DOMAIN-SPLIT"):
+            prompt_set_conversations(bad)
