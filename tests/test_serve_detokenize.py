@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from kakeya_lab.serve.http_app import _Detokenizer
 
-TEXT = "Héllo wörld! 你好，世界 🌍🚀 naïve café — ‘quotes’\n\n  spaces   and\ttabs. Ünïcödé 😀😀 end"
+TEXT = (
+    "Héllo wörld! 你好，世界 🌍🚀 naïve café — ‘quotes’\n\n  spaces   and\ttabs. Ünïcödé 😀😀 end"
+)
 
 
 def test_deltas_equal_re_decoding_the_whole_reply(tiny_model):
