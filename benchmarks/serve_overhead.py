@@ -7,7 +7,13 @@ so all three share machine conditions. Per-token decode latency is measured wher
 sees tokens arrive: ``(t_last - t_first) / (n - 1)`` over the token events of one reply
 (the in-process store's iterator, the gRPC client's stream, the SSE chunks of
 ``/v1/chat/completions``); prefill and the first token are excluded. Prints medians over
-the rounds and the ratios served / in-process (target <= 1.05).
+the rounds and the ratios served / in-process (target <= 1.05), both as the ratio of the
+medians and as the median of each round's own ratio (a round's three replies run back to
+back, so the per-round ratio is the one least moved by load that changes between rounds).
+Beside wall time it records CPU time per token over the same span (this process's, plus the
+server process's for the served arms): on a core shared with other work, wall time also
+counts the time slices other processes take at every hand-off between client and server,
+CPU time counts only the work the serving path itself does.
 
     taskset -c 0 python benchmarks/serve_overhead.py [--rounds 7] [--new-tokens 48] [--out FILE]
 
@@ -23,9 +29,11 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import psutil
 import torch
 
 from kakeya_lab.cache import SinkWindowConfig
@@ -40,41 +48,50 @@ PROMPT = (
 )
 
 
-def per_token(stamps: list[float]) -> float:
+Clock = Callable[[], tuple[float, float]]  # (wall seconds, CPU seconds) now
+
+
+def per_token(stamps: list[tuple[float, float]]) -> tuple[float, float]:
+    """Wall and CPU seconds per token between the first and the last token's arrival."""
     if len(stamps) < 2:
         raise RuntimeError(f"only {len(stamps)} token(s) arrived: cannot time decoding")
-    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    n = len(stamps) - 1
+    return (stamps[-1][0] - stamps[0][0]) / n, (stamps[-1][1] - stamps[0][1]) / n
 
 
-def in_process(store: SessionStore, ids: list[int], n: int) -> tuple[float, int]:
+def in_process(store: SessionStore, ids: list[int], n: int) -> tuple[float, float, int]:
     sid = store.create()
     try:
         store.append(sid, ids)
-        stamps = [time.perf_counter() for e in store.generate(sid, n) if isinstance(e, Token)]
+        stamps = [
+            (time.perf_counter(), time.process_time())
+            for e in store.generate(sid, n)
+            if isinstance(e, Token)
+        ]
     finally:
         store.close(sid)
-    return per_token(stamps), len(stamps)
+    return *per_token(stamps), len(stamps)
 
 
-def grpc_stream(client: SessionClient, ids: list[int], n: int) -> tuple[float, int]:
+def grpc_stream(
+    client: SessionClient, ids: list[int], n: int, clock: Clock
+) -> tuple[float, float, int]:
     sid = client.create()
     try:
         client.append_ids(sid, ids)
-        stamps = [
-            time.perf_counter() for e in client.stream(sid, n) if e.WhichOneof("event") == "token"
-        ]
+        stamps = [clock() for e in client.stream(sid, n) if e.WhichOneof("event") == "token"]
     finally:
         client.close_session(sid)
-    return per_token(stamps), len(stamps)
+    return *per_token(stamps), len(stamps)
 
 
-def http_stream(http: httpx.Client, n: int) -> tuple[float, int]:
+def http_stream(http: httpx.Client, n: int, clock: Clock) -> tuple[float, float, int]:
     """SSE chunks of a stateless request: one content chunk per token (prose; a token that
     ends inside a UTF-8 sequence would merge into the next chunk, making this an upper
     bound)."""
     body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": n, "stream": True,
             "reuse": False}  # fmt: skip
-    stamps: list[float] = []
+    stamps: list[tuple[float, float]] = []
     tokens = 0
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         for line in r.iter_lines():
@@ -82,10 +99,21 @@ def http_stream(http: httpx.Client, n: int) -> tuple[float, int]:
                 continue
             chunk = json.loads(line[6:])
             if chunk["choices"][0]["delta"].get("content"):
-                stamps.append(time.perf_counter())
+                stamps.append(clock())
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-    return per_token(stamps), tokens
+    return *per_token(stamps), tokens
+
+
+def served_clock(pid: int) -> Clock:
+    """Wall time, and the CPU time of this process (the client) plus the server's."""
+    server = psutil.Process(pid)
+
+    def clock() -> tuple[float, float]:
+        cpu = server.cpu_times()
+        return time.perf_counter(), time.process_time() + cpu.user + cpu.system
+
+    return clock
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         "--sink", str(args.sink), "--window", str(args.window), model=args.model, timeout_s=300
     )
     grpc_target, http_base = server.grpc_target, server.http_base
+    clock = served_clock(server.proc.pid)
     times: dict[str, list[float]] = {"in_process": [], "grpc_stream": [], "http_stream": []}
+    cpu: dict[str, list[float]] = {k: [] for k in times}
     counts: dict[str, list[int]] = {k: [] for k in times}
     try:
         with (
@@ -117,15 +147,17 @@ def main(argv: list[str] | None = None) -> int:
             httpx.Client(base_url=http_base, timeout=600) as http,
         ):
             for _ in (0, 1):  # warm-up, not timed
-                in_process(store, ids, 4), grpc_stream(client, ids, 4), http_stream(http, 4)
+                in_process(store, ids, 4)
+                grpc_stream(client, ids, 4, clock), http_stream(http, 4, clock)
             for r in range(args.rounds):
                 for name, run in (
                     ("in_process", lambda: in_process(store, ids, args.new_tokens)),
-                    ("grpc_stream", lambda: grpc_stream(client, ids, args.new_tokens)),
-                    ("http_stream", lambda: http_stream(http, args.new_tokens)),
+                    ("grpc_stream", lambda: grpc_stream(client, ids, args.new_tokens, clock)),
+                    ("http_stream", lambda: http_stream(http, args.new_tokens, clock)),
                 ):
-                    t, n = run()
+                    t, c, n = run()
                     times[name].append(t)
+                    cpu[name].append(c)
                     counts[name].append(n)
                 print(
                     f"round {r}: "
@@ -135,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop(timeout_s=30)
     med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     out = {
         "model": loaded.description.name,
         "cache": {"sink": args.sink, "window": args.window},
@@ -146,14 +179,30 @@ def main(argv: list[str] | None = None) -> int:
         "median_per_token_s": med,
         "ratio_grpc_over_in_process": med["grpc_stream"] / med["in_process"],
         "ratio_http_over_in_process": med["http_stream"] / med["in_process"],
+        "median_round_ratio_grpc_over_in_process": statistics.median(
+            g / i for g, i in zip(times["grpc_stream"], times["in_process"])
+        ),
+        "median_round_ratio_http_over_in_process": statistics.median(
+            h / i for h, i in zip(times["http_stream"], times["in_process"])
+        ),
+        "cpu_per_token_s": cpu,
+        "median_cpu_per_token_s": med_cpu,
+        "cpu_ratio_grpc_over_in_process": med_cpu["grpc_stream"] / med_cpu["in_process"],
+        "cpu_ratio_http_over_in_process": med_cpu["http_stream"] / med_cpu["in_process"],
         "affinity": sorted(os.sched_getaffinity(0)),
+        "load_average": os.getloadavg(),
     }
     print(
         f"median per-token decode: in-process {med['in_process'] * 1000:.2f} ms, "
         f"gRPC stream {med['grpc_stream'] * 1000:.2f} ms "
         f"({out['ratio_grpc_over_in_process']:.3f}x), HTTP stream "
         f"{med['http_stream'] * 1000:.2f} ms ({out['ratio_http_over_in_process']:.3f}x); "
-        f"target <= 1.05x"
+        f"target <= 1.05x; median of per-round ratios: gRPC "
+        f"{out['median_round_ratio_grpc_over_in_process']:.3f}x, HTTP "
+        f"{out['median_round_ratio_http_over_in_process']:.3f}x; CPU per token (client + "
+        f"server): in-process {med_cpu['in_process'] * 1000:.2f} ms, gRPC "
+        f"{out['cpu_ratio_grpc_over_in_process']:.3f}x, HTTP "
+        f"{out['cpu_ratio_http_over_in_process']:.3f}x"
     )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,9 @@ ARM_COLORS = {
     "sink_window": "#1f77b4",
     "full_cache": "#d62728",
     "reprefill": "#2ca02c",
+    "grpc_session": "#9467bd",
+    "http_reuse": "#17becf",
+    "http_stateless": "#ff7f0e",
 }
 
 
@@ -43,6 +46,26 @@ def turn_latency_figure(turns: pd.DataFrame, title: str = "Per-turn latency") ->
     fig.update_xaxes(title_text="turn")
     fig.update_yaxes(title_text="ms", rangemode="tozero")
     fig.update_layout(title=title, height=380)
+    return fig
+
+
+def prefill_figure(turns: pd.DataFrame, title: str = "Per-turn prefill") -> go.Figure:
+    """Prefill of each turn (``append_latency_s``: the new message for a session, the whole
+    conversation for a stateless arm) against turn, one line per arm, log scale."""
+    fig = go.Figure()
+    for arm, df in turns.groupby("arm", sort=False):
+        fig.add_trace(
+            go.Scatter(
+                x=df["turn"],
+                y=df["append_latency_s"] * 1e3,
+                mode="lines+markers",
+                name=arm,
+                line=dict(color=_color(arm)),
+            )
+        )
+    fig.update_layout(
+        title=title, xaxis_title="turn", yaxis=dict(title="ms", type="log"), height=380
+    )
     return fig
 
 

@@ -27,7 +27,8 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
@@ -48,7 +49,15 @@ from kakeya_lab.serve.sessions import (
     SessionInUse,
     _as_dict,
 )
-from kakeya_lab.session import Done, SessionBusy, SessionClosed, SessionError, Token, UnknownSession
+from kakeya_lab.session import (
+    Done,
+    Event,
+    SessionBusy,
+    SessionClosed,
+    SessionError,
+    Token,
+    UnknownSession,
+)
 
 
 class ChatMessage(BaseModel):
@@ -311,8 +320,11 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
                 }
             )
 
+        cancel = threading.Event()  # the client left: stop before the next token
         try:
-            events = await run_in_threadpool(served.generate, att.session.id, options)
+            events = await run_in_threadpool(
+                served.generate, att.session.id, options, cancel.is_set
+            )
         except Exception as exc:
             served.detach(att.session, close=stateless)
             return fail(exc)
@@ -327,21 +339,31 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
                 }
                 return f"data: {json.dumps(body)}\n\n"
 
-            ids: list[int] = []
-            shown = ""
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue[Event | _StreamEnd] = asyncio.Queue()
+            # One engine thread per stream pulls the events and hands each to the event loop
+            # without waiting for it to be sent: a token costs one thread hop, not a round
+            # trip through the thread pool. ``cancel`` stops it before the next token, so
+            # the session keeps what was sent plus at most the token being computed when
+            # the client left (as when the loop pulled each event itself).
+            producer = threading.Thread(
+                target=_produce, args=(events, loop, queue), name="sse-stream", daemon=True
+            )
+            detok = _Detokenizer(text_of)
+            n_tokens = 0
             done = None
             try:
                 yield chunk({"role": "assistant", "content": ""})
+                producer.start()
                 while True:
-                    event = await anyio.to_thread.run_sync(next, events, None)
-                    if event is None:
+                    event = await queue.get()
+                    if isinstance(event, _StreamEnd):
+                        if event.error is not None:
+                            raise event.error
                         break
                     if isinstance(event, Token):
-                        ids.append(event.id)
-                        text = text_of(ids)
-                        if text.endswith("\ufffd"):
-                            continue  # an incomplete UTF-8 sequence: wait for the next token
-                        delta, shown = text[len(shown) :], text
+                        n_tokens += 1
+                        delta = detok.add(event.id)
                         if delta:
                             yield chunk({"content": delta})
                     elif isinstance(event, Done):
@@ -351,17 +373,21 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
                     if done
                     else None
                 )
-                yield chunk({}, finish_reason(done), usage=usage(att, len(ids)), kakeya=ext)
+                yield chunk({}, finish_reason(done), usage=usage(att, n_tokens), kakeya=ext)
                 yield "data: [DONE]\n\n"
             except Exception as exc:  # headers are sent: report in-band, then end the stream
                 status, body = _error_body(exc)
                 metrics.errors.labels(str(status)).inc()
                 yield f"data: {json.dumps(body)}\n\n"
             finally:
+                cancel.set()
                 with anyio.CancelScope(
                     shield=True
                 ):  # also on disconnect: keep exactly what was sent
-                    await anyio.to_thread.run_sync(events.close)
+                    if producer.is_alive():
+                        await anyio.to_thread.run_sync(producer.join)
+                    else:
+                        await anyio.to_thread.run_sync(events.close)  # never started
                     await anyio.to_thread.run_sync(
                         lambda: served.detach(att.session, close=stateless)
                     )
@@ -375,6 +401,63 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
         on_refuse=lambda: metrics.errors.labels("413").inc(),
     )
     return app
+
+
+@dataclass(frozen=True)
+class _StreamEnd:
+    """The engine thread's last item: the stream ended (``error``: how, if it failed)."""
+
+    error: BaseException | None = None
+
+
+def _produce(
+    events: Iterator[Event], loop: asyncio.AbstractEventLoop, queue: asyncio.Queue
+) -> None:
+    """Run in a stream's engine thread: hand every event to ``queue`` on ``loop``, then a
+    :class:`_StreamEnd`; the generator is closed here, in the thread that ran it."""
+
+    def put(item: object) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed (the server stopped): nobody listens
+            pass
+
+    end = _StreamEnd()
+    try:
+        for event in events:
+            put(event)
+    except Exception as exc:
+        end = _StreamEnd(exc)
+    finally:
+        try:
+            close = getattr(events, "close", None)
+            if close is not None:
+                close()
+        finally:
+            put(end)
+
+
+class _Detokenizer:
+    """The text of a growing reply, delta by delta: each token re-decodes only the tokens
+    since the text last grew (plus the token before them, so a tokenizer that strips a
+    leading space does it to both decodes alike), not the whole reply: O(n) for n tokens.
+    Text ending in an incomplete UTF-8 sequence waits for the next token."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.ids: list[int] = []
+        self.prefix = 0  # the window's start
+        self.read = 0  # tokens whose text has been returned
+
+    def add(self, token_id: int) -> str:
+        """Append ``token_id``; the new text it completes ("" if none yet)."""
+        self.ids.append(token_id)
+        shown = self.decode(self.ids[self.prefix : self.read])
+        text = self.decode(self.ids[self.prefix :])
+        if text.endswith("\ufffd") or len(text) <= len(shown):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(shown) :]
 
 
 class BodyLimit:

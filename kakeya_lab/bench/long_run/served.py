@@ -1,10 +1,11 @@
-"""A long run against a running ``kakeya-lab serve``: endpoints, the server's cache budget,
-and the same summaries as the in-process run (:mod:`kakeya_lab.serve.served_long_run`
-drives the turns)."""
+"""A long run against a running ``kakeya-lab serve``: endpoints (or a loopback server started
+for the run), the server's cache budget, and the same summaries as the in-process run
+(:mod:`kakeya_lab.serve.served_long_run` drives the turns)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -136,3 +137,105 @@ def append_latency_buckets(
         "append_buckets_by_turns": bucket_table(ok, "turns", turns_per_bucket, "append_latency_s"),
         "append_buckets_by_time": bucket_table(ok, "time", seconds_per_bucket, "append_latency_s"),
     }
+
+
+SERVE_HERE = "serve"
+
+
+def endpoint_values(endpoint: str | Sequence[str]) -> list[str]:
+    """The addresses in a notebook's ``endpoint`` parameter: a string holding both
+    (``"grpc://HOST:P http://HOST:Q"``, separated by spaces or commas) or a list."""
+    values = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+    return [v for value in values for v in value.replace(",", " ").split() if v]
+
+
+@contextmanager
+def served_endpoints(
+    endpoint: str | Sequence[str],
+    *,
+    model: str,
+    sink: int,
+    window: int,
+    backend: str = "torch",
+    timeout_s: float = 300.0,
+) -> Iterator[Endpoints | None]:
+    """The server a long run drives, for as long as the ``with`` block runs.
+
+    ``endpoint`` empty: ``None`` (no served arms). ``"serve"``: a ``kakeya-lab serve`` of
+    ``model`` with a ``sink`` + ``window`` cache on ``backend``, started on free loopback
+    ports (ready within ``timeout_s``) and stopped (SIGTERM) when the block ends. Otherwise
+    both addresses of a running server (:func:`endpoint_values`, :func:`parse_endpoints`;
+    ValueError saying what to write)."""
+    values = endpoint_values(endpoint)
+    if not values:
+        yield None
+        return
+    if values != [SERVE_HERE]:
+        yield parse_endpoints(values)
+        return
+    from kakeya_lab.serve.process import start_server
+
+    server = start_server(
+        "--sink", str(sink), "--window", str(window), "--backend", backend,
+        model=model, timeout_s=timeout_s,
+    )  # fmt: skip
+    try:
+        yield Endpoints(grpc_target=server.grpc_target, http_base=server.http_base)
+    finally:
+        server.stop(timeout_s=30)
+
+
+@dataclass
+class ServedRun:
+    """A served long run: the per-turn ``turns`` (one row per arm and turn), every arm's
+    ``summary`` (:func:`summarize_served`), the server's ``cache`` figures and model."""
+
+    turns: pd.DataFrame
+    summary: dict[str, dict]
+    cache: dict
+    model: str
+    endpoints: Endpoints
+
+
+def run_served(
+    endpoints: Endpoints,
+    user_turns: Sequence[str],
+    *,
+    max_new_tokens: int = 32,
+    arms: Sequence[str] = SERVED_ARMS,
+    model: str | None = None,
+    turns_per_bucket: int = 50,
+    seconds_per_bucket: float = 600.0,
+    duration_s: float | None = None,
+    turn_spacing_s: float | None = None,
+    stateless_cap_s: float | None = None,
+    log: Callable[[str], None] | None = None,
+) -> ServedRun:
+    """Drive ``user_turns`` through the server at ``endpoints`` with the served ``arms``
+    (:func:`kakeya_lab.serve.served_long_run.run_served_long_run`) and summarize them.
+    ``model``: the name the server must serve (ValueError if it serves another)."""
+    import httpx
+
+    from kakeya_lab.serve.served_long_run import run_served_long_run
+
+    names = check_served_arms(arms)
+    served_model = httpx.get(f"{endpoints.http_base}/v1/models", timeout=30).json()["data"][0]["id"]
+    if model is not None and served_model != model:
+        raise ValueError(f"the server runs {served_model!r}, not {model!r}")
+    cache = server_cache(endpoints.grpc_target)
+    table = run_served_long_run(
+        endpoints.grpc_target,
+        endpoints.http_base,
+        user_turns,
+        max_new_tokens=max_new_tokens,
+        model=served_model,
+        arms=names,
+        turn_spacing_s=turn_spacing_s,
+        duration_s=duration_s,
+        stateless_cap_s=stateless_cap_s,
+        log=log,
+    )
+    summary = summarize_served(
+        table, cache, turns_per_bucket=turns_per_bucket, seconds_per_bucket=seconds_per_bucket
+    )
+    return ServedRun(table, summary, cache, served_model, endpoints)
