@@ -306,8 +306,9 @@ def test_mlx_backend_loads_the_same_verified_folder(
 ) -> None:
     lm = M.load_model(DEFAULT, backend="mlx", dtype="float32", progress=False)
     assert lm.description.backend == "mlx"
-    # same folder, same verified weights, same shape: only the backend differs
-    assert dataclasses.replace(lm.description, backend="torch") == loaded.description
+    assert lm.description.blas  # which BLAS MLX calls is recorded (kakeya_lab/blas.py)
+    # same folder, same verified weights, same shape: only the backend (and its BLAS) differ
+    assert dataclasses.replace(lm.description, backend="torch", blas="") == loaded.description
     text = "The capital of France is"
     assert lm.tokenizer(text).input_ids == loaded.tokenizer(text).input_ids
     # the EOS ids a session stops on are the same on both backends
