@@ -262,7 +262,15 @@ def test_an_interrupted_align_train_leaves_no_drafter_and_resumes(in_made, tmp_p
     cmd = [sys.executable, "-m", "kakeya_lab.cli", *TRAIN, "--steps", "40", "--work-dir", str(work)]
     cmd[cmd.index(NAME)] = "t-int"
     dev = work / "rollouts" / "chitchat-dev" / "manifest.json"
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # SIGINT as a terminal would deliver it, also when this suite runs as a background job
+    # (which starts with SIGINT ignored, and a child would inherit that)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 300
     while not dev.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
