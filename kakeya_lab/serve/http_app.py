@@ -341,13 +341,16 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
 
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue[Event | _StreamEnd] = asyncio.Queue()
-            # One engine thread per stream pulls the events and hands each to the event loop
-            # without waiting for it to be sent: a token costs one thread hop, not a round
-            # trip through the thread pool. ``cancel`` stops it before the next token, so
-            # the session keeps what was sent plus at most the token being computed when
-            # the client left (as when the loop pulled each event itself).
+            # One engine thread per stream pulls the events and hands each to the event loop.
+            # It pulls the next event only once the previous one has been handed to the
+            # transport (one credit), so a client that leaves takes with it the session's
+            # every delivered token and nothing more; ``cancel`` stops it before the next.
+            credit = threading.Semaphore(1)
             producer = threading.Thread(
-                target=_produce, args=(events, loop, queue), name="sse-stream", daemon=True
+                target=_produce,
+                args=(events, loop, queue, credit, cancel),
+                name="sse-stream",
+                daemon=True,
             )
             detok = _Detokenizer(text_of)
             n_tokens = 0
@@ -368,6 +371,7 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
                             yield chunk({"content": delta})
                     elif isinstance(event, Done):
                         done = event
+                    credit.release()  # handed on: the engine may pull the next event
                 ext["generation"] = (
                     {"counts": _as_dict(done.counts), "timings": _as_dict(done.timings)}
                     if done
@@ -381,6 +385,7 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
                 yield f"data: {json.dumps(body)}\n\n"
             finally:
                 cancel.set()
+                credit.release()  # a producer waiting for credit sees ``cancel`` and ends
                 with anyio.CancelScope(
                     shield=True
                 ):  # also on disconnect: keep exactly what was sent
@@ -411,10 +416,16 @@ class _StreamEnd:
 
 
 def _produce(
-    events: Iterator[Event], loop: asyncio.AbstractEventLoop, queue: asyncio.Queue
+    events: Iterator[Event],
+    loop: asyncio.AbstractEventLoop,
+    queue: asyncio.Queue,
+    credit: threading.Semaphore,
+    cancel: threading.Event,
 ) -> None:
-    """Run in a stream's engine thread: hand every event to ``queue`` on ``loop``, then a
-    :class:`_StreamEnd`; the generator is closed here, in the thread that ran it."""
+    """Run in a stream's engine thread: pull each event once ``credit`` allows (the
+    consumer releases it after handing the previous one on) and hand it to ``queue`` on
+    ``loop``, until the stream ends or ``cancel`` is set; then a :class:`_StreamEnd`. The
+    generator is closed here, in the thread that ran it."""
 
     def put(item: object) -> None:
         try:
@@ -423,8 +434,16 @@ def _produce(
             pass
 
     end = _StreamEnd()
+    it = iter(events)
     try:
-        for event in events:
+        while True:
+            credit.acquire()
+            if cancel.is_set():
+                break
+            try:
+                event = next(it)
+            except StopIteration:
+                break
             put(event)
     except Exception as exc:
         end = _StreamEnd(exc)
