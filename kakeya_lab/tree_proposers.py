@@ -27,11 +27,12 @@ import heapq
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from kakeya_lab import inputs
 from kakeya_lab.proposers import NgramProposer
 from kakeya_lab.sampling import SamplingConfig
-from kakeya_lab.suffix import SharedReplies, SuffixProposer
+from kakeya_lab.suffix import SuffixProposer
 from kakeya_lab.tree import DraftTree
 
 
@@ -133,25 +134,8 @@ class SuffixTreeProposer(SuffixProposer):
 
     name = "suffix_tree"
 
-    def __init__(
-        self,
-        *,
-        max_depth: int = 8,
-        shared: SharedReplies | None = None,
-        min_probability: float = 0.1,
-        max_spec_factor: float = 2.0,
-        min_match: int = 1,
-        check_tokens: int = 64,
-        branch: int = 3,
-    ):
-        super().__init__(
-            max_depth=max_depth,
-            shared=shared,
-            min_probability=min_probability,
-            max_spec_factor=max_spec_factor,
-            min_match=min_match,
-            check_tokens=check_tokens,
-        )
+    def __init__(self, *, branch: int = 3, **options: Any):
+        super().__init__(**options)  # the suffix proposer's own options, checked there
         self.branch = inputs.count(branch, "branch", minimum=1, maximum=inputs.MAX_SIZE)
 
     def propose_tree(

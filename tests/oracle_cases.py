@@ -121,3 +121,30 @@ def check_close(name: str, got, want, tol: float, record_tolerance) -> None:
     diff = (got - want).abs().max().item()
     record_tolerance(name, diff)
     assert diff <= tol, f"{name}: max-abs logit difference {diff:.3e} > {tol}"
+
+
+SMALL_VOCAB = 8
+
+
+def small_vocab_model(seed: int):
+    """A 2-layer random Qwen3 over an 8-token vocabulary with sink-window attention, its
+    logits scaled up so distributions have a real spread: what the chi-square tests of
+    rejection sampling (chains and trees) need, where every token gets many draws."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from kakeya_lab.attention import enable_sink_window_attention
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=SMALL_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    return enable_sink_window_attention(model)

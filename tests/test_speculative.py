@@ -9,11 +9,10 @@ from collections import Counter
 import pandas as pd
 import pytest
 import torch
+from oracle_cases import SMALL_VOCAB, small_vocab_model
 from scipy.stats import chisquare
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from kakeya_lab import SinkWindowConfig, Verifier, reference
-from kakeya_lab.attention import enable_sink_window_attention
 from kakeya_lab.proposers import (
     Draft,
     DraftModelProposer,
@@ -147,25 +146,8 @@ def test_speculative_session_matches_plain_across_turns(default_model):
 
 
 # ----------------------------------------------------------- rejection sampling
-VOCAB = 8
+VOCAB = SMALL_VOCAB
 SAMPLED = SamplingConfig(temperature=1.0)
-
-
-def _small_model(seed):
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
-    model = Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40.0)  # logits with a real spread, so p and q differ clearly
-    return enable_sink_window_attention(model)
 
 
 def _broken_accept(rows, draft, sampling, generator):
@@ -183,7 +165,7 @@ def _broken_accept(rows, draft, sampling, generator):
 def _first_two_tokens_test(accept, samples=20000):
     """Chi-square p-value of the first two tokens emitted after x under speculation,
     against the verifier's exact joint distribution."""
-    target, draft_model = _small_model(1), _small_model(2)
+    target, draft_model = small_vocab_model(1), small_vocab_model(2)
     config = SinkWindowConfig(sink=2, window=6)
     prompt, x = [1, 5, 2, 7, 3, 0, 6, 4], 3
     context = prompt + [x]

@@ -9,11 +9,10 @@ from collections import Counter
 
 import pytest
 import torch
+from oracle_cases import SMALL_VOCAB, small_vocab_model
 from scipy.stats import chisquare
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from kakeya_lab import SinkWindowConfig, Verifier, reference
-from kakeya_lab.attention import enable_sink_window_attention
 from kakeya_lab.proposers import ChainTree, DraftModelProposer, NgramProposer, make_proposer
 from kakeya_lab.sampling import SamplingConfig, sampling_probs
 from kakeya_lab.speculative import (
@@ -364,25 +363,8 @@ def test_a_proposer_returning_a_bad_tree_loses_nothing(tiny_model):
 
 
 # ------------------------------------------------------------ sampling over trees
-VOCAB = 8
+VOCAB = SMALL_VOCAB
 SAMPLED = SamplingConfig(temperature=1.0)
-
-
-def _small_model(seed):
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
-    model = Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40.0)  # logits with a real spread
-    return enable_sink_window_attention(model)
 
 
 def _broken_tree_accept(rows, block, sampling, generator):
@@ -403,7 +385,7 @@ def _first_two_tokens_over_a_tree(accept, samples=20000):
     """Chi-square p-value of the first two tokens emitted after x when a fixed 2x2 tree
     (the likeliest tokens first, so both branches are taken) is verified, against the
     verifier's exact joint distribution."""
-    target = _small_model(1)
+    target = small_vocab_model(1)
     config = SinkWindowConfig(sink=2, window=6)
     prompt, x = [1, 5, 2, 7, 3, 0, 6, 4], 3
     p1 = sampling_probs(reference.dense_logits(target, prompt + [x], config)[-1], temperature=1.0)
@@ -485,7 +467,7 @@ def test_sampled_tree_decoding_commits_what_it_delivers():
     """Sampling with a branching tree proposer past eviction (an 8-token vocabulary, so
     the suffix index always matches): the committed cache equals a fresh replay of the
     delivered stream."""
-    model = _small_model(1)
+    model = small_vocab_model(1)
     config = SinkWindowConfig(sink=2, window=8, positions="rolling")
     prompt = [1, 2, 3, 4, 1, 2, 5, 6, 1, 2, 3, 7] * 3
     v = Verifier(model, config)
