@@ -3,7 +3,8 @@
 ``serve`` starts real ``kakeya-lab serve`` subprocesses on free loopback ports (always
 stopped). Observed oracle differences are collected by ``record_tolerance`` and printed at the end of
 the run, so every CI log states the tolerances actually reached (and written as JSON to
-``$KAKEYA_TOLERANCES_JSON`` when it is set: ``evidence/oracle_agreement/``).
+``$KAKEYA_TOLERANCES_JSON`` when it is set: ``evidence/oracle_agreement/``). Under
+pytest-xdist each worker sends its observations to the controller, which prints them all.
 """
 
 from __future__ import annotations
@@ -56,6 +57,21 @@ def record_tolerance():
         _TOLERANCES.append((name, float(value)))
 
     return record
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)  # set on xdist workers only
+    if workeroutput is not None:
+        workeroutput["kakeya_tolerances"] = json.dumps(_TOLERANCES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist controller: collect what a finished worker observed."""
+    _TOLERANCES.extend(
+        (name, value)
+        for name, value in json.loads(node.workeroutput.get("kakeya_tolerances", "[]"))
+    )
 
 
 def pytest_terminal_summary(terminalreporter):

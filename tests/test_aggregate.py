@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -103,6 +104,31 @@ def test_prefill_bounded_slope_and_drift():
     assert not out["bounded"] and out["slope_s_per_token"] == pytest.approx(0.01)
     assert "grows" in out["reason"]
     assert prefill_bounded(flat.iloc[0:0], budget_tokens=8)["reason"] == "no turns"
+
+
+def test_prefill_bounded_adjusts_for_message_length():
+    # Later messages are shorter: a session-bound arm's append latency falls with history
+    # although nothing depends on history. The partial slope (user_tokens as a covariate)
+    # and the length-adjusted bucket p50s see it flat; the simple slope would not.
+    rng = np.random.default_rng(0)
+    n = 40
+    history = [1000 + 40 * i for i in range(n)]
+    message = [60 - i + int(k) for i, k in enumerate(rng.integers(0, 8, n))]
+    noise = rng.normal(0, 0.002, n)
+    latency = [0.05 + 0.003 * m + e for m, e in zip(message, noise)]
+    df = table([1] * n, latency, [8] * n, history=history).assign(user_tokens=message)
+    out = prefill_bounded(df, budget_tokens=8, size=10)
+    assert out["covariate"] == "user_tokens"
+    assert out["message_s_per_token"] == pytest.approx(0.003, rel=0.1)
+    assert out["bounded"], out["reason"]
+    simple = prefill_bounded(df.drop(columns="user_tokens"), budget_tokens=8, size=10)
+    assert simple["covariate"] is None and not simple["bounded"]
+    assert simple["slope_ci95"][1] < 0  # the confound the covariate removes
+    # Growth with history still shows through the covariate (what a stateless arm does).
+    grown = df.assign(append_latency_s=df["append_latency_s"] + 2e-4 * df["history_len"])
+    out = prefill_bounded(grown, budget_tokens=8, size=10)
+    assert not out["bounded"] and "grows" in out["reason"]
+    assert out["slope_s_per_token"] == pytest.approx(2e-4, rel=0.1)
 
 
 def test_aggregate_arm_all_errors_and_rates():

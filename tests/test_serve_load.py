@@ -24,7 +24,9 @@ RSS_TOLERANCE_BYTES = 64 * 2**20
 def test_concurrent_load_equals_a_sequential_clean_run_and_leaks_nothing(serve, default_model):
     server = serve("--sink", str(SINK), "--window", str(WINDOW), "--capacity", str(SESSIONS))
     conversations = load_conversations(SESSIONS, TURNS)
-    run_load(server.grpc_target, load_conversations(SESSIONS, 2, seed=1), NEW_TOKENS)  # warm
+    # Warm up at full concurrency until every session's cache is full (10 turns x 8 tokens >
+    # sink + window), so the allocator has seen the peak before the baseline is taken.
+    run_load(server.grpc_target, load_conversations(SESSIONS, 10, seed=1), NEW_TOKENS)
     m = server.metrics()
     before = (
         m["kakeya_sessions_open"],

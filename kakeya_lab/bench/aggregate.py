@@ -126,6 +126,25 @@ def _slope_ci(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
     return float(res.slope), float(res.slope - t * res.stderr), float(res.slope + t * res.stderr)
 
 
+def _partial_slope_ci(
+    x: np.ndarray, z: np.ndarray, y: np.ndarray
+) -> tuple[float, float, float, float] | None:
+    """OLS of ``y ~ 1 + x + z``: the slope on ``x`` with its 95% interval (t distribution,
+    ``n - 3`` degrees of freedom), and the coefficient on ``z``; None when ``x`` and ``z``
+    cannot be told apart (fewer than four rows, or ``x``, ``z`` and a constant collinear)."""
+    from scipy import stats
+
+    design = np.column_stack([np.ones_like(x), x, z])
+    if len(y) < 4 or np.linalg.matrix_rank(design) < 3:
+        return None
+    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    resid = y - design @ coef
+    dof = len(y) - 3
+    cov = (resid @ resid / dof) * np.linalg.inv(design.T @ design)
+    half = stats.t.ppf(0.975, dof) * float(np.sqrt(cov[1, 1]))
+    return float(coef[1]), float(coef[1] - half), float(coef[1] + half), float(coef[2])
+
+
 def latency_drift_p50(
     df: pd.DataFrame,
     column: str = "append_latency_s",
@@ -182,12 +201,21 @@ def prefill_bounded(
     """The slope of append latency against history length is indistinguishable from zero
     (its 95% interval contains 0) and the last bucket's p50 is within ``tolerance`` of
     the first full bucket's. Measured after the cache first filled (from the first turn
-    for a cache that never evicts, which then must show a slope to fail)."""
+    for a cache that never evicts, which then must show a slope to fail).
+
+    A turn's append latency also grows with the length of its new message
+    (``user_tokens``), which real conversations vary; when that column varies, the slope
+    is the partial slope of ``latency ~ 1 + history_len + user_tokens`` and the bucket
+    p50s compare the length-adjusted latency ``latency - c * (user_tokens - median)``
+    (``c``: the fitted seconds per message token), so shorter late messages read neither
+    as a falling slope nor as drift. ``covariate`` names what was adjusted for."""
     out: dict[str, Any] = {
         "bounded": False,
         "reason": None,
         "slope_s_per_token": None,
         "slope_ci95": None,
+        "covariate": None,
+        "message_s_per_token": None,
     }
     if df.empty:
         out["reason"] = "no turns"
@@ -202,10 +230,18 @@ def prefill_bounded(
     if len(rows) < 3:
         out["reason"] = "fewer than three turns to fit a slope"
         return out
-    slope, lo, hi = _slope_ci(
-        rows["history_len"].to_numpy(float), rows["append_latency_s"].to_numpy(float)
-    )
-    drift = latency_drift_p50(rows, "append_latency_s", by=by, size=size)
+    x = rows["history_len"].to_numpy(float)
+    y = rows["append_latency_s"].to_numpy(float)
+    z = rows["user_tokens"].to_numpy(float) if "user_tokens" in rows else None
+    partial = _partial_slope_ci(x, z, y) if z is not None else None
+    if partial is not None and z is not None:
+        slope, lo, hi, per_message_token = partial
+        adjusted = rows.assign(append_latency_s=y - per_message_token * (z - np.median(z)))
+        out.update(covariate="user_tokens", message_s_per_token=per_message_token)
+    else:
+        slope, lo, hi = _slope_ci(x, y)
+        adjusted = rows
+    drift = latency_drift_p50(adjusted, "append_latency_s", by=by, size=size)
     out.update(slope_s_per_token=slope, slope_ci95=[lo, hi], drift=drift)
     flat_slope = lo <= 0.0 <= hi
     within = drift["drift_pct"] is not None and abs(drift["drift_pct"]) <= 100 * tolerance

@@ -13,7 +13,9 @@ so they share machine conditions):
 Per turn the rows carry the :class:`~kakeya_lab.bench.long_run.TurnRecord` columns that
 :func:`~kakeya_lab.bench.aggregate.aggregate_arm` reads (``append_latency_s`` is the
 server-measured prefill, ``kv_live_bytes`` / ``cache_len`` / ``history_len`` the server's
-figures after the turn, ``rss_bytes`` the server process's RSS) plus client-side
+figures after the turn, ``rss_bytes`` the server process's RSS; ``user_tokens`` the new
+message's tokens, chat template included, in every arm, as in-process: the turn's history
+growth before its reply, while ``appended_tokens`` is what the server prefilled) plus client-side
 ``request_s`` and ``client_overhead_s_per_token`` (request time not spent in the server's
 prefill and decode, per generated token).
 """
@@ -79,6 +81,7 @@ def run_served_long_run(
     with SessionClient(grpc_target, timeout_s=600) as client:
         sid = client.create() if "grpc_session" in arms else None
         conversations: dict[str, list[ChatCompletionMessageParam]] = {arm: [] for arm in arms}
+        history_before = dict.fromkeys(arms, 0)  # each arm's history length after its last turn
         try:
             for i, text in enumerate(user_turns):
                 if duration_s is not None and time.perf_counter() - t0 >= duration_s:
@@ -97,12 +100,15 @@ def run_served_long_run(
                             max_new_tokens,
                             reuse=arm == "http_reuse",
                         )
+                    prompt_len = row["history_len"] - row["generated_tokens"]
                     row.update(
+                        user_tokens=prompt_len - history_before[arm],
                         arm=arm,
                         turn=i,
                         wall_s=time.perf_counter() - t0,
                         rss_bytes=_server_rss(http_base),
                     )
+                    history_before[arm] = row["history_len"]
                     rows.append(row)
                     if (
                         arm == "http_stateless"
@@ -144,7 +150,6 @@ def _grpc_turn(client: SessionClient, sid: str, text: str, max_new_tokens: int) 
         raise RuntimeError(f"session {sid!r}: the gRPC stream ended without a done event")
     n = max(1, done.generated_tokens)
     return {
-        "user_tokens": appended.appended_tokens,
         "appended_tokens": appended.appended_tokens,
         "cached_tokens": appended.history_len - appended.appended_tokens,
         "append_latency_s": appended.latency_s,
@@ -198,7 +203,6 @@ def _http_turn(
     counts, timings = ext["generation"]["counts"], ext["generation"]["timings"]
     n = max(1, counts["generated_tokens"])
     return {
-        "user_tokens": ext["appended_tokens"],
         "appended_tokens": ext["appended_tokens"],
         "cached_tokens": details.cached_tokens,
         "append_latency_s": ext["prefill_s"],
