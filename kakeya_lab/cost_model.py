@@ -13,6 +13,18 @@ seconds. Plain decoding is ``k = 0``: one token per ``v(1)``.
 :class:`CostAwareDraftLength` is a draft-length schedule for
 :class:`~kakeya_lab.speculative.Decoder`: it keeps a recency-weighted estimate of ``a``
 from the steps so far and asks for the ``k`` with the most expected tokens per second.
+
+:class:`CostAwareTreeSize` is its counterpart for draft trees. A tree proposer stores its
+nodes best first, so any prefix of ``N`` nodes is itself a tree, and a node is accepted
+exactly when its whole path is; the expected number of accepted nodes of the ``N``-node
+prefix is therefore ``sum(p_i for i < N)``, ``p_i`` the probability that the node at rank
+``i`` lies on the accepted path. The schedule estimates each ``p_i`` from the steps so far
+and asks for the ``N`` with the most expected tokens, ``1 + sum(p_i)``, per second of
+``v(N + 1) + N · draft_token_s``.
+
+Both schedules take the drafter's cost from the decoding itself once it has drafted (the
+seconds its steps spent drafting, per drafted token or node), so a model drafter's cost is
+this machine's, whatever the :class:`CostModel` was given.
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from kakeya_lab import inputs
 
@@ -109,7 +121,27 @@ class CostModel:
         return {**asdict(self), "draft_cost_ratio": self.draft_cost_ratio}
 
 
-class CostAwareDraftLength:
+class _CostAwareSchedule:
+    """What both cost-aware schedules share: the cost model, and the drafter's cost per
+    drafted token as measured in this decoding (:meth:`observe_draft`), which replaces the
+    model's ``draft_token_s`` from the first drafted step on (a recency-weighted mean,
+    ``decay`` per step)."""
+
+    model: CostModel
+    decay: float
+    _draft_seconds: float = 0.0
+    _drafted: float = 0.0
+
+    def observe_draft(self, seconds: float, drafted: int) -> None:
+        """Record a step that spent ``seconds`` drafting ``drafted`` tokens (or nodes)."""
+        if drafted <= 0 or not seconds >= 0.0:
+            return
+        self._draft_seconds = self.decay * self._draft_seconds + seconds
+        self._drafted = self.decay * self._drafted + drafted
+        self.model = replace(self.model, draft_token_s=self._draft_seconds / self._drafted)
+
+
+class CostAwareDraftLength(_CostAwareSchedule):
     """Draft-length schedule: ``draft_length`` is :meth:`CostModel.best_draft_length` at
     the current acceptance estimate, at least 1 (a step without drafts would teach the
     estimate nothing) and at most ``max_draft_length``.
@@ -150,5 +182,78 @@ class CostAwareDraftLength:
             rejected = 1 if accepted < proposed else 0
             self._accepted = self.decay * self._accepted + accepted
             self._trials = self.decay * self._trials + accepted + rejected
+        self.draft_length = self._choose()
+        return self.draft_length
+
+
+class CostAwareTreeSize(_CostAwareSchedule):
+    """Node-budget schedule for draft trees (see the module doc): ``draft_length`` is the
+    ``N`` in ``1..max_nodes`` maximising ``(1 + sum(p_i for i < N)) / model.step_s(N)``.
+
+    ``p_i`` is the recency-weighted share of verified trees whose rank-``i`` node was
+    accepted (each step weighted ``decay`` times the next one's), shrunk towards the
+    estimate of rank ``i - 1`` by ``prior_weight`` pseudo-trials (rank 0 towards
+    ``prior``). A rank never verified yet thus inherits the estimate of the rank before it,
+    so the budget grows one node at a time while the deepest verified rank still pays for
+    itself, and shrinks when deep nodes stop being accepted."""
+
+    def __init__(
+        self,
+        model: CostModel,
+        max_nodes: int,
+        *,
+        prior: float = 0.5,
+        prior_weight: float = 2.0,
+        decay: float = 0.95,
+    ):
+        self.model = model
+        self.max_nodes = inputs.count(max_nodes, "max_nodes", minimum=1)
+        if not 0.0 <= prior <= 1.0:
+            raise ValueError(f"prior must be in [0, 1], got {prior!r}")
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+        if not prior_weight > 0.0:
+            raise ValueError(f"prior_weight must be > 0, got {prior_weight!r}")
+        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self._hits = [0.0] * self.max_nodes  # weighted count of steps accepting rank i
+        self._trials = [0.0] * self.max_nodes  # weighted count of steps verifying rank i
+        self.draft_length = self._choose()
+
+    @property
+    def node_acceptance(self) -> list[float]:
+        """The current estimate ``p_i`` for every rank ``i < max_nodes``."""
+        out, before = [], self.prior
+        for hits, trials in zip(self._hits, self._trials):
+            before = (hits + self.prior_weight * before) / (trials + self.prior_weight)
+            out.append(before)
+        return out
+
+    def expected_tokens(self, nodes: int) -> float:
+        """Expected tokens of a step verifying the best ``nodes`` nodes (the verifier's
+        own token included)."""
+        return 1.0 + sum(self.node_acceptance[:nodes])
+
+    def _choose(self) -> int:
+        p = self.node_acceptance
+        best, best_rate, tokens = 1, -1.0, 1.0
+        for n in range(1, self.max_nodes + 1):
+            tokens += p[n - 1]
+            rate = tokens / self.model.step_s(n)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
+
+    def update_tree(self, nodes: int, accepted: Sequence[int]) -> int:
+        """Record a verified tree of ``nodes`` nodes whose accepted path holds the nodes at
+        ranks ``accepted`` (storage order); returns the next node budget."""
+        if nodes > self.max_nodes or any(not 0 <= i < nodes for i in accepted):
+            raise ValueError(
+                f"a verified tree of {nodes} node(s) (at most {self.max_nodes}) cannot have "
+                f"accepted ranks {list(accepted)}"
+            )
+        hit = set(accepted)
+        for i in range(nodes):
+            self._trials[i] = self.decay * self._trials[i] + 1.0
+            self._hits[i] = self.decay * self._hits[i] + (1.0 if i in hit else 0.0)
         self.draft_length = self._choose()
         return self.draft_length

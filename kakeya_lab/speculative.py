@@ -34,7 +34,7 @@ from typing import cast
 import torch
 
 from kakeya_lab import inputs
-from kakeya_lab.cost_model import CostAwareDraftLength, CostModel
+from kakeya_lab.cost_model import CostAwareDraftLength, CostAwareTreeSize, CostModel
 from kakeya_lab.inputs import InputTypeError
 from kakeya_lab.proposers import Draft, Proposer, TreeProposer, check_proposer, is_tree_proposer
 from kakeya_lab.sampling import GREEDY, SamplingConfig
@@ -171,8 +171,9 @@ class Decoder:
     """Decodes after ``verifier``'s committed history, whose next-token logits are ``next_logits``.
 
     ``proposer=None`` is plain decoding. A tree proposer (one with ``propose_tree``) gets
-    the draft length as its node budget; the adaptive and cost-aware schedules then treat
-    the tree's longest path as the drafted chain. Drive it with :meth:`advance` (one step; returns
+    the draft length as its node budget; the adaptive schedule then treats the tree's
+    longest path as the drafted chain, and a ``cost_model`` chooses the node budget per step
+    (:class:`~kakeya_lab.cost_model.CostAwareTreeSize`, at most ``draft_length``). Drive it with :meth:`advance` (one step; returns
     the :class:`SpeculativeStep` in speculative mode), then :meth:`deliver` each token of
     :attr:`batch`, until :attr:`finished`; always end with :meth:`settle`. Or iterate it
     (``for item in decoder``): token ids (and steps), each delivered as it is yielded,
@@ -217,9 +218,12 @@ class Decoder:
             raise InputTypeError(
                 f"cost_model must be a CostModel or None, got {type(cost_model).__name__}"
             )
-        self.schedule: AdaptiveDraftLength | CostAwareDraftLength | None = None
+        self.tree = proposer is not None and is_tree_proposer(proposer)
+        self.schedule: AdaptiveDraftLength | CostAwareDraftLength | CostAwareTreeSize | None = None
         if proposer is not None and adaptive_draft_length:
             self.schedule = AdaptiveDraftLength(draft_length)
+        elif proposer is not None and cost_model is not None and self.tree:
+            self.schedule = CostAwareTreeSize(cost_model, max_nodes=draft_length)
         elif proposer is not None and cost_model is not None:
             self.schedule = CostAwareDraftLength(cost_model, max_draft_length=draft_length)
         self.next_logits = next_logits  # after the committed history (valid when pending is None)
@@ -240,7 +244,6 @@ class Decoder:
         self._drafted = False
         self._path: list[int] | None = None  # a tree step: the accepted block nodes, root first
         self._last: int | None = None
-        self.tree = proposer is not None and is_tree_proposer(proposer)
         if proposer is not None:
             verifier.check_proposer(proposer)  # same backend (torch / mlx) or a clear error
             bind = getattr(proposer, "bind", None)
@@ -372,7 +375,12 @@ class Decoder:
             tree=self._path is not None,
         )
         self.steps.append(step)
-        if self.schedule:  # a tree's chain-like trial is its longest path
+        if isinstance(self.schedule, (CostAwareDraftLength, CostAwareTreeSize)):
+            self.schedule.observe_draft(proposer_s, proposed)
+        if isinstance(self.schedule, CostAwareTreeSize):
+            if self._path is not None:  # tree nodes are block positions 1.. (0: the root)
+                self.schedule.update_tree(proposed, [i - 1 for i in self._path[1:]])
+        elif self.schedule:  # a tree's chain-like trial is its longest path
             self.schedule.update(step.proposed if depth is None else depth, n)
         return step
 

@@ -12,6 +12,7 @@ from kakeya_lab.bench.speculative import leviathan_speedup
 from kakeya_lab.cost_model import (
     BlockCost,
     CostAwareDraftLength,
+    CostAwareTreeSize,
     CostModel,
     expected_tokens,
     fit_block_cost,
@@ -20,6 +21,7 @@ from kakeya_lab.cost_model import (
 from kakeya_lab.proposers import NgramProposer
 from kakeya_lab.session import SessionStore, collect_reply
 from kakeya_lab.speculative import plain_decode, speculative_decode
+from kakeya_lab.tree_proposers import SuffixTreeProposer
 
 
 def test_fit_recovers_a_line_through_noisy_medians():
@@ -118,3 +120,66 @@ def test_bad_schedules_are_clear_errors(tiny_model):
         store.generate(sid, 4, proposer=NgramProposer(), cost_model=0.5)  # type: ignore[arg-type]
     # nothing was lost: the session still generates
     assert len(collect_reply(store.generate(sid, 3)).token_ids) == 3
+
+
+def test_tree_size_follows_which_ranks_get_accepted():
+    # A node costs 4% of the step's fixed cost: worth verifying while its chance of being
+    # on the accepted path stays above about tokens-per-step x 0.04.
+    model = CostModel(BlockCost(fixed_s=0.1, per_token_s=0.004), draft_token_s=0.0)
+    s = CostAwareTreeSize(model, max_nodes=16, prior=0.02)
+    start = s.draft_length
+    assert 1 <= start < 16
+    # every verified node is accepted: the budget grows, a node at a time, to the cap
+    for _ in range(40):
+        s.update_tree(s.draft_length, list(range(s.draft_length)))
+    assert s.draft_length == 16
+    # only the first 6 ranks are ever accepted: the budget settles at 6
+    for _ in range(80):
+        s.update_tree(s.draft_length, list(range(min(s.draft_length, 6))))
+    assert s.draft_length == 6
+    assert s.expected_tokens(6) == pytest.approx(7.0, abs=0.15)  # the prior still weighs a little
+    # from now on only rank 0 is ever accepted: deeper ranks stop paying, the budget shrinks
+    for _ in range(120):
+        s.update_tree(s.draft_length, [0])
+    assert s.draft_length <= 2
+    p = s.node_acceptance
+    assert p[0] > 0.85 and p[1] < 0.1  # (shrunk towards the prior: 2 of ~22 weighted trials)
+    # a node costing 5x the step's fixed cost pays only if nearly sure: at 50% it does not
+    dear = CostAwareTreeSize(CostModel(BlockCost(0.01, 0.05), 0.0), max_nodes=8, prior=0.9)
+    assert dear.draft_length == 8
+    for j in range(60):
+        dear.update_tree(dear.draft_length, list(range(dear.draft_length)) if j % 2 else [])
+    assert dear.draft_length == 1
+    with pytest.raises(ValueError, match="accepted ranks"):
+        s.update_tree(2, [5])
+    with pytest.raises(ValueError, match="max_nodes"):
+        CostAwareTreeSize(model, max_nodes=0)
+
+
+def test_schedules_measure_the_drafters_cost():
+    s = CostAwareDraftLength(CostModel(BlockCost(0.05, 0.005), draft_token_s=0.0), 8, decay=1.0)
+    s.observe_draft(0.03, 3)
+    s.observe_draft(0.01, 1)
+    assert s.model.draft_token_s == pytest.approx(0.01)
+    s.observe_draft(0.5, 0)  # nothing drafted: nothing learnt
+    assert s.model.draft_token_s == pytest.approx(0.01)
+
+
+@pytest.mark.slow
+def test_cost_aware_tree_decoding_is_lossless_past_eviction(default_model, text_ids):
+    config = SinkWindowConfig(sink=4, window=36)
+    prompt = text_ids[:90]
+    v = Verifier(default_model.model, config)
+    want = list(plain_decode(v, v.append(prompt), max_new_tokens=48))
+    v = Verifier(default_model.model, config)
+    next_logits = v.append(prompt)
+    model = CostModel(fit_block_cost(measure_block_cost(v, sizes=(1, 4, 8), repeats=1)), 0.0)
+    decoder = speculative_decode(
+        v, next_logits, SuffixTreeProposer(), max_new_tokens=48, draft_length=12, cost_model=model
+    )
+    got = [t for t in decoder if isinstance(t, int)]
+    assert got == want and v.cache_len == config.budget
+    assert isinstance(decoder.schedule, CostAwareTreeSize)
+    assert all(s.proposed <= 12 for s in decoder.steps)
+    drafted = [s for s in decoder.steps if s.proposed]
+    assert drafted and decoder.schedule.model.draft_token_s > 0.0  # measured while decoding

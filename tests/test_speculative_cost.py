@@ -9,13 +9,14 @@ import json
 import pandas as pd
 import pytest
 
-from kakeya_lab.bench.speculative import run_speculative
+from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
 from kakeya_lab.bench.speculative_cost import ARM_COLUMNS, arm_costs
 from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.cost_model import BlockCost
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.plots import cost_model_figure
 from kakeya_lab.proposers import NgramProposer
+from kakeya_lab.tree_proposers import SuffixTreeProposer
 
 
 def test_arm_costs_follow_the_formulas_by_hand():
@@ -102,3 +103,24 @@ def test_a_run_carries_its_fitted_cost_model(default_model):
         ).cost
         is None
     )
+
+
+@pytest.mark.slow
+def test_cost_aware_arms_plan_with_the_runs_block_cost(default_model):
+    convs = domain_conversations("code", "dev", limit=1)
+    cache = SinkWindowConfig(sink=4, window=60)  # the code passage alone overflows it
+    kw = dict(config=cache, turns_per_conversation=1, max_new_tokens=16, progress=False)
+    run = run_speculative(
+        default_model, {"suffix-tree": SuffixTreeProposer}, [6], convs, cost_aware=True,
+        cost_repeats=2, **kw,
+    )  # fmt: skip
+    assert list(run.summary["arm"]) == ["plain", "suffix-tree@6", "suffix-tree@cost6"]
+    assert greedy_streams_identical(run.turns)  # lossless under the schedule too
+    planned = run.steps[run.steps["arm"] == "suffix-tree@cost6"]
+    assert len(planned) and planned["proposed"].max() <= 6
+    assert set(run.turns["proposer"]) == {"plain", "suffix-tree", "suffix-tree (cost-aware)"}
+    with pytest.raises(ValueError, match="measure_cost"):
+        run_speculative(
+            default_model, {"ngram": NgramProposer}, [2], convs, cost_aware=True,
+            measure_cost=False, **kw,
+        )  # fmt: skip

@@ -51,6 +51,7 @@ from kakeya_lab.bench.speculative_cost import (
 )
 from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.chat import ChatTemplate
+from kakeya_lab.cost_model import CostModel, fit_block_cost
 from kakeya_lab.data import Conversation
 from kakeya_lab.proposers import Proposer
 from kakeya_lab.sampling import SamplingConfig
@@ -107,6 +108,7 @@ def run_speculative(
     progress: bool = True,
     measure_cost: bool = True,
     cost_repeats: int = 5,
+    cost_aware: bool = False,
 ) -> SpeculativeRun:
     """Run ``plain`` and one ``proposer@draft_length`` arm per proposer and draft length over
     the user turns of ``conversations``.
@@ -115,27 +117,43 @@ def run_speculative(
     length) + 1`` is timed ``cost_repeats`` times per size before the arms run and again
     after them (:class:`~kakeya_lab.bench.speculative_cost.BlockCostProbe`), and
     ``run.cost`` holds the fitted cost model with each arm's predicted speedup
-    (:mod:`kakeya_lab.bench.speculative_cost`)."""
+    (:mod:`kakeya_lab.bench.speculative_cost`).
+
+    ``cost_aware`` (needs ``measure_cost``) adds one arm per proposer, ``NAME@costK`` with
+    ``K = max(draft_lengths)``, whose draft length (chains) or node budget (trees) is chosen
+    per step by :class:`~kakeya_lab.cost_model.CostAwareDraftLength` /
+    :class:`~kakeya_lab.cost_model.CostAwareTreeSize` from the block cost fitted to the
+    timings taken before the arms run, at most ``K``."""
     if not conversations:
         raise ValueError("no conversations to run")
     if not draft_lengths or any(n < 1 for n in draft_lengths):
         raise ValueError(f"draft lengths must be >= 1, got {list(draft_lengths)}")
-    arms: dict[str, tuple[ProposerFactory | None, int]] = {"plain": (None, 0)}
+    if cost_aware and not measure_cost:
+        raise ValueError("cost_aware arms plan with the measured block cost: keep measure_cost")
+    arms: dict[str, tuple[ProposerFactory | None, int, CostModel | None]] = {
+        "plain": (None, 0, None)
+    }
     for name, factory in proposers.items():
         for n in draft_lengths:
-            arms[f"{name}@{n}"] = (factory, n)
+            arms[f"{name}@{n}"] = (factory, n, None)
     model, tok = loaded.model, loaded.tokenizer
     probe = None
     if measure_cost:
         probe = BlockCostProbe(loaded, config, conversations, max(draft_lengths) + 1, system=system)
         probe.measure(cost_repeats)
+    if cost_aware and probe is not None:
+        # the schedules measure the drafter's own cost as they decode
+        planned = CostModel(fit_block_cost(probe.timings), draft_token_s=0.0)
+        k = max(draft_lengths)
+        for name, factory in proposers.items():
+            arms[f"{name}@cost{k}"] = (factory, k, planned)
     turn_rows, step_rows = [], []
     total = sum(min(turns_per_conversation, len(c.turns[0::2])) for c in conversations) * len(arms)
     bar = tqdm(total=total, desc="speculative", unit="turn", disable=not progress)
     for ci, conv in enumerate(conversations):
         user_turns = list(conv.turns[0::2])[:turns_per_conversation]
         sessions = {}
-        for arm, (make_proposer, draft_length) in arms.items():
+        for arm, (make_proposer, draft_length, cost_model) in arms.items():
             store = SessionStore(model, config, capacity=1)
             sessions[arm] = (
                 store,
@@ -143,9 +161,10 @@ def run_speculative(
                 ChatTemplate(tok, system=system),
                 make_proposer() if make_proposer else None,
                 draft_length,
+                cost_model,
             )
         for ti, text in enumerate(user_turns):
-            for arm, (store, sid, chat, proposer, draft_length) in sessions.items():
+            for arm, (store, sid, chat, proposer, draft_length, cost_model) in sessions.items():
                 store.append(sid, chat.user(text))
                 t0 = time.perf_counter()
                 sampling = SamplingConfig(temperature=temperature, seed=seed + 1000 * ci + ti)
@@ -156,6 +175,7 @@ def run_speculative(
                         sampling,
                         proposer=proposer,
                         draft_length=max(draft_length, 1),
+                        cost_model=cost_model,
                     )
                 )
                 seconds = time.perf_counter() - t0
@@ -179,7 +199,7 @@ def run_speculative(
                 turn_rows.append(
                     {
                         "arm": arm,
-                        "proposer": arm.split("@")[0],
+                        "proposer": arm.split("@")[0] + (" (cost-aware)" if cost_model else ""),
                         "draft_length": draft_length,
                         "conversation": conv.id,
                         "turn": ti,
