@@ -11,7 +11,8 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.
 # worker at a time (a notebook's cells share one kernel, so they stay together), each
 # process on one BLAS/OpenMP thread: on 2 cores the suite took 21.6 min so, 36.6 min in
 # one process on two threads (servers, kernels and the browser spend time waiting). Use
-# PYTEST_WORKERS=0 for a single process.
+# PYTEST_WORKERS=0 for a single process. The browser tests run afterwards on their own: a
+# widget rendered in JupyterLab beside a busy worker once took over two minutes to appear.
 PYTEST_WORKERS ?= 2
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile
 # The CPU build of PyTorch, pinned (a bare `torch` from PyPI is a multi-GB CUDA build).
@@ -40,7 +41,8 @@ quickstart: install
 test: install
 	$(BIN)/kakeya-lab models pull $(MODEL)
 	$(MAKE) --no-print-directory lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests notebooks $(XDIST) $(NBVAL) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests notebooks -m "not browser" $(XDIST) $(NBVAL) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -m browser $(PYTEST_ARGS)
 
 # The quick loop: lint plus every test not marked slow (no notebooks, no browser, no slow tests).
 test-fast: install
