@@ -127,10 +127,17 @@ class _CostAwareSchedule:
     model's ``draft_token_s`` from the first drafted step on (a recency-weighted mean,
     ``decay`` per step)."""
 
-    model: CostModel
-    decay: float
-    _draft_seconds: float = 0.0
-    _drafted: float = 0.0
+    def __init__(self, model: CostModel, prior: float, prior_weight: float, decay: float):
+        if not 0.0 <= prior <= 1.0:
+            raise ValueError(f"prior must be in [0, 1], got {prior!r}")
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+        if not prior_weight > 0.0:
+            raise ValueError(f"prior_weight must be > 0, got {prior_weight!r}")
+        self.model = model
+        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self._draft_seconds = 0.0
+        self._drafted = 0.0
 
     def observe_draft(self, seconds: float, drafted: int) -> None:
         """Record a step that spent ``seconds`` drafting ``drafted`` tokens (or nodes)."""
@@ -159,13 +166,8 @@ class CostAwareDraftLength(_CostAwareSchedule):
         prior_weight: float = 2.0,
         decay: float = 0.9,
     ):
-        self.model = model
+        super().__init__(model, prior, prior_weight, decay)
         self.max_draft_length = inputs.count(max_draft_length, "max_draft_length", minimum=1)
-        if not 0.0 <= prior <= 1.0:
-            raise ValueError(f"prior must be in [0, 1], got {prior!r}")
-        if not 0.0 < decay <= 1.0:
-            raise ValueError(f"decay must be in (0, 1], got {decay!r}")
-        self.decay = decay
         self._accepted = prior * prior_weight
         self._trials = prior_weight  # accepted drafts + rejections
         self.draft_length = self._choose()
@@ -206,15 +208,8 @@ class CostAwareTreeSize(_CostAwareSchedule):
         prior_weight: float = 2.0,
         decay: float = 0.95,
     ):
-        self.model = model
+        super().__init__(model, prior, prior_weight, decay)
         self.max_nodes = inputs.count(max_nodes, "max_nodes", minimum=1)
-        if not 0.0 <= prior <= 1.0:
-            raise ValueError(f"prior must be in [0, 1], got {prior!r}")
-        if not 0.0 < decay <= 1.0:
-            raise ValueError(f"decay must be in (0, 1], got {decay!r}")
-        if not prior_weight > 0.0:
-            raise ValueError(f"prior_weight must be > 0, got {prior_weight!r}")
-        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
         self._hits = [0.0] * self.max_nodes  # weighted count of steps accepting rank i
         self._trials = [0.0] * self.max_nodes  # weighted count of steps verifying rank i
         self.draft_length = self._choose()

@@ -89,22 +89,31 @@ def test_measured_block_cost_leaves_the_verifier_unchanged(tiny_model, text_ids)
 
 
 @pytest.mark.slow
-def test_cost_aware_decoding_is_lossless_past_eviction(default_model, text_ids):
+@pytest.mark.parametrize(
+    "make_proposer, schedule",
+    [(NgramProposer, CostAwareDraftLength), (SuffixTreeProposer, CostAwareTreeSize)],
+    ids=["chain", "tree"],
+)
+def test_cost_aware_decoding_is_lossless_past_eviction(
+    default_model, text_ids, make_proposer, schedule
+):
     config = SinkWindowConfig(sink=4, window=36)
     prompt = text_ids[:90]
     v = Verifier(default_model.model, config)
-    want = list(plain_decode(v, v.append(prompt), max_new_tokens=40))
+    want = list(plain_decode(v, v.append(prompt), max_new_tokens=48))
     v = Verifier(default_model.model, config)
     next_logits = v.append(prompt)
-    cost = fit_block_cost(measure_block_cost(v, sizes=(1, 4, 8), repeats=1))
-    model = CostModel(cost, draft_token_s=0.0)
+    model = CostModel(fit_block_cost(measure_block_cost(v, sizes=(1, 4, 8), repeats=1)), 0.0)
     decoder = speculative_decode(
-        v, next_logits, NgramProposer(), max_new_tokens=40, draft_length=8, cost_model=model
+        v, next_logits, make_proposer(), max_new_tokens=48, draft_length=12, cost_model=model
     )
     got = [t for t in decoder if isinstance(t, int)]
     assert got == want and v.cache_len == config.budget
-    assert max(s.draft_length for s in decoder.steps) <= 8
-    assert 1 <= decoder.schedule.draft_length <= 8
+    assert isinstance(decoder.schedule, schedule)
+    assert all(s.proposed <= 12 for s in decoder.steps)
+    assert 1 <= decoder.schedule.draft_length <= 12
+    assert any(s.proposed for s in decoder.steps)
+    assert decoder.schedule.model.draft_token_s > 0.0  # measured while decoding
 
 
 def test_bad_schedules_are_clear_errors(tiny_model):
@@ -163,23 +172,3 @@ def test_schedules_measure_the_drafters_cost():
     assert s.model.draft_token_s == pytest.approx(0.01)
     s.observe_draft(0.5, 0)  # nothing drafted: nothing learnt
     assert s.model.draft_token_s == pytest.approx(0.01)
-
-
-@pytest.mark.slow
-def test_cost_aware_tree_decoding_is_lossless_past_eviction(default_model, text_ids):
-    config = SinkWindowConfig(sink=4, window=36)
-    prompt = text_ids[:90]
-    v = Verifier(default_model.model, config)
-    want = list(plain_decode(v, v.append(prompt), max_new_tokens=48))
-    v = Verifier(default_model.model, config)
-    next_logits = v.append(prompt)
-    model = CostModel(fit_block_cost(measure_block_cost(v, sizes=(1, 4, 8), repeats=1)), 0.0)
-    decoder = speculative_decode(
-        v, next_logits, SuffixTreeProposer(), max_new_tokens=48, draft_length=12, cost_model=model
-    )
-    got = [t for t in decoder if isinstance(t, int)]
-    assert got == want and v.cache_len == config.budget
-    assert isinstance(decoder.schedule, CostAwareTreeSize)
-    assert all(s.proposed <= 12 for s in decoder.steps)
-    drafted = [s for s in decoder.steps if s.proposed]
-    assert drafted and decoder.schedule.model.draft_token_s > 0.0  # measured while decoding
