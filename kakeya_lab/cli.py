@@ -145,7 +145,11 @@ def _check_proposer(spec: str) -> None:
     kind, _, arg = (spec or "none").partition(":")
     if kind == "none" and not arg:
         return
-    if kind == "tree" and arg and not arg.startswith(("tree", "ngram-tree", "suffix-tree")):
+    if (
+        kind == "tree"
+        and arg
+        and not arg.startswith(("tree", "ngram-tree", "suffix-tree", "drafter-tree"))
+    ):
         _check_proposer(arg)  # a chain proposer verified as a 1-wide tree
         return
     if kind in ("suffix", "suffix-tree") and (not arg or arg.isdigit()):
@@ -159,14 +163,19 @@ def _check_proposer(spec: str) -> None:
     if kind == "draft" and arg:
         _check_model(arg, "--proposer draft:")
         return
-    if kind == "drafter" and arg:
+    if kind in ("drafter", "drafter-tree") and arg:
         from kakeya_lab.align.named import read_record
 
-        read_record(arg)  # DrafterNotFound (lists the names that exist) before a model loads
+        record = read_record(arg)  # DrafterNotFound (lists the names) before a model loads
+        if kind == "drafter-tree" and record.get("kind") != "feature":
+            raise UserError(
+                f"{spec!r}: draft trees need a feature drafter; {arg!r} is a "
+                f"{record.get('kind')} drafter (use drafter:{arg})"
+            )
         return
     raise UserError(
         f"unknown proposer {spec!r}: use none, ngram[:SIZES], suffix[:DEPTH], early-exit:LAYERS, "
-        "draft:MODEL, drafter:NAME, ngram-tree[:SIZES], suffix-tree[:DEPTH] or tree:SPEC"
+        "draft:MODEL, drafter:NAME, ngram-tree[:SIZES], suffix-tree[:DEPTH], drafter-tree:NAME or tree:SPEC"
     )
 
 
@@ -1155,8 +1164,10 @@ def cmd_align_train(args: argparse.Namespace) -> int:
         ("--max-new-tokens", args.max_new_tokens),
         ("--draft-vocab", args.draft_vocab),
         ("--batch-size", args.batch_size),
+        ("--teacher-turns", args.teacher_turns),
     ):
         _check_int(flag, value, 1)
+    _check_int("--teacher-conversations", args.teacher_conversations, 0)
     _check_positive("--lr", args.lr)
     if args.work_dir is not None:
         _check_out_dir(args.work_dir, "--work-dir")
@@ -1169,6 +1180,8 @@ def cmd_align_train(args: argparse.Namespace) -> int:
         dev_conversations=args.dev_conversations,
         turns=args.turns,
         max_new_tokens=args.max_new_tokens,
+        teacher_conversations=args.teacher_conversations,
+        teacher_turns=args.teacher_turns,
         draft_vocab_size=args.draft_vocab,
         seed=args.seed,
         batch_size=args.batch_size,
@@ -1195,6 +1208,12 @@ def cmd_align_train(args: argparse.Namespace) -> int:
         f"(weights {loaded.description.weight_sha256[:12]}), {record['steps']} steps on "
         f"{data['train']['tokens']} tokens ({data['train']['conversations']} conversations)"
     )
+    for folder, stats in data.get("capture_stats", {}).items():
+        if stats:
+            print(
+                f"  capture {folder}: {stats['tokens']} tokens in {stats['seconds']:.0f} s "
+                f"({stats['tokens_per_s']} tokens/s), {stats['bytes'] / 2**20:.0f} MiB on disk"
+            )
     print(
         f"  train loss {fmt(record['train_loss'])}, held-out loss {fmt(record['held_out_loss'])}, "
         f"held-out offline tau {fmt(record['held_out_tau'])} "
@@ -1284,6 +1303,16 @@ def add_align_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dev-conversations", type=int, default=8, help="held-out conversations")
     p.add_argument("--turns", type=int, default=3, help="user turns per conversation")
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument(
+        "--teacher-conversations",
+        type=int,
+        default=0,
+        help="further training conversations captured with their own replies (teacher "
+        "forcing: one prefill per conversation, for data at scale)",
+    )
+    p.add_argument(
+        "--teacher-turns", type=int, default=16, help="user turns per teacher-forced conversation"
+    )
     p.add_argument("--draft-vocab", type=int, default=4096, help="tokens the drafter may propose")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)

@@ -16,6 +16,15 @@
 * :class:`MLXBackend` — the :class:`~kakeya_lab.backend.Backend` the verifier sits on.
 * :func:`mlx_dense_logits` — the dense masked forward on MLX (the oracle).
 
+Draft trees (docs/design.md, "Draft trees"), as on torch: in a tree forward each node is
+stored at ``next_position + depth`` (nodes of one depth share a position), the mask adds the
+tree's ancestor mask on the block's own columns, and RoPE rotates each node at its depth:
+mlx-lm rotates a block at consecutive positions, so every attention's ``rope`` is wrapped
+once (``TreeRope``) to rotate a tree block on by ``depth - index`` (a context variable
+holds the shifts, so other threads' forwards are untouched). Committing a root-to-node path
+(:meth:`MLXSinkWindowCache.select`) only relabels slots: the path's entries already sit at
+their final positions and slots need not be contiguous, so no data moves.
+
 Rolling positions, multi-token blocks: as on torch (:mod:`kakeya_lab.attention`), each query
 past ``sink + window - 1`` gets its own copies of the sink keys rotated forward by
 ``p - (sink + window - 1)`` (rotate-half RoPE, default frequencies), appended as extra key
@@ -27,7 +36,10 @@ copies and hides the original sink columns from it. Exact in one forward; the co
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, cast
 
@@ -129,6 +141,8 @@ def _rope_inv_freq(model: Any, head_dim: int) -> np.ndarray:
     import mlx.nn as nn
 
     rope = getattr(model.layers[0].self_attn, "rope", None)
+    if isinstance(rope, _tree_rope_type()):  # a tree-aware wrapper: read the RoPE inside
+        rope = cast(Any, rope).inner
     if (
         not isinstance(rope, nn.RoPE)
         or rope.traditional
@@ -136,8 +150,8 @@ def _rope_inv_freq(model: Any, head_dim: int) -> np.ndarray:
         or getattr(rope, "scale", 1.0) != 1.0
     ):
         raise ValueError(
-            "rolling positions on MLX need default full-width rotate-half RoPE "
-            f"(this model has {type(rope).__name__}); use positions='global'"
+            "default full-width rotate-half RoPE is needed (this model has "
+            f"{type(rope).__name__}{' (traditional)' if getattr(rope, 'traditional', False) else ''})"
         )
     return 1.0 / (rope.base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
 
@@ -153,6 +167,54 @@ def _rotate(x: Any, shift: np.ndarray, inv_freq: np.ndarray) -> Any:
     half = x.shape[-1] // 2
     rotated_half = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated_half * sin
+
+
+# per-token RoPE shifts of the tree forward under way in this thread (None: no tree)
+_TREE_SHIFTS: ContextVar[np.ndarray | None] = ContextVar("kakeya_tree_shifts", default=None)
+
+
+@lru_cache(maxsize=1)
+def _tree_rope_type() -> type:
+    """The RoPE wrapper class (defined on first use: mlx is imported lazily)."""
+    import mlx.nn as nn
+
+    class TreeRope(nn.Module):
+        """An attention's RoPE that, during a tree forward, rotates the block on from
+        consecutive positions to its nodes' depths (see the module doc)."""
+
+        def __init__(self, inner: Any, inv_freq: np.ndarray):
+            super().__init__()
+            self.inner = inner
+            object.__setattr__(self, "_inv_freq", inv_freq)  # kept out of the parameters
+
+        def __call__(self, x: Any, offset: int = 0) -> Any:
+            out = self.inner(x, offset=offset)
+            shifts = _TREE_SHIFTS.get()
+            if shifts is None:
+                return out
+            return _rotate(out, shifts, self._inv_freq)
+
+    return TreeRope
+
+
+def check_tree_support(model: Any) -> np.ndarray:
+    """The RoPE frequencies a tree forward rotates with; NotImplementedError for a RoPE
+    variant the depth rotation cannot reproduce (traditional, partial or scaled)."""
+    try:
+        return _rope_inv_freq(model, _dims(model)[2])
+    except ValueError as exc:
+        raise NotImplementedError(
+            f"draft trees on MLX rotate nodes by depth: {exc}; verify trees on torch"
+        ) from None
+
+
+def _install_tree_rope(model: Any) -> None:
+    """Wrap every attention's ``rope`` once (idempotent; see :func:`check_tree_support`)."""
+    inv_freq = check_tree_support(model)
+    wrapper = _tree_rope_type()
+    for layer in model.layers:
+        if not isinstance(layer.self_attn.rope, wrapper):
+            layer.self_attn.rope = wrapper(layer.self_attn.rope, inv_freq)
 
 
 def visibility(
@@ -190,6 +252,7 @@ class MLXSlotTable:
         self.pending_slots = np.zeros(0, dtype=np.int64)
         self.block: tuple[np.ndarray, int, np.ndarray | None, np.ndarray | None] | None = None
         self.layers_done = 0
+        self.tree: tuple[np.ndarray, np.ndarray] | None = None  # (depths, ancestor mask)
 
     @property
     def pending_len(self) -> int:
@@ -198,6 +261,12 @@ class MLXSlotTable:
     @property
     def next_position(self) -> int:
         return self.history_len + self.pending_len
+
+    def _block_positions(self, n: int) -> np.ndarray:
+        """Positions of the next ``n`` entries: consecutive, or by depth for a tree."""
+        if self.tree is not None:
+            return self.next_position + self.tree[0]
+        return np.arange(self.next_position, self.next_position + n, dtype=np.int64)
 
     def _plan(self, n: int) -> tuple[np.ndarray, int, np.ndarray]:
         """Slots for the next n entries, the key columns ``[0, columns)`` the forward returns,
@@ -212,15 +281,17 @@ class MLXSlotTable:
         keys = np.full(columns, -1, dtype=np.int64)
         held = min(columns, self.positions.size)
         keys[:held] = self.positions[:held]
-        keys[free] = np.arange(self.next_position, self.next_position + n)
+        keys[free] = self._block_positions(n)
         return free, columns, keys
 
     def layout(self, n: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """``(visible [n, columns], copy source columns, copy shifts)`` of the next n-token forward."""
         c = self.config
-        _, _, keys = self._plan(n)
-        queries = np.arange(self.next_position, self.next_position + n, dtype=np.int64)
+        free, _, keys = self._plan(n)
+        queries = self._block_positions(n)
         visible = visibility(queries, keys, c.sink, c.window)
+        if self.tree is not None:  # inside the block, a node sees only its own path
+            visible[:, free] &= self.tree[1]
         if c.positions != "rolling" or c.window is None:
             return visible, None, None
         shift = np.maximum(queries - (c.sink + c.window - 1), 0)
@@ -242,7 +313,7 @@ class MLXSlotTable:
             grown = np.full(max(needed, 2 * self.positions.size, 16), -1, dtype=np.int64)
             grown[: self.positions.size] = self.positions
             self.positions = grown
-        self.positions[slots] = np.arange(self.next_position, self.next_position + n)
+        self.positions[slots] = self._block_positions(n)
         self.pending_slots = np.concatenate([self.pending_slots, slots])
         self.block = (slots, columns, cols, shifts)
         self.layers_done = 0
@@ -264,6 +335,25 @@ class MLXSlotTable:
         self.positions[self.pending_slots[keep:]] = -1
         self.pending_slots = self.pending_slots[:keep]
         self.block = None
+
+    def select(self, indices: Sequence[int]) -> None:
+        """Keep provisional entries ``indices`` (a draft tree's root-to-node path: they
+        must hold consecutive positions from ``history_len``) as the open block, dropping
+        the others; ValueError, nothing changed, else."""
+        idx = np.asarray(list(indices), dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.pending_len):
+            raise ValueError(
+                f"provisional entries {list(indices)} outside 0..{self.pending_len - 1}"
+            )
+        want = np.arange(self.history_len, self.history_len + idx.size)
+        if not np.array_equal(self.positions[self.pending_slots[idx]], want):
+            raise ValueError(
+                f"provisional entries {list(indices)} are not a path of consecutive positions "
+                f"from {self.history_len}"
+            )
+        dropped = np.setdiff1d(np.arange(self.pending_len), idx)
+        self.positions[self.pending_slots[dropped]] = -1
+        self.pending_slots = self.pending_slots[idx]
 
 
 class SinkWindowKVCache:
@@ -375,11 +465,14 @@ class MLXSinkWindowCache:
 
     def __init__(self, model: Any, config: SinkWindowConfig):
         n_layers, self.num_kv_heads, self.head_dim, _ = _dims(model)
-        inv_freq = (
-            _rope_inv_freq(model, self.head_dim)
-            if config.positions == "rolling" and config.evicts
-            else None
-        )
+        inv_freq = None
+        if config.positions == "rolling" and config.evicts:
+            try:
+                inv_freq = _rope_inv_freq(model, self.head_dim)
+            except ValueError as exc:
+                raise ValueError(
+                    f"rolling positions on MLX re-rotate sink keys: {exc}; use positions='global'"
+                ) from None
         self.config = config
         self.table = MLXSlotTable(config, n_layers, inv_freq)
         self.layers = [SinkWindowKVCache(self.table, i) for i in range(n_layers)]
@@ -410,6 +503,31 @@ class MLXSinkWindowCache:
         with interrupts_deferred():
             self.table.commit(n)  # eviction frees slots; no data moves
             self._sync_offsets()
+
+    def select(self, indices: Sequence[int]) -> None:
+        """Keep provisional entries ``indices`` (a draft tree's root-to-node path) as the
+        open block and drop the rest; then ``commit(len(indices))`` commits the path. Only
+        slot labels change (see the module doc); ValueError, nothing changed, if
+        ``indices`` is not such a path."""
+        if self.table.block is not None and self.table.layers_done != self.table.num_layers:
+            raise RuntimeError("the last forward stopped midway; only rollback() is possible")
+        self.table.select(indices)
+
+    @contextmanager
+    def tree_forward(self, tree: Any, model: Any) -> Iterator[None]:
+        """Within the block, the next forward is the :class:`~kakeya_lab.tree.DraftTree`
+        ``tree``: entries at ``next_position + depth`` under its ancestor mask, RoPE by depth."""
+        if self.table.pending_len:
+            raise RuntimeError("a draft tree is verified on its own: commit or roll back first")
+        _install_tree_rope(model)
+        depths = np.asarray(tree.depths(), dtype=np.int64)
+        self.table.tree = (depths, tree.ancestor_mask().numpy())
+        token = _TREE_SHIFTS.set(depths - np.arange(depths.size))
+        try:
+            yield
+        finally:
+            _TREE_SHIFTS.reset(token)
+            self.table.tree = None
 
     def rollback(self, keep: int = 0) -> None:
         """Drop provisional entries (all, or all but the first ``keep``)."""
@@ -467,21 +585,18 @@ class MLXBackend(CacheBackend):
     ) -> Forward:
         import mlx.core as mx
 
-        if tree is not None:
-            raise NotImplementedError(
-                "draft trees are only verified on the torch backend so far: use a chain "
-                "proposer (e.g. suffix instead of suffix-tree) or a torch verifier"
-            )
         if hidden:
             raise NotImplementedError(
                 "final hidden states are only available on the torch backend; a hidden-state "
                 "drafter cannot be bound to an MLX verifier"
             )
         before = self.cache.pending_len
+        shape = self.cache.tree_forward(tree, self.model) if tree is not None else nullcontext()
         try:
-            logits = self.model(mx.array([list(token_ids)]), cache=self.cache.layers)
-            logits = logits[0] if all_rows else logits[0, -1:]
-            mx.eval(logits)
+            with shape:
+                logits = self.model(mx.array([list(token_ids)]), cache=self.cache.layers)
+                logits = logits[0] if all_rows else logits[0, -1:]
+                mx.eval(logits)
         except BaseException:
             self.cache.rollback(keep=before)  # drop this forward's partial block only
             raise

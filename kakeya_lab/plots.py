@@ -478,3 +478,28 @@ def bucket_figure(
         title=title or f"Long run by {'wall-clock' if by == 'time' else 'turn'} bucket", height=380
     )
     return fig
+
+
+def spec_table_figure(long: pd.DataFrame) -> go.Figure:
+    """Speedup over plain decoding per method, one bar per held-out domain (the
+    Spec-Bench-style table of :mod:`kakeya_lab.bench.spec_table`), tau on each bar."""
+    fig = go.Figure()
+    rows = long[long["arm"] != "plain"]
+    for domain, df in rows.groupby("domain", sort=False):
+        fig.add_trace(
+            go.Bar(
+                x=df["arm"],
+                y=df["speedup"],
+                name=str(domain),
+                text=[f"τ {t:.2f}" if pd.notna(t) else "" for t in df["tau"]],
+                textposition="outside",
+            )
+        )
+    fig.add_hline(y=1.0, line_dash="dot", line_color="gray")
+    fig.update_layout(
+        title="Speedup over plain decoding by held-out domain (same model, cache and turns)",
+        barmode="group",
+        yaxis_title="× plain tokens/s",
+        height=450,
+    )
+    return fig

@@ -43,7 +43,7 @@ from kakeya_lab.tree import DraftTree
 from kakeya_lab.verifier import Verifier
 
 if TYPE_CHECKING:
-    from kakeya_lab.align.drafters import Drafter
+    from kakeya_lab.align.drafters import Drafter, FeatureDrafter
     from kakeya_lab.align.lora import LoraDrafter
 
 
@@ -438,11 +438,12 @@ def make_proposer(
     i.e. what ``load_model`` returns or a bare ``PreTrainedModel`` — is given; its tokenizer
     must equal ``tokenizer``); ``drafter:NAME`` (a named drafter of the store, see
     :mod:`kakeya_lab.align.named`; needs ``verifier_sha256``, the verifier's
-    ``LoadedModel.description.weight_sha256``, which must be the one it was trained for).
-    """
+    ``LoadedModel.description.weight_sha256``, which must be the one it was trained for);
+    ``drafter-tree:NAME`` (a named feature drafter drafting EAGLE-2 trees, the draft length
+    being the node budget)."""
     usage = (
         "use none, ngram[:SIZES], suffix[:DEPTH], early-exit:LAYERS, draft:MODEL, "
-        "drafter:NAME, ngram-tree[:SIZES], suffix-tree[:DEPTH] or tree:SPEC"
+        "drafter:NAME, drafter-tree:NAME, ngram-tree[:SIZES], suffix-tree[:DEPTH] or tree:SPEC"
     )
     if spec is not None and not isinstance(spec, str):
         raise InputTypeError(
@@ -505,8 +506,8 @@ def make_proposer(
             verifier_tokenizer=tokenizer,
             label=arg,
         )
-    if kind == "drafter" and arg:
-        from kakeya_lab.align.drafters import DrafterProposer
+    if kind in ("drafter", "drafter-tree") and arg:
+        from kakeya_lab.align.drafters import DrafterProposer, DrafterTreeProposer
         from kakeya_lab.align.named import load_named_drafter
 
         if backend_name_of(model) == "mlx":
@@ -515,6 +516,8 @@ def make_proposer(
                 "torch backend traces; load the model with backend='torch'"
             )
         drafter = load_named_drafter(arg, model, verifier_sha256)
+        if kind == "drafter-tree":
+            return DrafterTreeProposer(cast("FeatureDrafter", drafter), label=f"{arg} (tree)")
         if drafter.config.kind == "lora":  # a distilled draft model, with its own cache
             return DraftModelProposer(cast("LoraDrafter", drafter).draft_model(), config, label=arg)
         return DrafterProposer(cast("Drafter", drafter), label=arg)

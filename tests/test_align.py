@@ -14,7 +14,12 @@ import pytest
 import torch
 
 from kakeya_lab.align.checkpoint import CheckpointError, load_drafter, save_drafter
-from kakeya_lab.align.drafters import DrafterProposer, build_drafter, drafter_config_for
+from kakeya_lab.align.drafters import (
+    DrafterProposer,
+    DrafterTreeProposer,
+    build_drafter,
+    drafter_config_for,
+)
 from kakeya_lab.align.evaluate import drafter_factory
 from kakeya_lab.align.pipeline import best_drafter, drafter_shapes, per_domain, train_config_for
 from kakeya_lab.align.rollouts import (
@@ -28,6 +33,7 @@ from kakeya_lab.align.train import RolloutData, TrainConfig, evaluate_offline, t
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
 from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.data import domain_conversations
+from kakeya_lab.reference import oracle_logits
 from kakeya_lab.session import model_eos_ids
 from kakeya_lab.verifier import HiddenTrace, Verifier
 
@@ -148,24 +154,35 @@ def test_rollout_capture_resumes_without_duplicating_or_losing_rows(tiny_model, 
         )
 
 
-def test_teacher_forced_capture_appends_the_conversations_own_replies(tiny_model, tmp_path):
+def test_teacher_forced_capture_appends_the_conversations_own_replies(
+    tiny_model, tmp_path, record_tolerance
+):
+    """The whole conversation is one chunked append past eviction: its targets are the
+    dense masked oracle's logits, and the record says how fast and how big it was."""
     conv = domain_conversations("chitchat", "train", limit=1)
     opts = CaptureOptions(
-        turns_per_conversation=2, shard_size=1, replies="dataset", max_repetition=None
+        turns_per_conversation=3, shard_size=1, replies="dataset", max_repetition=None, top_k=5
     )
-    capture_rollouts(
-        tiny_model,
-        conv,
-        tmp_path,
-        config=SinkWindowConfig(2, 6),
-        split="train",
-        options=opts,
-        progress=False,
+    config = SinkWindowConfig(2, 6)
+    manifest = capture_rollouts(
+        tiny_model, conv, tmp_path, config=config, split="train", options=opts, progress=False
     )
     row = load_rollouts(tmp_path)[0]
     reply_text = tiny_model.tokenizer.decode(row["token_ids"][row["generated"]])
     assert conv[0].turns[1] in reply_text and conv[0].turns[3] in reply_text
     assert conv[0].turns[0] not in reply_text
+    tokens = row["token_ids"].tolist()
+    assert len(tokens) > 4 * config.budget  # far past eviction
+    want = oracle_logits(tiny_model.model, tokens, config)
+    got = torch.from_numpy(row["topk_logits"])
+    diff = float((got - want.gather(1, torch.from_numpy(row["topk_ids"]).long())).abs().max())
+    record_tolerance("teacher-forced capture vs oracle (tiny, global)", diff)
+    assert diff < 1e-4
+    assert (torch.from_numpy(row["topk_ids"][:, 0]) == want.argmax(-1)).all()
+    stats = manifest["stats"]
+    assert stats["tokens"] == len(tokens) and stats["conversations"] == 1
+    assert stats["seconds"] > 0 and stats["tokens_per_s"] > 0
+    assert stats["bytes"] > row["hidden"].size * 2  # the float16 hidden states alone
     with pytest.raises(ValueError, match="replies"):
         CaptureOptions(replies="invented")
 
@@ -210,6 +227,7 @@ def test_training_increases_held_out_acceptance(trained, kind, margin):
 def test_greedy_speculative_decoding_with_every_trained_drafter_is_lossless(default_model, trained):
     cache = SinkWindowConfig(sink=4, window=28)  # small: drafting crosses eviction
     proposers = {kind: drafter_factory(trained[kind][1], cache, label=kind) for kind in trained}
+    proposers["feature-tree"] = lambda: DrafterTreeProposer(trained["feature"][1], branch=3)
     run = run_speculative(
         default_model,
         proposers,
@@ -227,6 +245,27 @@ def test_greedy_speculative_decoding_with_every_trained_drafter_is_lossless(defa
         assert s.loc[f"{kind}@3", "generated_tokens"] == s.loc["plain", "generated_tokens"]
     assert run.steps.groupby("arm")["proposed"].sum().min() > 0
     assert s.loc["feature@3", "acceptance_rate"] > 0  # not lossless by proposing nothing
+    assert s.loc["feature-tree@3", "acceptance_rate"] > 0
+
+
+@pytest.mark.slow  # captures real rollouts and trains drafters (about two minutes together)
+def test_feature_drafter_trees_rank_paths_by_the_drafters_confidence(default_model, trained):
+    drafter = trained["feature"][1]
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(8, drafter.config.hidden_size, generator=g)
+    toks = torch.randint(0, 2000, (8,), generator=g).tolist()
+    chain, _ = drafter.draft(feats, toks, 4)
+    tree = drafter.draft_tree(feats, toks, 10, branch=3)
+    assert len(tree) == 10 and tree.tokens[0] == chain[0]  # the likeliest node of all
+    with torch.no_grad():
+        first = drafter.logits(drafter(feats[None], torch.tensor([toks]))[0, -1])
+    ranked = drafter.draft_ids[torch.topk(first, 3).indices].tolist()
+    roots = [tree.tokens[i] for i in tree.children(-1)]
+    assert roots == ranked[: len(roots)]  # the first draft's likeliest tokens, in order
+    assert tree.depth >= 2  # ten nodes, at most three roots
+    assert drafter.draft_tree(feats, toks, 1, branch=3).tokens == (chain[0],)
+    with pytest.raises(ValueError, match="feature drafter"):
+        DrafterTreeProposer(trained["block"][1])
 
 
 # ---------------------------------------------------------------- checkpoints

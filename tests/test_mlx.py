@@ -27,7 +27,7 @@ from oracle_cases import (  # noqa: E402
 from kakeya_lab import SinkWindowConfig, Verifier, reference  # noqa: E402
 from kakeya_lab.mlx_backend import load_mlx_model, mlx_dense_logits, mlx_early_exit_model  # noqa: E402
 from kakeya_lab.models import DEFAULT_MODEL, model_dir, tiny_random_model  # noqa: E402
-from kakeya_lab.proposers import DraftModelProposer, NgramProposer  # noqa: E402
+from kakeya_lab.proposers import DraftModelProposer, NgramProposer, make_proposer  # noqa: E402
 from kakeya_lab.session import SessionStore, Token  # noqa: E402
 
 TINY_TOL = 1e-4
@@ -186,14 +186,17 @@ def _plain(store, prompt, n):
     "proposer_kind",
     [
         "ngram",
+        "suffix-tree",
+        "ngram-tree",
         pytest.param("draft_model", marks=pytest.mark.slow),
         pytest.param("early_exit", marks=pytest.mark.slow),
     ],
 )
 def test_mlx_greedy_speculative_equals_plain_past_eviction(tiny, proposer_kind, mode):
-    """Through the unchanged SessionStore / speculative_decode on MLX. The prompt holds the
-    verifier's own earlier continuation (P + plain(P) + P), so the n-gram proposer has real
-    matches to draft (a random model rarely repeats itself otherwise)."""
+    """Through the unchanged SessionStore / speculative_decode on MLX, chains and draft
+    trees. The prompt holds the verifier's own earlier continuation (P + plain(P) + P), so
+    the model-free proposers have real matches to draft (a random model rarely repeats
+    itself otherwise)."""
     _, verifier_model = tiny["llama"]
     _, draft_model = tiny["qwen3"]
     config = SinkWindowConfig(sink=4, window=20, positions=mode)
@@ -205,6 +208,8 @@ def test_mlx_greedy_speculative_equals_plain_past_eviction(tiny, proposer_kind, 
     for k in (1, 4, 8):
         if proposer_kind == "ngram":
             proposer = NgramProposer()
+        elif proposer_kind.endswith("-tree"):  # a draft tree verified in one MLX forward
+            proposer = make_proposer(proposer_kind, verifier_model, config)
         elif proposer_kind == "draft_model":
             proposer = DraftModelProposer(draft_model, config, label="tiny-random-qwen3 (mlx)")
         else:  # self-speculation: the verifier's first layer drafts (MLX early exit)

@@ -33,7 +33,7 @@ NAME = "t-feature"
 TRAIN = [
     "align", "train", NAME, "--kind", "feature", "--steps", "8", "--conversations", "2",
     "--dev-conversations", "1", "--turns", "1", "--max-new-tokens", "24", "--window", "60",
-    "--draft-vocab", "512", "--quiet",
+    "--draft-vocab", "512", "--teacher-conversations", "2", "--teacher-turns", "3", "--quiet",
 ]  # fmt: skip
 
 
@@ -113,8 +113,13 @@ def test_align_train_makes_a_listed_named_drafter_with_its_record(in_made, defau
     record = json.loads((in_made / NAME / "record.json").read_text())
     training = record["training"]
     assert training["steps"] == 8
-    assert training["data"]["train"]["conversations"] == 2
+    assert training["data"]["train"]["conversations"] == 2 + 2  # greedy + teacher-forced
     assert training["data"]["held_out"]["conversations"] == 1
+    assert training["data"]["teacher_forced"] == {"conversations": 2, "turns": 3}
+    stats = training["data"]["capture_stats"]
+    assert sorted(stats) == ["chitchat-dev", "chitchat-train", "chitchat-train-teacher"]
+    for folder in stats.values():
+        assert folder["tokens"] > 0 and folder["bytes"] > 0 and folder["tokens_per_s"] > 0
     assert training["train_loss"] > 0 and training["held_out_loss"] > 0
     assert training["held_out_tau"] >= 1.0
     assert len(training["held_out_accept_by_position"]) == record["shape"]["block_size"]
@@ -129,9 +134,9 @@ def test_align_train_makes_a_listed_named_drafter_with_its_record(in_made, defau
 def test_speculative_decoding_with_a_drafter_loaded_by_name_is_lossless(in_made, default_model):
     cache = SinkWindowConfig(sink=4, window=28)  # small: drafting crosses eviction
 
-    def factory():
-        return make_proposer(
-            f"drafter:{NAME}",
+    def factory(kind):
+        return lambda: make_proposer(
+            f"{kind}:{NAME}",
             default_model.model,
             cache,
             default_model.tokenizer,
@@ -140,7 +145,7 @@ def test_speculative_decoding_with_a_drafter_loaded_by_name_is_lossless(in_made,
 
     run = run_speculative(
         default_model,
-        {NAME: factory},
+        {NAME: factory("drafter"), f"{NAME}-tree@6": factory("drafter-tree")},
         [3],
         domain_conversations("chitchat", "dev", limit=1),
         config=cache,
@@ -150,7 +155,10 @@ def test_speculative_decoding_with_a_drafter_loaded_by_name_is_lossless(in_made,
     )
     assert greedy_streams_identical(run.turns)
     assert run.turns["history_len"].max() > 2 * 32
-    assert run.steps[run.steps["arm"] == f"{NAME}@3"]["proposed"].sum() > 0  # it did draft
+    for arm in (f"{NAME}@3", f"{NAME}-tree@6"):
+        assert run.steps[run.steps["arm"] == arm]["proposed"].sum() > 0  # it did draft
+    tree_steps = run.steps[(run.steps["arm"] == f"{NAME}-tree@6") & (run.steps["proposed"] > 0)]
+    assert tree_steps["tree"].all()  # every step that drafted verified a tree
 
 
 @pytest.mark.slow  # captures 3 real conversations and trains a drafter (about 40 s)
@@ -212,11 +220,13 @@ def test_the_chat_panel_offers_the_named_drafters_of_its_verifier(
     config = SinkWindowConfig(sink=4, window=28)
     panel = ChatPanel(default_model, config, max_new_tokens=4)
     assert f"drafter:{NAME}" in panel.proposer.options
-    panel.proposer.value = f"drafter:{NAME}"
-    record = panel.send("Hi! How are you today?")
-    panel.wait(120)
-    assert record is not None and record.proposer == f"drafter:{NAME}"
-    assert record.finished and record.token_ids and record.error is None
+    assert f"drafter-tree:{NAME}" in panel.proposer.options
+    for spec in (f"drafter:{NAME}", f"drafter-tree:{NAME}"):
+        panel.proposer.value = spec
+        record = panel.send("Hi! How are you today?")
+        panel.wait(120)
+        assert record is not None and record.proposer == spec
+        assert record.finished and record.token_ids and record.error is None
     other = ChatPanel(tiny_model, config, max_new_tokens=2)
     assert not any(o.startswith("drafter:") for o in other.proposer.options)
 
@@ -225,8 +235,11 @@ def test_the_chat_panel_offers_the_named_drafters_of_its_verifier(
 def test_a_second_run_reuses_the_capture_and_needs_no_training_checkpoint(in_made, default_model):
     work = in_made / ".work" / NAME
     assert not (work / "train").exists()  # removed once the drafter was saved
-    manifest = work / "rollouts" / "chitchat-train" / "manifest.json"
-    before = manifest.read_text()
+    manifests = [
+        work / "rollouts" / f / "manifest.json"
+        for f in ("chitchat-train", "chitchat-train-teacher")
+    ]
+    before = [m.read_text() for m in manifests]
     second = ["t-block" if a == NAME else a for a in TRAIN]
     second[second.index("feature")] = "block"
     second[second.index("--steps") + 1] = "3"  # other training settings: trains afresh
@@ -235,11 +248,20 @@ def test_a_second_run_reuses_the_capture_and_needs_no_training_checkpoint(in_mad
         rows = {r["name"]: r for r in list_drafters()}
         assert sorted(rows) == ["t-block", NAME] and rows["t-block"]["kind"] == "block"
         assert rows["t-block"]["steps"] == 3
-        assert json.loads(manifest.read_text())["shards"] == json.loads(before)["shards"]
+        for manifest, was in zip(manifests, before):  # both captures reused as they were
+            assert json.loads(manifest.read_text())["shards"] == json.loads(was)["shards"]
         drafter = load_named_drafter(
             "t-block", default_model.model, default_model.description.weight_sha256
         )
         assert drafter.config.kind == "block"
+        assert main(["chat", "--proposer", "drafter-tree:t-block"]) == 2  # before a model loads
+        with pytest.raises(ValueError, match="feature drafter"):  # trees: one token per forward
+            make_proposer(
+                "drafter-tree:t-block",
+                default_model.model,
+                SinkWindowConfig(sink=4, window=28),
+                verifier_sha256=default_model.description.weight_sha256,
+            )
     finally:
         shutil.rmtree(in_made / "t-block", ignore_errors=True)
 

@@ -45,6 +45,11 @@ CI_PARAMETERS: dict[str, dict] = {
         "turns": 1,
         "max_new_tokens": 12,
     },
+    "35_spec_table": {
+        "arms": ["ngram@2", "suffix-tree@3"],
+        "prompt_sets": ["code-dev", "chitchat-dev"],
+        "max_new_tokens": 8,
+    },
     "40_proposer_alignment": {
         "domains": ["chitchat"],
         "train_conversations": 2,

@@ -1,7 +1,7 @@
 """``kakeya-lab serve --backend mlx``: the same gRPC and OpenAI-compatible front ends over a
 session store on the MLX backend (CPU on Linux). Greedy replies through the gRPC client and
 the ``openai`` client equal the in-process MLX session's over the same cache configuration
-(a window small enough to evict)."""
+(a window small enough to evict), plain and with a draft tree."""
 
 from __future__ import annotations
 
@@ -43,15 +43,16 @@ def test_mlx_server_greedy_equals_the_in_process_mlx_session(serve):
         )
     ]
     with server.client() as client:
-        sid = client.create()
-        served = []
-        for ids in turns:
-            client.append_ids(sid, ids)
-            served.append(client.generate(sid, 12).token_ids)
-        info = client.info(sid)
-        client.close_session(sid)
-    assert info.history_len > SINK + WINDOW == info.cache_len  # the window evicted
-    assert served == in_process(turns, 12)
+        for proposer in ("none", "suffix-tree"):  # a draft tree verified on the MLX server
+            sid = client.create()
+            served = []
+            for ids in turns:
+                client.append_ids(sid, ids)
+                served.append(client.generate(sid, 12, proposer=proposer).token_ids)
+            info = client.info(sid)
+            client.close_session(sid)
+            assert info.history_len > SINK + WINDOW == info.cache_len  # the window evicted
+            assert served == in_process(turns, 12), proposer
 
     messages = [{"role": "user", "content": "Name three colours."}]
     reply = server.openai().chat.completions.create(

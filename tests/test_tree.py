@@ -64,17 +64,43 @@ def _tree_against_oracle(model, v: Verifier, tree: DraftTree) -> float:
     return worst
 
 
+@pytest.fixture(scope="module")
+def verifier_models(tiny_model, tmp_path_factory):
+    """The tiny model on each backend the trees are verified on: {backend: model}."""
+    models = {"torch": tiny_model.model}
+    try:
+        from kakeya_lab.mlx_backend import load_mlx_model
+    except ImportError:  # pragma: no cover - mlx is installed with the dev extras
+        return models
+    folder = tmp_path_factory.mktemp("tiny-mlx")
+    tiny_model.model.save_pretrained(folder, safe_serialization=True)
+    models["mlx"] = load_mlx_model(folder)
+    return models
+
+
+BACKENDS = ["torch", "mlx"]
+
+
+def _verifier_model(verifier_models, backend):
+    if backend not in verifier_models:
+        pytest.skip(f"{backend} is not installed")
+    return verifier_models[backend]
+
+
 # ------------------------------------------------------------ (a) + (b): mechanics
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["global", "rolling"])
-def test_tree_rows_and_non_prefix_commits_match_the_oracle(tiny_model, mode, record_tolerance):
+def test_tree_rows_and_non_prefix_commits_match_the_oracle(
+    tiny_model, verifier_models, backend, mode, record_tolerance
+):
     """Random trees (some deeper than the window) over a history that wraps the window
-    many times: every node's row equals the oracle of its root path; a random
+    many times: every node's row equals the (torch) oracle of its root path; a random
     root-to-node path (mostly not a storage prefix) is committed, and the next tree's
     rows check the cache after it; finally a fresh replay holds the same entries."""
     model = tiny_model.model
     config = SinkWindowConfig(sink=2, window=6, positions=mode)
     rng = random.Random(11 if mode == "global" else 12)
-    v = Verifier(model, config)
+    v = Verifier(_verifier_model(verifier_models, backend), config)
     vocab = v.vocab_size
     v.append([rng.randrange(vocab) for _ in range(3)])
     worst, non_prefix = 0.0, 0
@@ -89,9 +115,9 @@ def test_tree_rows_and_non_prefix_commits_match_the_oracle(tiny_model, mode, rec
             v.append([rng.randrange(vocab) for _ in range(rng.randint(1, 4))])
     assert v.history_len > 5 * config.budget, "the run must wrap the window many times"
     assert non_prefix >= 10
-    record_tolerance(f"tiny-qwen3/{mode}/tree rows and non-prefix commits", worst)
+    record_tolerance(f"tiny-qwen3/{backend}/{mode}/tree rows and non-prefix commits", worst)
     assert worst <= 1e-4
-    fresh = Verifier(model, config)
+    fresh = Verifier(_verifier_model(verifier_models, backend), config)
     fresh.append(v.history_token_ids)
     assert fresh.cached_token_ids == v.cached_token_ids
     assert fresh.cached_positions() == v.cached_positions()
@@ -100,8 +126,11 @@ def test_tree_rows_and_non_prefix_commits_match_the_oracle(tiny_model, mode, rec
     assert diff <= 1e-4
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["global", "rolling"])
-def test_a_deep_tree_over_an_empty_history_matches_the_oracle(tiny_model, mode):
+def test_a_deep_tree_over_an_empty_history_matches_the_oracle(
+    tiny_model, verifier_models, backend, mode
+):
     """The block holds the sinks itself and is far deeper than sink + window, so in
     rolling mode its deep nodes need rotated copies of sink *block* columns, each query
     seeing only the copies of its own ancestors."""
@@ -110,7 +139,7 @@ def test_a_deep_tree_over_an_empty_history_matches_the_oracle(tiny_model, mode):
     rng = random.Random(1)
     worst = 0.0
     for _ in range(4):
-        v = Verifier(model, config)
+        v = Verifier(_verifier_model(verifier_models, backend), config)
         n = 14
         parents = [-1, 0, 0] + [
             i - 1 if rng.random() < 0.7 else rng.randrange(1, i) for i in range(3, n)
@@ -493,30 +522,36 @@ def test_tree_specs_pass_the_cli_and_long_run_checks():
     from kakeya_lab.bench.long_run.arms import check_proposer_spec
     from kakeya_lab.cli import UserError, _check_proposer
 
-    for spec in ("ngram-tree", "ngram-tree:3,2", "suffix-tree", "suffix-tree:6", "tree:ngram"):
+    specs = ("ngram-tree", "ngram-tree:3,2", "suffix-tree", "suffix-tree:6", "tree:ngram")
+    for spec in specs:
         check_proposer_spec(spec)
         _check_proposer(spec)
-    for bad in ("tree:suffix-tree", "draft-tree:x", "tree:", "ngram-tree:x", "suffix-tree:x"):
+    check_proposer_spec("drafter-tree:mine")  # the CLI also looks the name up (test_named_drafters)
+    bad_specs = ("tree:suffix-tree", "draft-tree:x", "tree:", "ngram-tree:x", "suffix-tree:x")
+    for bad in (*bad_specs, "drafter-tree:", "tree:drafter-tree:mine"):
         with pytest.raises(ValueError):
             check_proposer_spec(bad)
         with pytest.raises(UserError):
             _check_proposer(bad)
 
 
-def test_mlx_verifier_refuses_a_tree_and_loses_nothing(tiny_model, tmp_path):
-    """Tree verification is torch-only so far: the MLX verifier says so and is unchanged."""
-    pytest.importorskip("mlx.core")
-    from kakeya_lab.mlx_backend import load_mlx_model
-
-    tiny_model.model.save_pretrained(tmp_path, safe_serialization=True)
-    v = Verifier(load_mlx_model(tmp_path), SinkWindowConfig(sink=2, window=6))
+def test_mlx_bad_trees_and_paths_lose_nothing(verifier_models):
+    """On MLX too: a refused tree or path changes nothing, and a tree forward that fails
+    midway leaves no block behind (the next forward is plain)."""
+    v = Verifier(_verifier_model(verifier_models, "mlx"), SinkWindowConfig(sink=2, window=6))
     v.append([1, 2, 3])
-    with pytest.raises(NotImplementedError, match="torch backend"):
-        v.forward_tree(DraftTree([4, 5], [-1, -1]))
+    with pytest.raises(ValueError):
+        v.forward_tree(DraftTree([4, v.vocab_size], [-1, 0]))
     assert v.history_token_ids == [1, 2, 3] and v.pending_len == 0 and v.cache.pending_len == 0
-    v.forward_block([4])
+    v.forward_tree(DraftTree([4, 5, 6], [-1, -1, 1]))
+    with pytest.raises(ValueError, match="not a root-to-node path"):
+        v.commit_path([0, 2])
+    assert v.cache.pending_len == 3
+    v.commit_path([1, 2])
+    assert v.history_token_ids == [1, 2, 3, 5, 6] and v.cached_positions() == [0, 1, 2, 3, 4]
+    v.forward_block([7])
     v.commit(1)
-    assert v.history_token_ids == [1, 2, 3, 4]
+    assert v.history_token_ids == [1, 2, 3, 5, 6, 7]
 
 
 def test_tree_sessions_match_plain_across_turns(default_model):

@@ -24,15 +24,17 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kakeya_lab import inputs
 from kakeya_lab.attention import rotate
 from kakeya_lab.proposers import Draft
 from kakeya_lab.sampling import GREEDY, SamplingConfig
+from kakeya_lab.tree import DraftTree
 from kakeya_lab.verifier import HiddenTrace, Verifier
 
 if TYPE_CHECKING:
@@ -251,6 +253,55 @@ class FeatureDrafter(Drafter):
                 ]
         return out, (torch.stack(qs) if qs else None)
 
+    @torch.no_grad()
+    def draft_tree(
+        self, features: torch.Tensor, next_tokens: Sequence[int], max_nodes: int, branch: int = 4
+    ) -> DraftTree:
+        """EAGLE-2's dynamic tree: at most ``max_nodes`` nodes continuing the context.
+
+        Depth by depth, the ``branch`` likeliest paths so far (by the product of the
+        drafter's probabilities along them) are extended in one batched forward, each by
+        its ``branch`` likeliest tokens; the tree is then the ``max_nodes`` likeliest
+        nodes of all scored. A path's probability never exceeds its parent's, so the
+        likeliest nodes always include their ancestors (ties go to the shallower node).
+        Deterministic (``probs`` None): greedy and rejection-sampling verifiers take it.
+        """
+        if max_nodes < 1:
+            return DraftTree.empty()
+        feats = features[None].float()  # [1, n, H]: one path, the context itself
+        toks = torch.tensor([list(next_tokens)], dtype=torch.long)
+        scores = torch.zeros(1)  # log-probability of each frontier path
+        frontier = [-1]  # their node ids (-1: the context)
+        nodes: list[tuple[float, int, int, int]] = []  # (log p, depth, token, parent node)
+        for depth in range(max_nodes):
+            pred = self.forward(feats, toks)[:, -1]  # [B, H]
+            logp = torch.log_softmax(self.logits(pred), dim=-1)
+            top = torch.topk(logp, min(branch, logp.shape[-1]), dim=-1)
+            cand = (scores[:, None] + top.values).flatten()  # [B * branch]
+            first = len(nodes)
+            for b, parent in enumerate(frontier):
+                for j in range(top.indices.shape[1]):
+                    token = int(self.draft_ids[top.indices[b, j]])
+                    nodes.append((float(cand[b * top.indices.shape[1] + j]), depth, token, parent))
+            # the next frontier: this depth's likeliest paths, if any can still make the tree
+            order = torch.argsort(cand, descending=True)[:branch]
+            floor = sorted(n[0] for n in nodes)[-max_nodes] if len(nodes) >= max_nodes else None
+            order = order[[floor is None or float(cand[i]) >= floor for i in order.tolist()]]
+            if len(order) == 0 or depth + 1 == max_nodes:
+                break
+            rows = order // top.indices.shape[1]
+            chosen = top.indices.flatten()[order]
+            feats = torch.cat([feats[rows], pred[rows][:, None]], dim=1)
+            toks = torch.cat([toks[rows], self.draft_ids[chosen][:, None]], dim=1)
+            scores = cand[order]
+            frontier = [first + int(i) for i in order]
+        best = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], nodes[i][1], i))[:max_nodes]
+        slot = {node: k for k, node in enumerate(best)}
+        return DraftTree(
+            [nodes[i][2] for i in best],
+            [-1 if nodes[i][3] < 0 else slot[nodes[i][3]] for i in best],
+        )
+
 
 class BlockDrafter(Drafter):
     """Block-diffusion style: bidirectional layers over the context pairs followed by
@@ -356,19 +407,13 @@ class DrafterProposer:
 
     def propose(self, context, draft_length, sampling=GREEDY, generator=None) -> Draft:
         t0 = time.perf_counter()
-        context = list(context)
-        history = context[:-1]  # committed; the last token is emitted but not yet scored
-        trace = self.trace
-        n = trace.held_suffix(history, self.drafter.config.context_len) if trace else 0
-        if trace is None or n == 0 or draft_length < 1:
+        held = self._context(context) if draft_length >= 1 else None
+        if held is None:
             return Draft([], None, time.perf_counter() - t0)
-        positions = range(len(history) - n, len(history))
-        feats = trace.features(positions, [history[p] for p in positions])
-        if feats is None:  # held_suffix counted them held, so not expected: draft nothing
-            return Draft([], None, time.perf_counter() - t0)
+        feats, next_tokens = held
         tokens, probs = self.drafter.draft(
             feats,
-            context[len(context) - n :],
+            next_tokens,
             draft_length,
             sampling if sampling is not None else GREEDY,
             generator,
@@ -377,6 +422,20 @@ class DrafterProposer:
 
     def accept(self, n: int) -> None:
         return None
+
+    def _context(self, context: Sequence[int]) -> tuple[torch.Tensor, list[int]] | None:
+        """The latest held features and the tokens that followed them, or None."""
+        context = list(context)
+        history = context[:-1]  # committed; the last token is emitted but not yet scored
+        trace = self.trace
+        n = trace.held_suffix(history, self.drafter.config.context_len) if trace else 0
+        if trace is None or n == 0:
+            return None
+        positions = range(len(history) - n, len(history))
+        feats = trace.features(positions, [history[p] for p in positions])
+        if feats is None:  # held_suffix counted them held, so not expected: draft nothing
+            return None
+        return feats, context[len(context) - n :]
 
     def describe(self) -> dict:
         c = self.drafter.config
@@ -390,3 +449,30 @@ class DrafterProposer:
             "block_size": c.block_size,
             "draft_vocab": len(c.draft_vocab),
         }
+
+
+class DrafterTreeProposer(DrafterProposer):
+    """A feature drafter drafting EAGLE-2 trees (:meth:`FeatureDrafter.draft_tree`); the
+    decoder's draft length is the node budget, ``branch`` the children tried per node."""
+
+    def __init__(self, drafter: FeatureDrafter, label: str | None = None, *, branch: int = 4):
+        if not isinstance(drafter, FeatureDrafter):
+            raise ValueError(
+                f"draft trees need a feature drafter (it drafts one token per forward); "
+                f"got a {drafter.config.kind} drafter"
+            )
+        super().__init__(drafter, label)
+        self.name = "feature_drafter_tree"
+        self.branch = inputs.count(branch, "branch", minimum=1, maximum=inputs.MAX_SIZE)
+
+    def propose_tree(self, context, max_nodes, sampling=None, generator=None) -> DraftTree:
+        held = self._context(context) if max_nodes >= 1 else None
+        if held is None:
+            return DraftTree.empty()
+        feats, next_tokens = held
+        return cast(FeatureDrafter, self.drafter).draft_tree(
+            feats, next_tokens, max_nodes, self.branch
+        )
+
+    def describe(self) -> dict:
+        return {**super().describe(), "tree": "eagle2", "branch": self.branch}

@@ -3,9 +3,9 @@
 Each conversation runs through the session runtime with the sink-window cache on: every
 user turn is appended (chat-templated) and the verifier replies greedily
 (``replies="generate"``), or the conversation's own replies are appended as assistant
-turns (``replies="dataset"``: teacher forcing, a prefill per turn instead of a decode per
-token, so tens of times more positions per second; the targets are still the verifier's
-distributions at every position). One dataset row
+turns (``replies="dataset"``: teacher forcing, one chunked prefill of the whole templated
+conversation instead of a decode per token, so tens of times more positions per second; the
+targets are still the verifier's distributions at every position). One dataset row
 per conversation holds, for every token position ``i`` of the session:
 
 * ``token_ids[i]`` and ``positions[i]`` (global position, ``== i``);
@@ -19,13 +19,15 @@ per conversation holds, for every token position ``i`` of the session:
 
 Rows are written as ``datasets`` shards (Arrow) under ``out_dir/shard-NNNNN`` with a
 ``manifest.json`` (model sha256, cache config, split, options, finished shards and their
-conversation ids), rewritten atomically after each shard. Capture resumes from the
+conversation ids, tokens and capture seconds), rewritten atomically after each shard, and
+``stats`` (tokens per second, bytes on disk) when finished. Capture resumes from the
 manifest: finished conversations are skipped, a half-written shard is discarded.
 """
 
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -96,9 +98,11 @@ def _save_quietly(dataset, path: Path) -> None:
             enable_progress_bars()
 
 
-def _read_manifest(out: Path) -> dict | None:
+def read_manifest(out: str | Path) -> dict | None:
+    """The manifest of a rollout folder, or None when it has none."""
     import json
 
+    out = Path(out)
     path = out / MANIFEST
     if not path.exists():
         return None
@@ -121,20 +125,27 @@ def capture_conversation(
         trace = verifier.trace_hidden(None)
         generated_at: list[int] = []
         replies: list[list[int]] = []
+        pending: list[int] = []  # teacher forcing: the whole conversation is one append
         users, answers = conversation.turns[0::2], conversation.turns[1::2]
         for ti, text in enumerate(users[: options.turns_per_conversation]):
-            if options.replies == "dataset" and not (ti < len(answers) and answers[ti].strip()):
-                break
-            store.append(sid, tok_template.user(text))
-            start = verifier.history_len
             if options.replies == "dataset":
+                if not (ti < len(answers) and answers[ti].strip()):
+                    break
+                pending += tok_template.user(text)
                 reply = tok_template.assistant(answers[ti])
-                store.append(sid, reply)
+                start = verifier.history_len + len(pending)
+                pending += reply
             else:
+                store.append(sid, tok_template.user(text))
+                start = verifier.history_len
                 reply = collect_reply(store.generate(sid, options.max_new_tokens)).token_ids
                 tok_template.generated(reply, eos_token_ids=store.eos_token_ids)
             generated_at.extend(range(start, start + len(reply)))
             replies.append(reply)
+        if pending:
+            # the cache's chunked prefill equals turn-by-turn appends (the oracle rule),
+            # and one call skips a forward's fixed cost per turn
+            store.append(sid, pending)
         tokens = verifier.history_token_ids
         hidden = trace.features(range(len(tokens)), tokens)
     finally:
@@ -201,7 +212,7 @@ def capture_rollouts(
         "split": split,
         "options": asdict(options),
     }
-    manifest = _read_manifest(out)
+    manifest = read_manifest(out)
     if manifest is None:
         manifest = {**identity, "shards": [], "started": now_iso(), "finished": None}
     else:
@@ -223,6 +234,7 @@ def capture_rollouts(
     )
     for start in range(0, len(todo), options.shard_size):
         batch = todo[start : start + options.shard_size]
+        t0 = time.perf_counter()
         rows = []
         for conv in batch:
             row = capture_conversation(store, loaded.tokenizer, conv, split, options)
@@ -246,6 +258,7 @@ def capture_rollouts(
                 "attempted": [c.id for c in batch],
                 "rows": len(rows),
                 "tokens": int(sum(len(r["token_ids"]) for r in rows)),
+                "seconds": round(time.perf_counter() - t0, 3),
             }
         )
         write_json_atomic(out / MANIFEST, manifest)
@@ -253,8 +266,25 @@ def capture_rollouts(
             on_shard(index)
     bar.close()
     manifest["finished"] = now_iso()
+    manifest["stats"] = capture_stats(out, manifest)
     write_json_atomic(out / MANIFEST, manifest)
     return manifest
+
+
+def capture_stats(out: str | Path, manifest: dict) -> dict:
+    """Size and speed of a rollout folder: conversations, tokens, capture seconds (summed
+    over shards, so resumed captures count only the work done), tokens per second and
+    bytes on disk (the shards' Arrow files)."""
+    shards = manifest["shards"]
+    seconds = sum(s.get("seconds", 0.0) for s in shards)
+    tokens = sum(s["tokens"] for s in shards)
+    return {
+        "conversations": sum(s["rows"] for s in shards),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),  # a tiny model's shard can take well under 0.1 s
+        "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+        "bytes": sum(f.stat().st_size for f in Path(out).rglob("*") if f.is_file()),
+    }
 
 
 def load_rollouts(*folders: str | Path):
@@ -264,7 +294,7 @@ def load_rollouts(*folders: str | Path):
     parts = []
     for folder in folders:
         folder = Path(folder)
-        manifest = _read_manifest(folder)
+        manifest = read_manifest(folder)
         if manifest is None:
             raise RolloutError(f"{folder} has no {MANIFEST}: not a rollout folder")
         for shard in manifest["shards"]:

@@ -26,7 +26,8 @@ drafting cost and the speedup they predict) is ``run.cost``, see
 
 Table columns: ``turns`` and ``steps`` carry ``draft_length`` (0 for plain decoding); the
 summary adds ``acceptance_rate``, ``acceptance_probability``, ``draft_cost_ratio``,
-``expected_speedup`` and ``acceptance_by_position``.
+``expected_speedup``, ``acceptance_by_position`` and ``zero_accept_rate`` (the share of
+steps with a draft that accepted none of it).
 
 Tree arms (a :class:`~kakeya_lab.proposers.TreeProposer`, e.g. ``suffix-tree@16``): the
 draft length is the node budget, ``proposed`` counts the tree's nodes and ``accepted``
@@ -111,7 +112,8 @@ def run_speculative(
     cost_aware: bool = False,
 ) -> SpeculativeRun:
     """Run ``plain`` and one ``proposer@draft_length`` arm per proposer and draft length over
-    the user turns of ``conversations``.
+    the user turns of ``conversations``. A proposer keyed ``SPEC@K`` runs at ``K`` only
+    (``draft_lengths`` may then be empty).
 
     With ``measure_cost`` the verifier's block cost ``v(n)`` for ``n = 1..max(draft
     length) + 1`` is timed ``cost_repeats`` times per size before the arms run and again
@@ -126,27 +128,31 @@ def run_speculative(
     timings taken before the arms run, at most ``K``."""
     if not conversations:
         raise ValueError("no conversations to run")
-    if not draft_lengths or any(n < 1 for n in draft_lengths):
+    if any(n < 1 for n in draft_lengths) or not (
+        draft_lengths or all("@" in name for name in proposers)
+    ):
         raise ValueError(f"draft lengths must be >= 1, got {list(draft_lengths)}")
     if cost_aware and not measure_cost:
         raise ValueError("cost_aware arms plan with the measured block cost: keep measure_cost")
     arms: dict[str, tuple[ProposerFactory | None, int, CostModel | None]] = {
         "plain": (None, 0, None)
     }
+    lengths = {name: arm_draft_lengths(name, draft_lengths) for name in proposers}
     for name, factory in proposers.items():
-        for n in draft_lengths:
-            arms[f"{name}@{n}"] = (factory, n, None)
+        for n in lengths[name]:
+            arms[f"{_spec_of(name)}@{n}"] = (factory, n, None)
+    longest = max(n for ns in lengths.values() for n in ns)
     model, tok = loaded.model, loaded.tokenizer
     probe = None
     if measure_cost:
-        probe = BlockCostProbe(loaded, config, conversations, max(draft_lengths) + 1, system=system)
+        probe = BlockCostProbe(loaded, config, conversations, longest + 1, system=system)
         probe.measure(cost_repeats)
     if cost_aware and probe is not None:
         # the schedules measure the drafter's own cost as they decode
         planned = CostModel(fit_block_cost(probe.timings), draft_token_s=0.0)
-        k = max(draft_lengths)
         for name, factory in proposers.items():
-            arms[f"{name}@cost{k}"] = (factory, k, planned)
+            k = max(lengths[name])
+            arms[f"{_spec_of(name)}@cost{k}"] = (factory, k, planned)
     turn_rows, step_rows = [], []
     total = sum(min(turns_per_conversation, len(c.turns[0::2])) for c in conversations) * len(arms)
     bar = tqdm(total=total, desc="speculative", unit="turn", disable=not progress)
@@ -241,6 +247,22 @@ def run_speculative(
     return SpeculativeRun(turns=turns, steps=steps, summary=summary, cost=cost)
 
 
+def arm_draft_lengths(name: str, draft_lengths: Sequence[int]) -> list[int]:
+    """The draft lengths a proposer key runs at: ``SPEC@K`` its own ``K``, else every one
+    of ``draft_lengths``."""
+    base, at, k = name.rpartition("@")
+    if not at:
+        return list(draft_lengths)
+    if not (base and k.isdigit() and int(k) >= 1):
+        raise ValueError(f"bad arm {name!r}: write a fixed draft length like ngram@8")
+    return [int(k)]
+
+
+def _spec_of(name: str) -> str:
+    """A proposer key without its fixed draft length (``ngram@8`` -> ``ngram``)."""
+    return name.rpartition("@")[0] or name
+
+
 def _add_turn_speedups(turns: pd.DataFrame) -> pd.DataFrame:
     turns = turns.copy()
     turns["tokens_per_s"] = turns["generated_tokens"] / turns["seconds"]
@@ -284,6 +306,7 @@ def summarize(turns: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
             "draft_cost_ratio": None,
             "expected_speedup": None,
             "acceptance_by_position": None,
+            "zero_accept_rate": None,
         }
         s = steps[steps["arm"] == arm]
         if arm != "plain" and len(s) and s["proposed"].sum() > 0:
@@ -301,18 +324,26 @@ def summarize(turns: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
                 if probability is not None
                 else None,
                 acceptance_by_position=acceptance_by_position(s, row["draft_length"]),
+                zero_accept_rate=float((s.loc[s["proposed"] > 0, "accepted"] == 0).mean()),
             )
         rows.append(row)
     return pd.DataFrame(rows)
 
 
+def arm_lossless(turns: pd.DataFrame) -> dict[str, bool]:
+    """Per arm: whether it emitted exactly the plain arm's tokens on every turn."""
+    plain = turns[turns["arm"] == "plain"].set_index(["conversation", "turn"])["reply_ids"]
+    out: dict[str, bool] = {}
+    for arm, df in turns.groupby("arm", sort=False):
+        out[str(arm)] = all(
+            list(r.reply_ids) == list(plain[(r.conversation, r.turn)]) for r in df.itertuples()
+        )
+    return out
+
+
 def greedy_streams_identical(turns: pd.DataFrame) -> bool:
     """True if every arm emitted exactly the plain arm's tokens on every turn (greedy)."""
-    plain = turns[turns["arm"] == "plain"].set_index(["conversation", "turn"])["reply_ids"]
-    for _, row in turns.iterrows():
-        if list(row["reply_ids"]) != list(plain[(row["conversation"], row["turn"])]):
-            return False
-    return True
+    return all(arm_lossless(turns).values())
 
 
 def hf_assisted_generation(

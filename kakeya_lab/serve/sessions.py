@@ -377,12 +377,13 @@ class ServedSessions:
                 "suffix[:DEPTH], ngram-tree[:SIZES] or suffix-tree[:DEPTH] (model-free "
                 "proposers; model drafters run in-process)"
             )
-        backend = backend_name_of(self.store.model)
-        if kind.endswith("-tree") and backend != "torch":
-            raise ValueError(
-                f"proposer {options.proposer!r}: draft trees are verified on the torch backend "
-                f"only; this server runs {backend}"
-            )
+        if kind.endswith("-tree") and backend_name_of(self.store.model) == "mlx":
+            from kakeya_lab.mlx_backend import check_tree_support
+
+            try:
+                check_tree_support(self.store.model)
+            except NotImplementedError as exc:
+                raise ValueError(f"proposer {options.proposer!r}: {exc}") from None
 
     def generate(
         self,

@@ -141,14 +141,19 @@ def status_html(record: ReplyRecord | None, busy: bool) -> str:
 
 def named_drafter_specs(verifier_sha256: str | None) -> list[str]:
     """``drafter:NAME`` for every named drafter trained for the verifier weights
-    ``verifier_sha256`` (none when it is unknown), sorted by name."""
+    ``verifier_sha256`` (none when it is unknown), sorted by name, each feature drafter
+    followed by ``drafter-tree:NAME`` (its EAGLE-2 tree)."""
     from kakeya_lab.align.named import list_drafters
 
     if not verifier_sha256:
         return []
-    return [
-        f"drafter:{r['name']}" for r in list_drafters() if r["verifier_sha256"] == verifier_sha256
-    ]
+    specs = []
+    for r in list_drafters():
+        if r["verifier_sha256"] == verifier_sha256:
+            specs.append(f"drafter:{r['name']}")
+            if r["kind"] == "feature":
+                specs.append(f"drafter-tree:{r['name']}")
+    return specs
 
 
 class ChatPanel:
@@ -157,8 +162,8 @@ class ChatPanel:
     ``source``: a loaded model (``load_model``) or a ``SessionStore`` (then pass
     ``tokenizer``); ``config`` the sink-window cache for a new store. ``proposers`` are
     the proposer specs offered; by default ``none``, ``ngram``, ``early-exit:8`` and
-    ``drafter:NAME`` for every named drafter trained for this verifier
-    (:func:`named_drafter_specs`; torch backend only).
+    ``drafter:NAME`` (and ``drafter-tree:NAME`` for a feature drafter) for every named
+    drafter trained for this verifier (:func:`named_drafter_specs`; torch backend only).
     """
 
     def __init__(

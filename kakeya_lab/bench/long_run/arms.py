@@ -34,19 +34,22 @@ class Arm:
 def check_proposer_spec(spec: str | None) -> None:
     """Raise ValueError unless ``spec`` names a proposer (``ngram[:SIZES]``,
     ``suffix[:DEPTH]``, ``early-exit:LAYERS``, ``draft:MODEL``, ``drafter:NAME``, the tree proposers
-    ``ngram-tree[:SIZES]``, ``suffix-tree[:DEPTH]`` and ``tree:SPEC``) — checked without a model."""
+    ``ngram-tree[:SIZES]``, ``suffix-tree[:DEPTH]``, ``drafter-tree:NAME`` and ``tree:SPEC``) —
+    checked without a model."""
     kind, _, arg = (spec or "").partition(":")
     if kind == "tree":  # a chain proposer verified as a 1-wide tree
-        if arg.partition(":")[0] in ("tree", "ngram-tree", "suffix-tree"):
+        if arg.partition(":")[0] in ("tree", "ngram-tree", "suffix-tree", "drafter-tree"):
             raise ValueError(f"tree:SPEC wraps a chain proposer, got {spec!r}")
         check_proposer_spec(arg)
         return
-    kind = {"ngram-tree": "ngram", "suffix-tree": "suffix"}.get(kind, kind)
+    named = kind
+    tree_of = {"ngram-tree": "ngram", "suffix-tree": "suffix", "drafter-tree": "drafter"}
+    kind = tree_of.get(kind, kind)
     if kind not in PROPOSER_KINDS:
         raise ValueError(
             "the speculative arm needs a proposer: ngram[:SIZES], suffix[:DEPTH], "
             "early-exit:LAYERS, draft:MODEL, drafter:NAME, ngram-tree[:SIZES], "
-            f"suffix-tree[:DEPTH] or tree:SPEC, got {spec!r}"
+            f"suffix-tree[:DEPTH], drafter-tree:NAME or tree:SPEC, got {spec!r}"
         )
     if (
         kind == "ngram"
@@ -61,7 +64,7 @@ def check_proposer_spec(spec: str | None) -> None:
     if kind == "draft" and not arg:
         raise ValueError(f"no draft model in {spec!r}: write it like draft:MODEL")
     if kind == "drafter" and not arg:
-        raise ValueError(f"no drafter name in {spec!r}: write it like drafter:NAME")
+        raise ValueError(f"no drafter name in {spec!r}: write it like {named}:NAME")
 
 
 def standard_arms(
