@@ -3,7 +3,7 @@
     query at p sees key j  iff  0 <= j <= p  and  (j < sink  or  p - j < window)
 
 How the rule reaches each layer's attention (transformers 5.x, Llama/Qwen-style models): a
-forward calls ``create_causal_mask(..., past_key_values=cache)`` once, before any layer.
+forward calls ``create_causal_mask(..., cache=cache)`` (``past_key_values=`` before 5.24) once, before any layer.
 That asks the cache ``get_mask_sizes(query_length, layer_idx)`` and passes the answer to the
 mask function registered for the model's attention implementation. A
 :class:`~kakeya_lab.cache.SinkWindowCache` answers with a :class:`KeyLayout` — the absolute

@@ -24,7 +24,7 @@ from typing import Any, Protocol, cast, runtime_checkable
 import torch
 from transformers import PreTrainedModel
 
-from kakeya_lab.cache import SinkWindowCache, SinkWindowConfig
+from kakeya_lab.cache import SinkWindowCache, SinkWindowConfig, cache_kwarg
 from kakeya_lab.tree import DraftTree
 
 BACKENDS = ("torch", "mlx")
@@ -249,7 +249,7 @@ class TorchBackend(CacheBackend):
                 out = self.model(
                     input_ids=input_ids,
                     position_ids=positions,
-                    past_key_values=self.cache,
+                    **cache_kwarg(self.model, self.cache),
                     use_cache=True,
                     logits_to_keep=0 if all_rows else 1,
                 )

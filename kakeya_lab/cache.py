@@ -20,12 +20,13 @@ Two ways to drive it:
 
 * the :class:`~kakeya_lab.verifier.Verifier` sets ``auto_commit=False`` and calls
   :meth:`SinkWindowCache.commit` / :meth:`SinkWindowCache.rollback` itself;
-* ``model.generate(past_key_values=cache)`` leaves ``auto_commit=True``: each forward's
+* ``model.generate(cache=cache)`` (``past_key_values=`` before transformers 5.24) leaves ``auto_commit=True``: each forward's
   tokens are committed when the next forward starts (generation never rolls back).
 """
 
 from __future__ import annotations
 
+import inspect
 import signal
 import threading
 from collections.abc import Iterator, Sequence
@@ -79,6 +80,21 @@ class SinkWindowConfig:
 
     def to_dict(self) -> dict:
         return {"sink": self.sink, "window": self.window, "positions": self.positions}
+
+
+def cache_kwarg(model: Any, cache: Cache) -> dict[str, Cache]:
+    """``cache`` as the keyword argument ``model``'s forward takes it under: ``cache`` from
+    transformers 5.24 on (where ``past_key_values`` is deprecated, with a warning on every
+    call), ``past_key_values`` before."""
+    owner = type(model)
+    keyword = _CACHE_KEYWORD.get(owner)
+    if keyword is None:
+        params = inspect.signature(model.forward).parameters
+        keyword = _CACHE_KEYWORD[owner] = "cache" if "cache" in params else "past_key_values"
+    return {keyword: cache}
+
+
+_CACHE_KEYWORD: dict[type, str] = {}  # per model class (a forward call is the hot path)
 
 
 def rope_inv_freq(model: PreTrainedModel) -> torch.Tensor:

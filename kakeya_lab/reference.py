@@ -21,7 +21,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import CacheLayerMixin
 
 from kakeya_lab.attention import rotate, visibility
-from kakeya_lab.cache import SinkWindowConfig, rope_inv_freq
+from kakeya_lab.cache import SinkWindowConfig, cache_kwarg, rope_inv_freq
 
 
 def _ids(token_ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -116,7 +116,7 @@ class RollingReference:
             out = self.model(
                 input_ids=token.reshape(1, 1),
                 position_ids=torch.tensor([[query_index]], device=device),
-                past_key_values=cache,
+                **cache_kwarg(self.model, cache),
                 use_cache=True,
             )
             rows.append(out.logits[0, -1].float())

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kakeya_lab import SinkWindowCache, SinkWindowConfig, Verifier
+from kakeya_lab.cache import cache_kwarg
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.session import (
@@ -171,7 +172,7 @@ def test_model_generate_with_our_cache_matches_verifier_greedy(default_model, te
     cache = SinkWindowCache(model, config)
     out = model.generate(
         torch.tensor([prompt]),
-        past_key_values=cache,
+        **cache_kwarg(model, cache),  # cache= from transformers 5.24, past_key_values= before
         max_new_tokens=30,
         do_sample=False,
         eos_token_id=None,
