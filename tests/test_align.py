@@ -15,6 +15,7 @@ import torch
 
 from kakeya_lab.align.checkpoint import CheckpointError, load_drafter, save_drafter
 from kakeya_lab.align.drafters import (
+    DrafterConfig,
     DrafterProposer,
     DrafterTreeProposer,
     build_drafter,
@@ -202,6 +203,80 @@ def test_hidden_trace_drops_rows_of_a_rolled_back_block(tiny_model):
 
 
 # ---------------------------------------------------------------- training
+
+
+def _random_feature_drafter(tiny_model):
+    """A two-layer feature drafter with random weights, sharpened so its choices are
+    clear (mechanics only: its drafts mean nothing)."""
+    torch.manual_seed(0)
+    config = DrafterConfig(
+        kind="feature",
+        hidden_size=tiny_model.model.config.hidden_size,
+        vocab_size=tiny_model.model.config.vocab_size,
+        verifier_sha256=None,
+        draft_vocab=list(range(300, 812)),
+        num_layers=2,
+        num_heads=4,
+        context_len=6,
+    )
+    drafter = build_drafter(config, tiny_model.model)
+    with torch.no_grad():
+        drafter.out.weight.mul_(40.0)
+    return drafter
+
+
+def _naive_draft(drafter, feats, toks, k):
+    """Greedy drafting by a whole forward over the growing sequence at every step."""
+    feats, toks, out = feats[None], torch.tensor([toks]), []
+    with torch.no_grad():
+        for _ in range(k):
+            f = drafter(feats, toks)[:, -1:]
+            out.append(int(drafter.draft_ids[drafter.logits(f[0, 0]).argmax()]))
+            feats, toks = torch.cat([feats, f], 1), torch.cat([toks, torch.tensor([[out[-1]]])], 1)
+    return out
+
+
+def test_feature_drafter_extends_its_cached_keys_as_a_whole_forward_would(
+    tiny_model, record_tolerance
+):
+    """Drafting runs the context through the layers once and then one row per draft and
+    path (the cached keys and values gathered per path); every predicted feature equals
+    the whole-sequence forward's, chains equal the naive loop, and a tree node is one of
+    its parent path's likeliest tokens."""
+    drafter = _random_feature_drafter(tiny_model)
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(6, drafter.config.hidden_size, generator=g)
+    toks = torch.randint(0, 2000, (6,), generator=g).tolist()
+    more_feats = torch.randn(3, 4, drafter.config.hidden_size, generator=g)  # 3 paths, 4 steps
+    more_toks = torch.randint(0, 2000, (3, 4), generator=g)
+    worst = 0.0
+    with torch.no_grad():
+        pred, past = drafter._prefill(feats, toks)
+        whole = drafter(feats[None], torch.tensor([toks]))
+        worst = float((pred - whole[:, -1]).abs().max())
+        past = [(k[[0, 0, 0]], v[[0, 0, 0]]) for k, v in past]  # one context, three paths
+        for i in range(4):
+            pred, past = drafter._extend(more_feats[:, i : i + 1], more_toks[:, i : i + 1], past)
+            whole = drafter(
+                torch.cat([feats[None].expand(3, -1, -1), more_feats[:, : i + 1]], 1),
+                torch.cat([torch.tensor([toks]).expand(3, -1), more_toks[:, : i + 1]], 1),
+            )
+            worst = max(worst, float((pred - whole[:, -1]).abs().max()))
+    record_tolerance("feature drafter cached extend vs whole forward (random)", worst)
+    assert worst < 1e-4
+    assert drafter.draft(feats, toks, 5)[0] == _naive_draft(drafter, feats, toks, 5)
+    tree = drafter.draft_tree(feats, toks, 9, branch=3)
+    assert len(tree) == 9 and tree.depth >= 2
+    for node in range(len(tree)):
+        path = tree.path(node)
+        prefix = [tree.tokens[i] for i in path[:-1]]
+        f, t = feats[None], torch.tensor([toks])
+        with torch.no_grad():  # the path's own features, step by step, by whole forwards
+            for token in prefix:
+                last = drafter(f, t)[:, -1:]
+                f, t = torch.cat([f, last], 1), torch.cat([t, torch.tensor([[token]])], 1)
+            top = torch.topk(drafter.logits(drafter(f, t)[0, -1]), 3).indices
+        assert tree.tokens[node] in drafter.draft_ids[top].tolist()
 
 
 @pytest.mark.slow  # captures real rollouts and trains drafters (about two minutes together)

@@ -91,12 +91,16 @@ class RMSNorm(nn.Module):
         return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
-def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+def rope(x: torch.Tensor, theta: float, start: int = 0) -> torch.Tensor:
     """Rotary position embedding over the sequence axis of ``x`` ``[B, heads, L, d]``
-    (positions ``0..L-1``; the rotation itself is :func:`kakeya_lab.attention.rotate`)."""
+    (positions ``start..start+L-1``; the rotation is :func:`kakeya_lab.attention.rotate`)."""
     L, d = x.shape[-2], x.shape[-1]
     inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
-    return rotate(x, torch.arange(L, device=x.device), inv_freq)
+    return rotate(x, torch.arange(start, start + L, device=x.device), inv_freq)
+
+
+# One layer's keys and values so far (RoPE applied), ``[B, heads, P, d]`` each.
+LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 
 class Layer(nn.Module):
@@ -113,15 +117,29 @@ class Layer(nn.Module):
         self.down = nn.Linear(hidden, width, bias=False)
 
     def forward(self, x: torch.Tensor, causal: bool) -> torch.Tensor:
+        return self.extend(x, None, causal)[0]
+
+    def extend(
+        self, x: torch.Tensor, past: LayerKV | None, causal: bool
+    ) -> tuple[torch.Tensor, LayerKV]:
+        """``x`` ``[B, L, W]`` at the positions after ``past`` (the keys and values of the
+        rows before, or None): the layer's output and the keys and values of all rows.
+        With ``past``, ``L`` must be 1 (one new row sees every earlier row and itself), so
+        row by row this equals :meth:`forward` of a causal layer over the whole sequence."""
         B, L, W = x.shape
+        start = 0 if past is None else past[0].shape[2]
+        if past is not None and L != 1:
+            raise ValueError(f"extend a cached layer by one row at a time, got {L}")
         q, k, v = (
             self.qkv(self.attn_norm(x)).view(B, L, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
         )
-        q, k = rope(q, self.rope_theta), rope(k, self.rope_theta)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        q, k = rope(q, self.rope_theta, start), rope(k, self.rope_theta, start)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=causal and past is None)
         x = x + self.proj(a.transpose(1, 2).reshape(B, L, W))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return x + self.down(F.silu(gate) * up), (k, v)
 
 
 class Drafter(nn.Module):
@@ -234,23 +252,43 @@ class FeatureDrafter(Drafter):
             preds.append(self.forward(feats, toks)[:, -1:])
         return torch.cat(preds, dim=1), torch.arange(1, n + k)
 
+    def _extend(
+        self, features: torch.Tensor, tokens: torch.Tensor, past: list[LayerKV] | None
+    ) -> tuple[torch.Tensor, list[LayerKV]]:
+        """Pairs ``features`` ``[B, L, H]`` / ``tokens`` ``[B, L]`` after each path's
+        ``past`` (every layer's keys and values so far; None: the pairs start the
+        sequence, and then any ``L``; else ``L`` = 1): the feature predicted after the last
+        pair ``[B, H]`` and the grown past. Row for row the numbers of :meth:`forward`
+        over the whole path, without recomputing what came before."""
+        x = self.embed_pairs(features, tokens)
+        grown: list[LayerKV] = []
+        for i, layer in enumerate(self.layers):
+            x, kv = cast(Layer, layer).extend(x, None if past is None else past[i], causal=True)
+            grown.append(kv)
+        return self.out(self.norm(x[:, -1])), grown
+
+    def _prefill(
+        self, features: torch.Tensor, next_tokens: Sequence[int]
+    ) -> tuple[torch.Tensor, list[LayerKV]]:
+        """The context pairs through the layers once (one path)."""
+        toks = torch.tensor([list(next_tokens)], dtype=torch.long)
+        return self._extend(features[None].float(), toks, None)
+
     @torch.no_grad()
     def draft(self, features, next_tokens, draft_length, sampling=GREEDY, generator=None):
-        k = draft_length
-        feats = features[None].float()
-        toks = torch.tensor([list(next_tokens)], dtype=torch.long)
+        """Autoregressive drafting on the drafter's own features; the context goes through
+        the layers once and each draft extends their keys and values (:meth:`_extend`)."""
         out, qs = [], []
-        for i in range(k):
-            f = self.forward(feats, toks)[:, -1:]
-            token, q = self._choose(self.logits(f[0, 0]), sampling, generator)
+        if draft_length < 1:
+            return out, None
+        pred, past = self._prefill(features, next_tokens)
+        for i in range(draft_length):
+            token, q = self._choose(self.logits(pred[0]), sampling, generator)
             out.append(token)
             if q is not None:
                 qs.append(q)
-            if i + 1 < k:
-                feats = torch.cat([feats, f], dim=1)[:, -self.config.context_len - k :]
-                toks = torch.cat([toks, torch.tensor([[token]])], dim=1)[
-                    :, -self.config.context_len - k :
-                ]
+            if i + 1 < draft_length:
+                pred, past = self._extend(pred[:, None], torch.tensor([[token]]), past)
         return out, (torch.stack(qs) if qs else None)
 
     @torch.no_grad()
@@ -268,31 +306,29 @@ class FeatureDrafter(Drafter):
         """
         if max_nodes < 1:
             return DraftTree.empty()
-        feats = features[None].float()  # [1, n, H]: one path, the context itself
-        toks = torch.tensor([list(next_tokens)], dtype=torch.long)
+        pred, past = self._prefill(features, next_tokens)  # [1, H]: one path, the context
         scores = torch.zeros(1)  # log-probability of each frontier path
         frontier = [-1]  # their node ids (-1: the context)
         nodes: list[tuple[float, int, int, int]] = []  # (log p, depth, token, parent node)
         for depth in range(max_nodes):
-            pred = self.forward(feats, toks)[:, -1]  # [B, H]
-            logp = torch.log_softmax(self.logits(pred), dim=-1)
+            logp = torch.log_softmax(self.logits(pred), dim=-1)  # [B, draft vocab]
             top = torch.topk(logp, min(branch, logp.shape[-1]), dim=-1)
-            cand = (scores[:, None] + top.values).flatten()  # [B * branch]
+            width = top.indices.shape[1]
+            cand = (scores[:, None] + top.values).flatten()  # [B * width]
             first = len(nodes)
-            for b, parent in enumerate(frontier):
-                for j in range(top.indices.shape[1]):
-                    token = int(self.draft_ids[top.indices[b, j]])
-                    nodes.append((float(cand[b * top.indices.shape[1] + j]), depth, token, parent))
+            tokens = self.draft_ids[top.indices].flatten().tolist()
+            for i, (logp_i, token) in enumerate(zip(cand.tolist(), tokens)):
+                nodes.append((logp_i, depth, token, frontier[i // width]))
             # the next frontier: this depth's likeliest paths, if any can still make the tree
             order = torch.argsort(cand, descending=True)[:branch]
             floor = sorted(n[0] for n in nodes)[-max_nodes] if len(nodes) >= max_nodes else None
             order = order[[floor is None or float(cand[i]) >= floor for i in order.tolist()]]
             if len(order) == 0 or depth + 1 == max_nodes:
                 break
-            rows = order // top.indices.shape[1]
-            chosen = top.indices.flatten()[order]
-            feats = torch.cat([feats[rows], pred[rows][:, None]], dim=1)
-            toks = torch.cat([toks[rows], self.draft_ids[chosen][:, None]], dim=1)
+            rows = order // width
+            chosen = self.draft_ids[top.indices.flatten()[order]]
+            past = [(k[rows], v[rows]) for k, v in past]
+            pred, past = self._extend(pred[rows][:, None], chosen[:, None], past)
             scores = cand[order]
             frontier = [first + int(i) for i in order]
         best = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], nodes[i][1], i))[:max_nodes]

@@ -73,12 +73,14 @@ def run_spec_table(
     turns: int = 2,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
+    seed: int = 0,
     assisted_draft=None,
     cost_aware: bool = False,
     progress: bool = True,
 ) -> SpecTable:
     """Run ``arms`` (``SPEC@K`` keys) on every prompt set; ``make(spec)`` gives a fresh
-    proposer factory for a spec without its ``@K``. ``assisted_draft`` (a loaded draft
+    proposer factory for a spec without its ``@K``. With ``temperature`` > 0 every arm
+    samples (rejection sampling), seeded per turn from ``seed``. ``assisted_draft`` (a loaded draft
     model) also times transformers' assisted generation on each domain's first prompts;
     ``cost_aware`` adds a ``SPEC@costK`` arm per arm (draft length or tree size chosen per
     step from the run's fitted cost, at most ``K``)."""
@@ -102,6 +104,7 @@ def run_spec_table(
             turns_per_conversation=turns,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
+            seed=seed,
             cost_aware=cost_aware,
             progress=False,
         )
