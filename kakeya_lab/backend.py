@@ -16,7 +16,7 @@ same code on every backend.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol, cast, runtime_checkable
@@ -153,10 +153,15 @@ def check_same_backend(verifier_backend: str, proposer: Any) -> None:
         )
 
 
-def make_backend(model: Any, config: SinkWindowConfig) -> Backend:
-    """The backend for ``model``: :class:`TorchBackend` or :class:`~kakeya_lab.mlx_backend.MLXBackend`."""
+def make_backend(
+    model: Any, config: SinkWindowConfig, block_padding: Mapping[int, int] | None = None
+) -> Backend:
+    """The backend for ``model``: :class:`TorchBackend` or :class:`~kakeya_lab.mlx_backend.MLXBackend`
+    (``block_padding``, see :class:`~kakeya_lab.verifier.Verifier`: torch only)."""
     if backend_name_of(model) == "torch":
-        return TorchBackend(model, config)
+        return TorchBackend(model, config, block_padding)
+    if block_padding and any(n != m for n, m in block_padding.items()):
+        raise ValueError("block padding is implemented on the torch backend only")
     from kakeya_lab.mlx_backend import MLXBackend
 
     return MLXBackend(model, config)
@@ -212,7 +217,12 @@ class TorchBackend(CacheBackend):
 
     name = "torch"
 
-    def __init__(self, model: PreTrainedModel, config: SinkWindowConfig):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        config: SinkWindowConfig,
+        block_padding: Mapping[int, int] | None = None,
+    ):
         from kakeya_lab.attention import enable_sink_window_attention
 
         enable_sink_window_attention(model)
@@ -221,6 +231,7 @@ class TorchBackend(CacheBackend):
         self.vocab_size = vocab_size_of(model)
         self.device = next(model.parameters()).device
         self.cache = SinkWindowCache(model, config, auto_commit=False)
+        self.block_padding = dict(block_padding or {})
 
     def forward(
         self,
@@ -232,7 +243,11 @@ class TorchBackend(CacheBackend):
     ) -> Forward:
         ids = list(token_ids)
         start = self.cache.next_position
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        n = len(ids)
+        # a chain block scored at a cheaper larger size: the padding (the last token again)
+        # comes after every real row, so no real row sees it, and is dropped afterwards
+        pad = self.block_padding.get(n, n) - n if all_rows and tree is None else 0
+        input_ids = torch.tensor([ids + ids[-1:] * pad], dtype=torch.long, device=self.device)
         captured: list[torch.Tensor] = []
         hook = None
         if hidden:
@@ -243,7 +258,7 @@ class TorchBackend(CacheBackend):
         try:
             with torch.inference_mode(), shape as tree_positions:
                 if tree_positions is None:
-                    positions = torch.arange(start, start + len(ids), device=self.device)[None]
+                    positions = torch.arange(start, start + n + pad, device=self.device)[None]
                 else:
                     positions = tree_positions.to(self.device)[None]
                 out = self.model(
@@ -253,13 +268,16 @@ class TorchBackend(CacheBackend):
                     use_cache=True,
                     logits_to_keep=0 if all_rows else 1,
                 )
+            if pad:
+                self.cache.crop(start + n)
         except BaseException:
             self.cache.crop(start)  # drop this forward's partial block only
             raise
         finally:
             if hook is not None:
                 hook.remove()
-        return Forward(out.logits[0].float(), captured[-1] if captured else None)
+        hidden_rows = captured[-1][:n] if captured else None
+        return Forward(out.logits[0, : n if all_rows else 1].float(), hidden_rows)
 
     def cached_positions(self) -> list[int]:
         return self.cache.cached_positions().tolist()

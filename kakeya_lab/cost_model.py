@@ -81,6 +81,22 @@ def measure_block_cost(
     return out
 
 
+def block_padding(timings: Mapping[int, Sequence[float]], margin: float = 0.05) -> dict[int, int]:
+    """Which measured block size to score a chain block of ``n`` tokens at: the cheapest
+    size ``m >= n`` by median time, where it is at least ``margin`` cheaper than ``n``
+    itself (else ``n``). Sizes without a cheaper larger one map to themselves, size 1
+    always does (a plain decoding step). A BLAS can make a few rows dearer than more:
+    MKL's single-precision product of 3 rows by SmolLM2's lm_head takes twice as long as
+    of 4 (``benchmarks/verify_cost.py``)."""
+    margin = inputs.number(margin, "margin", minimum=0.0)
+    med = {int(n): statistics.median(ts) for n, ts in timings.items() if ts}
+    plan = {}
+    for n in sorted(med):
+        best = min((m for m in med if m >= n), key=lambda m: (med[m], m))
+        plan[n] = best if n > 1 and med[best] < (1.0 - margin) * med[n] else n
+    return plan
+
+
 def expected_tokens(acceptance: float, draft_length: int) -> float:
     """Expected tokens per step: accepted drafts plus the verifier's own token."""
     a, k = acceptance, draft_length

@@ -34,7 +34,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -316,6 +316,7 @@ class SessionStore:
     recently used session. Sessions idle longer than ``idle_ttl_s`` are closed at the
     next call into the store (see the module docstring for streams). ``check_invariants``
     verifies the cache mirror after every mutation (cheap; on by default).
+    ``block_padding`` is every session verifier's (:class:`~kakeya_lab.verifier.Verifier`).
     """
 
     def __init__(
@@ -329,6 +330,7 @@ class SessionStore:
         eos_token_ids: Sequence[int] | None = None,
         prefill_chunk: int = 512,
         check_invariants: bool = True,
+        block_padding: Mapping[int, int] | None = None,
     ):
         capacity = inputs.count(capacity, "capacity", minimum=1, maximum=inputs.MAX_SIZE)
         if policy not in ("reject", "evict_lru"):
@@ -349,6 +351,7 @@ class SessionStore:
         self.policy = policy
         self.idle_ttl_s = idle_ttl_s
         self.prefill_chunk = prefill_chunk
+        self.block_padding = dict(block_padding or {})
         self.check_invariants = check_invariants
         self.eos_token_ids = (
             inputs.stop_token_ids(eos_token_ids, self.vocab_size)
@@ -376,7 +379,12 @@ class SessionStore:
                     dropped.append(self._drop(victim, "evicted: least recently used"))
                 sid = secrets.token_hex(8)
                 now = time.monotonic()
-                verifier = Verifier(self.model, self.config, prefill_chunk=self.prefill_chunk)
+                verifier = Verifier(
+                    self.model,
+                    self.config,
+                    prefill_chunk=self.prefill_chunk,
+                    block_padding=self.block_padding,
+                )
                 self._sessions[sid] = _Session(sid, verifier, created_s=now, last_used_s=now)
                 return sid
         finally:

@@ -11,7 +11,7 @@ token-by-token decoding agree.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -123,7 +123,12 @@ class Verifier:
     ``model`` is a transformers ``PreTrainedModel`` (PyTorch backend) or an mlx-lm model
     (MLX backend, :func:`kakeya_lab.mlx_backend.load_mlx_model`); everything here is the
     same on both. ``prefill_chunk`` bounds how many tokens go through one forward in
-    :meth:`append` (chunking does not change the result).
+    :meth:`append` (chunking does not change the result). ``block_padding`` (PyTorch
+    backend; see :func:`kakeya_lab.cost_model.block_padding`) maps a block size ``n`` to a
+    larger size this machine scores faster: :meth:`forward_block` then runs ``n`` tokens
+    plus copies of the last up to that size and drops the copies, so its logits, the cache
+    and the hidden trace are those of the ``n`` tokens (up to float rounding of the other
+    matrix shape).
     """
 
     def __init__(
@@ -132,10 +137,16 @@ class Verifier:
         config: SinkWindowConfig,
         *,
         prefill_chunk: int = 512,
+        block_padding: Mapping[int, int] | None = None,
     ):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        self.backend = make_backend(model, config)
+        for n, m in (block_padding or {}).items():
+            if not (isinstance(n, int) and isinstance(m, int) and 1 <= n <= m):
+                raise ValueError(
+                    f"block_padding maps a block size to a size at least as large, got {n} -> {m}"
+                )
+        self.backend = make_backend(model, config, block_padding)
         self.model = model
         self.config = config
         self.prefill_chunk = prefill_chunk

@@ -76,6 +76,7 @@ def run_spec_table(
     seed: int = 0,
     assisted_draft=None,
     cost_aware: bool = False,
+    pad_blocks: bool = False,
     progress: bool = True,
 ) -> SpecTable:
     """Run ``arms`` (``SPEC@K`` keys) on every prompt set; ``make(spec)`` gives a fresh
@@ -83,7 +84,8 @@ def run_spec_table(
     samples (rejection sampling), seeded per turn from ``seed``. ``assisted_draft`` (a loaded draft
     model) also times transformers' assisted generation on each domain's first prompts;
     ``cost_aware`` adds a ``SPEC@costK`` arm per arm (draft length or tree size chosen per
-    step from the run's fitted cost, at most ``K``)."""
+    step from the run's fitted cost, at most ``K``); ``pad_blocks`` a ``SPEC@padK`` per chain
+    arm (blocks scored at the cheapest measured size at least as large)."""
     if not arms or not prompt_sets:
         raise ValueError("name at least one arm and one prompt set")
     for arm in arms:
@@ -106,6 +108,7 @@ def run_spec_table(
             temperature=temperature,
             seed=seed,
             cost_aware=cost_aware,
+            pad_blocks=pad_blocks,
             progress=False,
         )
         if assisted_draft is not None:

@@ -52,9 +52,9 @@ from kakeya_lab.bench.speculative_cost import (
 )
 from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.chat import ChatTemplate
-from kakeya_lab.cost_model import CostModel, fit_block_cost
+from kakeya_lab.cost_model import CostModel, block_padding, fit_block_cost
 from kakeya_lab.data import Conversation
-from kakeya_lab.proposers import Proposer
+from kakeya_lab.proposers import Proposer, is_tree_proposer
 from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.session import SessionStore, collect_reply
 
@@ -110,6 +110,7 @@ def run_speculative(
     measure_cost: bool = True,
     cost_repeats: int = 5,
     cost_aware: bool = False,
+    pad_blocks: bool = False,
 ) -> SpeculativeRun:
     """Run ``plain`` and one ``proposer@draft_length`` arm per proposer and draft length over
     the user turns of ``conversations``. A proposer keyed ``SPEC@K`` runs at ``K`` only
@@ -125,22 +126,28 @@ def run_speculative(
     ``K = max(draft_lengths)``, whose draft length (chains) or node budget (trees) is chosen
     per step by :class:`~kakeya_lab.cost_model.CostAwareDraftLength` /
     :class:`~kakeya_lab.cost_model.CostAwareTreeSize` from the block cost fitted to the
-    timings taken before the arms run, at most ``K``."""
+    timings taken before the arms run, at most ``K``.
+
+    ``pad_blocks`` (needs ``measure_cost``) adds ``NAME@padK`` beside every chain arm
+    ``NAME@K``: the same proposer, with every verifier block scored at the cheapest
+    measured size at least as large (:func:`~kakeya_lab.cost_model.block_padding` of the
+    timings taken before the arms run; tree arms are not padded, so they get none)."""
     if not conversations:
         raise ValueError("no conversations to run")
     if any(n < 1 for n in draft_lengths) or not (
         draft_lengths or all("@" in name for name in proposers)
     ):
         raise ValueError(f"draft lengths must be >= 1, got {list(draft_lengths)}")
-    if cost_aware and not measure_cost:
-        raise ValueError("cost_aware arms plan with the measured block cost: keep measure_cost")
-    arms: dict[str, tuple[ProposerFactory | None, int, CostModel | None]] = {
-        "plain": (None, 0, None)
-    }
+    if (cost_aware or pad_blocks) and not measure_cost:
+        raise ValueError(
+            "cost_aware and pad_blocks arms plan with the measured block cost: keep measure_cost"
+        )
+    Arm = tuple[ProposerFactory | None, int, CostModel | None, dict[int, int] | None]
+    arms: dict[str, Arm] = {"plain": (None, 0, None, None)}
     lengths = {name: arm_draft_lengths(name, draft_lengths) for name in proposers}
     for name, factory in proposers.items():
         for n in lengths[name]:
-            arms[f"{_spec_of(name)}@{n}"] = (factory, n, None)
+            arms[f"{_spec_of(name)}@{n}"] = (factory, n, None, None)
     longest = max(n for ns in lengths.values() for n in ns)
     model, tok = loaded.model, loaded.tokenizer
     probe = None
@@ -152,15 +159,21 @@ def run_speculative(
         planned = CostModel(fit_block_cost(probe.timings), draft_token_s=0.0)
         for name, factory in proposers.items():
             k = max(lengths[name])
-            arms[f"{_spec_of(name)}@cost{k}"] = (factory, k, planned)
+            arms[f"{_spec_of(name)}@cost{k}"] = (factory, k, planned, None)
+    if pad_blocks and probe is not None:
+        plan = block_padding(probe.timings)
+        for name, factory in proposers.items():
+            if not is_tree_proposer(factory()):
+                for n in lengths[name]:
+                    arms[f"{_spec_of(name)}@pad{n}"] = (factory, n, None, plan)
     turn_rows, step_rows = [], []
     total = sum(min(turns_per_conversation, len(c.turns[0::2])) for c in conversations) * len(arms)
     bar = tqdm(total=total, desc="speculative", unit="turn", disable=not progress)
     for ci, conv in enumerate(conversations):
         user_turns = list(conv.turns[0::2])[:turns_per_conversation]
         sessions = {}
-        for arm, (make_proposer, draft_length, cost_model) in arms.items():
-            store = SessionStore(model, config, capacity=1)
+        for arm, (make_proposer, draft_length, cost_model, padding) in arms.items():
+            store = SessionStore(model, config, capacity=1, block_padding=padding)
             sessions[arm] = (
                 store,
                 store.create(),
@@ -205,7 +218,9 @@ def run_speculative(
                 turn_rows.append(
                     {
                         "arm": arm,
-                        "proposer": arm.split("@")[0] + (" (cost-aware)" if cost_model else ""),
+                        "proposer": arm.split("@")[0]
+                        + (" (cost-aware)" if cost_model else "")
+                        + (" (padded blocks)" if arms[arm][3] else ""),
                         "draft_length": draft_length,
                         "conversation": conv.id,
                         "turn": ti,
