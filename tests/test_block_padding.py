@@ -101,6 +101,8 @@ def test_padded_greedy_speculative_decoding_equals_plain_past_eviction(tiny_mode
     assert arms == ["plain", "ngram@2", "ngram@5", "ngram@pad2", "ngram@pad5"]
     assert greedy_streams_identical(run.turns)
     assert run.turns["history_len"].max() > config.budget
+    assert run.block_padding is not None and sorted(run.block_padding) == list(range(1, 7))
+    assert all(m >= n for n, m in run.block_padding.items()) and run.block_padding[1] == 1
     padded = run.turns[run.turns["arm"] == "ngram@pad5"]
     assert (padded["proposer"] == "ngram (padded blocks)").all()
     with pytest.raises(ValueError, match="measure_cost"):

@@ -230,7 +230,9 @@ class Drafter(nn.Module):
 
 class FeatureDrafter(Drafter):
     """EAGLE-style: a causal decoder layer over ``(f_j, t_{j+1})`` pairs; output ``j``
-    predicts ``f_{j+1}``. Drafts one token per forward, feeding back its own feature."""
+    predicts ``f_{j+1}``. Drafts one token per step, feeding back its own feature: the
+    context pairs go through the layers once, and each step adds one row per path against
+    the cached keys and values (:meth:`_extend`)."""
 
     causal = True
 

@@ -189,6 +189,11 @@ def table_records(table: SpecTable) -> dict:
         "rows": long.astype(object).where(long.notna(), None).to_dict(orient="records"),
         "cost_models": {d: r.cost.to_dict() for d, r in table.runs.items() if r.cost is not None},
         "assisted": {d: hf.to_dict() for d, hf in table.assisted.items()},
+        "block_padding": {
+            d: {str(n): m for n, m in r.block_padding.items()}
+            for d, r in table.runs.items()
+            if r.block_padding is not None
+        },
     }
 
 

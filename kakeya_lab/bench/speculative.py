@@ -67,6 +67,7 @@ class SpeculativeRun:
     steps: pd.DataFrame  # one row per verifier step of a speculative arm
     summary: pd.DataFrame  # one row per arm
     cost: RunCostModel | None = None  # the run's fitted cost model (measure_cost=True)
+    block_padding: dict[int, int] | None = None  # the @padK arms' plan (pad_blocks=True)
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,7 @@ def run_speculative(
         )
     Arm = tuple[ProposerFactory | None, int, CostModel | None, dict[int, int] | None]
     arms: dict[str, Arm] = {"plain": (None, 0, None, None)}
+    plan = None
     lengths = {name: arm_draft_lengths(name, draft_lengths) for name in proposers}
     for name, factory in proposers.items():
         for n in lengths[name]:
@@ -259,7 +261,7 @@ def run_speculative(
     if probe is not None:
         probe.measure(cost_repeats)
         cost = run_cost_model(probe.timings, probe.context_tokens, summary, steps)
-    return SpeculativeRun(turns=turns, steps=steps, summary=summary, cost=cost)
+    return SpeculativeRun(turns=turns, steps=steps, summary=summary, cost=cost, block_padding=plan)
 
 
 def arm_draft_lengths(name: str, draft_lengths: Sequence[int]) -> list[int]:
