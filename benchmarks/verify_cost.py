@@ -7,8 +7,10 @@ provisional block of ``n`` tokens (then rolled back), for ``n = 1..--max-block``
 forms interleaved round by round: a chain (``forward_block``), the same chain with the
 hidden-state trace a feature drafter reads switched on, a branching draft tree of ``n``
 nodes (``forward_tree``, EAGLE-like: up to three children per node) with the trace, and
-the lm_head alone over ``n`` rows (the share of a block that scores every row). One
-untimed round first. Prints medians and the ratios against a chain of the same size and
+the lm_head alone over ``n`` rows (the share of a block that scores every row); and the
+chain and tree again with the model's linear layers on oneDNN's kernel instead of PyTorch's
+default (``kakeya_lab/linear.py``; the same weights, switched between calls). One untimed
+round first. Prints medians and the ratios against a chain of the same size and
 against the one-token step; a benchmark, not a test.
 """
 
@@ -25,6 +27,7 @@ from kakeya_lab import SinkWindowConfig, Verifier, load_model
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.durable import write_json_atomic
+from kakeya_lab.linear import set_linear_kernel
 from kakeya_lab.results import now_iso
 from kakeya_lab.tree import DraftTree
 
@@ -80,11 +83,23 @@ def main(argv: list[str] | None = None) -> int:
         with torch.inference_mode():
             hidden[:n] @ head.T
 
+    def onednn(run):
+        def timed(n: int) -> None:
+            set_linear_kernel(loaded.model, "onednn")
+            try:
+                run(n)
+            finally:
+                set_linear_kernel(loaded.model, "aten")
+
+        return timed
+
     forms = {
         "chain": lambda n: chain(plain, n),
         "chain_traced": lambda n: chain(traced, n),
         "tree_traced": tree,
         "lm_head": lm_head,
+        "chain_onednn": onednn(lambda n: chain(plain, n)),
+        "tree_traced_onednn": onednn(tree),
     }
     sizes = list(range(1, args.max_block + 1))
     times: dict[str, dict[int, list[float]]] = {f: {n: [] for n in sizes} for f in forms}
@@ -100,13 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{loaded.description.name}, {len(ctx)} context tokens, torch threads {torch.get_num_threads()}"
     )
-    print(" n  chain ms  ×v(1)  traced/chain  tree/chain  lm_head ms  lm_head share")
+    one_dnn = med["chain_onednn"][1]
+    print(
+        " n  chain ms  ×v(1)  traced/chain  tree/chain  lm_head ms  lm_head share"
+        "  onednn chain ms  ×v(1)  onednn tree ms"
+    )
     for n in sizes:
-        c = med["chain"][n]
+        c, d = med["chain"][n], med["chain_onednn"][n]
         print(
             f"{n:2d}  {c * 1e3:8.2f}  {c / one:5.2f}  {med['chain_traced'][n] / c:12.3f}  "
             f"{med['tree_traced'][n] / c:10.3f}  {med['lm_head'][n] * 1e3:10.2f}  "
-            f"{med['lm_head'][n] / c:13.1%}"
+            f"{med['lm_head'][n] / c:13.1%}  {d * 1e3:15.2f}  {d / one_dnn:5.2f}  "
+            f"{med['tree_traced_onednn'][n] * 1e3:14.2f}"
         )
     write_json_atomic(
         args.out,

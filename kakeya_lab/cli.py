@@ -115,6 +115,21 @@ def _check_out_dir(path: str, what: str = "OUT_DIR") -> Path:
     return out
 
 
+def _add_linear(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--linear",
+        choices=["aten", "onednn"],
+        default="aten",
+        help="the torch model's linear-layer kernel: aten (PyTorch's default) or onednn "
+        "(oneDNN's; on CPU a block of a few draft tokens costs little more than one token)",
+    )
+
+
+def _check_linear(args: argparse.Namespace) -> None:
+    if getattr(args, "backend", None) == "mlx" and args.linear != "aten":
+        raise UserError(f"--linear {args.linear} is a torch kernel; the MLX backend has its own")
+
+
 def _check_model(name: str, flag: str = "--model") -> None:
     """A registry name, an existing folder, or a Hub id already in the local Hugging Face
     cache (checked without loading anything or touching the network)."""
@@ -343,7 +358,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     _check_positive("--temperature", args.temperature, allow_zero=True)
     _check_proposer(args.proposer)
     _check_model(args.model)
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, linear=args.linear)
     tok = loaded.tokenizer
     store = SessionStore(loaded.model, config, capacity=1)
     sid = store.create()
@@ -436,6 +451,7 @@ def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
         default=4,
         help="tokens drafted per verifier forward (speculative decoding)",
     )
+    _add_linear(p)
     p.set_defaults(func=cmd_chat)
 
 
@@ -621,9 +637,12 @@ def cmd_long_run(args: argparse.Namespace) -> int:
         probe = FactProbe(every=args.probe_every) if args.probe_every else None
     except ValueError as exc:
         raise UserError(f"--arms: {exc}") from exc
+    _check_linear(args)
     out = _check_out_dir(args.out_dir)
     _check_model(args.model)
-    loaded = load_model(args.model, backend=args.backend or "torch", progress=not args.quiet)
+    loaded = load_model(
+        args.model, backend=args.backend or "torch", linear=args.linear, progress=not args.quiet
+    )
     turns = chained_user_turns(chitchat_conversations("dev"), args.turns)
     header = run_header(
         experiment="long_run",
@@ -935,6 +954,7 @@ def add_long_run_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="runtime of the in-process arms (default torch; mlx runs them on mlx-lm)",
     )
+    _add_linear(p)
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=1020)
     p.add_argument("--positions", choices=["global", "rolling"], default="global")
@@ -1045,8 +1065,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kakeya_lab.models import load_model
 
     cache, options = _serve_options(args)
+    _check_linear(args)
     print(f"{PROG} serve: loading {args.model} ({args.backend})", file=sys.stderr, flush=True)
-    loaded = load_model(args.model, backend=args.backend, progress=False)
+    loaded = load_model(args.model, backend=args.backend, linear=args.linear, progress=False)
     from kakeya_lab.serve.server import run_server
 
     try:
@@ -1068,6 +1089,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--backend", default="torch", choices=["torch", "mlx"])
+    _add_linear(p)
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=1020)
     p.add_argument("--positions", choices=["global", "rolling"], default="global")

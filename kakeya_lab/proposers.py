@@ -38,6 +38,7 @@ from kakeya_lab import inputs
 from kakeya_lab.backend import backend_name_of
 from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.inputs import InputTypeError
+from kakeya_lab.linear import linear_kernel_of
 from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.tree import DraftTree
 from kakeya_lab.verifier import Verifier
@@ -497,7 +498,9 @@ def make_proposer(
         if draft_model is None:
             from kakeya_lab.models import load_model
 
-            draft_model = load_model(arg, dtype=next(model.parameters()).dtype)
+            draft_model = load_model(
+                arg, dtype=next(model.parameters()).dtype, linear=linear_kernel_of(model)
+            )
         net = getattr(draft_model, "model", draft_model)
         return DraftModelProposer(
             net,

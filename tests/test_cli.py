@@ -119,6 +119,17 @@ MISUSES = [
     ),
     ("capture unknown domain", [*CAPTURE, "--domain", "poetry"], "invalid choice: 'poetry'"),
     ("capture window 0", [*CAPTURE, "--window", "0"], "--window must be between 1 and"),
+    (
+        "serve onednn on mlx",
+        ["serve", "--backend", "mlx", "--linear", "onednn"],
+        "--linear onednn is a torch kernel",
+    ),
+    (
+        "long-run onednn on mlx",
+        ["long-run", "{out}", "--backend", "mlx", "--linear", "onednn"],
+        "--linear onednn is a torch kernel",
+    ),
+    ("chat unknown kernel", ["chat", "--linear", "fast"], "invalid choice: 'fast'"),
     ("unknown command", ["frobnicate"], "invalid choice: 'frobnicate'"),
 ]
 

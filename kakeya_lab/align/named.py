@@ -36,6 +36,7 @@ from kakeya_lab.align.checkpoint import (
     read_tensors,
 )
 from kakeya_lab.align.drafters import build_drafter, trainable_state
+from kakeya_lab.linear import linear_kernel_of, set_linear_kernel
 from kakeya_lab.models.store import sha256_files, store_home
 
 if TYPE_CHECKING:
@@ -225,7 +226,8 @@ def load_named_drafter(name: str, model, verifier_sha256: str | None) -> AnyDraf
     incomplete name, :class:`DrafterVerifierMismatch` when the drafter was trained for
     other verifier weights or ``verifier_sha256`` is not given (naming both), and
     :class:`~kakeya_lab.align.checkpoint.CheckpointError` for damaged files or a verifier
-    of another vocabulary or width.
+    of another vocabulary or width. The drafter's linear layers run the verifier's kernel
+    (:mod:`kakeya_lab.linear`).
     """
     record = read_record(name)
     folder = drafters_home() / name
@@ -249,4 +251,5 @@ def load_named_drafter(name: str, model, verifier_sha256: str | None) -> AnyDraf
     drafter = build_drafter(config, model)
     load_trainable(drafter, read_tensors(folder / WEIGHTS), str(folder / WEIGHTS))
     drafter.eval()
+    set_linear_kernel(drafter, linear_kernel_of(model))  # the verifier's kernel
     return drafter

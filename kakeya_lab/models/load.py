@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from kakeya_lab.linear import check_linear_kernel, linear_kernel_of, set_linear_kernel
 from kakeya_lab.models.dims import config_dims, model_dims
 from kakeya_lab.models.errors import (
     ModelNotAvailableError,
@@ -48,7 +49,9 @@ class ModelDescription:
     ``local:PATH``, ``hf-cache:ID`` or ``random-init ...``). ``dtype`` is the in-memory
     dtype, e.g. ``"float32"``. ``backend`` is the runtime holding the weights: ``"torch"``
     or ``"mlx"`` (same files, same ``weight_sha256``). ``blas`` is, for MLX, the BLAS its
-    CPU backend calls (:func:`kakeya_lab.blas.mlx_blas`); "" for torch.
+    CPU backend calls (:func:`kakeya_lab.blas.mlx_blas`); "" for torch. ``linear`` is, for
+    torch, the kernel its linear layers run (``"aten"`` or ``"onednn"``,
+    :mod:`kakeya_lab.linear`); "" for MLX.
     """
 
     name: str
@@ -66,6 +69,7 @@ class ModelDescription:
     source: str
     backend: str = "torch"
     blas: str = ""
+    linear: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-serialisable)."""
@@ -231,6 +235,7 @@ def describe(
         dtype=str(model.dtype).removeprefix("torch."),
         random=random,
         source=source,
+        linear=linear_kernel_of(model),
     )
 
 
@@ -295,6 +300,7 @@ def load_model(
     pull_if_missing: bool = True,
     verify: bool = False,
     progress: bool = True,
+    linear: str = "aten",
 ) -> LoadedModel:
     """Load a model offline and return ``LoadedModel(model, tokenizer, description)``.
 
@@ -311,7 +317,10 @@ def load_model(
     Weights load with ``use_safetensors=True``; ``trust_remote_code`` is never set. ``dtype``
     is a torch dtype or a name (``"float32"``, ``"bf16"``, ..., ``"auto"`` for the stored
     dtype). The model is put in eval mode and switched to the sink-window attention
-    (:func:`kakeya_lab.attention.enable_sink_window_attention`).
+    (:func:`kakeya_lab.attention.enable_sink_window_attention`). ``linear`` is the kernel its
+    linear layers run (torch only): ``"aten"`` (PyTorch's default) or ``"onednn"`` (oneDNN's,
+    cheaper for blocks of a few rows on CPU; :mod:`kakeya_lab.linear`); ``ValueError`` for
+    another name, before anything is loaded.
 
     Verification (before anything is read): a folder with a ``manifest.json`` (every registry
     store folder) must hold every file the manifest lists with the recorded size and sha256,
@@ -336,7 +345,10 @@ def load_model(
     """
     if backend not in ("torch", "mlx"):
         raise ModelStoreError(f"unknown backend {backend!r}; use 'torch' or 'mlx'")
+    check_linear_kernel(linear)
     if backend == "mlx":
+        if linear != "aten":
+            raise ValueError(f"linear={linear!r} is a torch kernel; the MLX backend has its own")
         _require_mlx()
     found = resolve(
         str(name_or_path), pull_if_missing=pull_if_missing, progress=progress, verify=verify
@@ -355,6 +367,7 @@ def load_model(
         )
     model.eval()
     enable_sink_window(model)
+    set_linear_kernel(model, linear)
     description = describe(
         model,
         name=found.name,
