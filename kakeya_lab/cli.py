@@ -157,6 +157,17 @@ def _check_model(name: str, flag: str = "--model") -> None:
 
 def _check_proposer(spec: str) -> None:
     """The syntax of a proposer spec (a draft model is checked with :func:`_check_model`)."""
+    if spec and "+" in spec:  # FIRST+SECOND: two chain proposers
+        for part in spec.split("+", 1):
+            if part in ("", "none") or part.partition(":")[0] in (
+                "tree",
+                "ngram-tree",
+                "suffix-tree",
+                "drafter-tree",
+            ):
+                raise UserError(f"--proposer {spec}: FIRST+SECOND combines two chain proposers")
+            _check_proposer(part)
+        return
     kind, _, arg = (spec or "none").partition(":")
     if kind == "none" and not arg:
         return
@@ -190,7 +201,8 @@ def _check_proposer(spec: str) -> None:
         return
     raise UserError(
         f"unknown proposer {spec!r}: use none, ngram[:SIZES], suffix[:DEPTH], early-exit:LAYERS, "
-        "draft:MODEL, drafter:NAME, ngram-tree[:SIZES], suffix-tree[:DEPTH], drafter-tree:NAME or tree:SPEC"
+        "draft:MODEL, drafter:NAME, ngram-tree[:SIZES], suffix-tree[:DEPTH], drafter-tree:NAME, "
+        "tree:SPEC or FIRST+SECOND"
     )
 
 

@@ -133,6 +133,66 @@ class ChainTree:
         return getattr(self.proposer, name)
 
 
+class FallbackProposer:
+    """Drafts with ``first`` and, when it offers fewer than ``min_tokens`` tokens, with
+    ``second`` instead (spec ``FIRST+SECOND``, e.g. ``suffix+draft:MODEL``: the suffix
+    index's free drafts where the text repeats itself, the draft model elsewhere).
+
+    ``accept(n)`` goes to the proposer whose draft was verified; ``observe_reply`` to both.
+    A proposer that did not draft a step catches up at its next draft (each one syncs to
+    the context it is given). Which proposer drafts depends only on the context, so
+    rejection sampling stays exact. ``chosen`` lists, per draft, which one drafted it (0:
+    ``first``, 1: ``second``); ``drafts`` counts them."""
+
+    def __init__(self, first: Proposer, second: Proposer, *, min_tokens: int = 2):
+        for part in (first, second):
+            check_proposer(part)
+            if is_tree_proposer(part):
+                raise ValueError(f"FIRST+SECOND combines chain proposers, got {part.name!r}")
+        self.first, self.second = first, second
+        self.min_tokens = inputs.count(min_tokens, "min_tokens", minimum=1)
+        self.name = f"{first.name}+{second.name}"
+        self.chosen: list[int] = []
+        self._last: Proposer | None = None
+
+    @property
+    def drafts(self) -> list[int]:
+        """How many drafts ``first`` and ``second`` made."""
+        return [self.chosen.count(0), self.chosen.count(1)]
+
+    def propose(self, context, draft_length, sampling=None, generator=None) -> Draft:
+        draft = self.first.propose(context, draft_length, sampling, generator)
+        if len(draft.tokens) >= self.min_tokens:
+            self._last = self.first
+            self.chosen.append(0)
+            return draft
+        other = self.second.propose(context, draft_length, sampling, generator)
+        self._last = self.second
+        self.chosen.append(1)
+        return Draft(other.tokens, other.probs, draft.seconds + other.seconds)
+
+    def accept(self, n: int) -> None:
+        if self._last is not None:
+            self._last.accept(n)
+        self._last = None
+
+    def observe_reply(self, token_ids: Sequence[int]) -> None:
+        for part in (self.first, self.second):
+            observe = getattr(part, "observe_reply", None)
+            if callable(observe):
+                observe(token_ids)
+
+    def describe(self) -> dict:
+        parts: list[dict] = [getattr(p, "describe", dict)() for p in (self.first, self.second)]
+        return {
+            "name": self.name,
+            "first": parts[0],
+            "second": parts[1],
+            "min_tokens": self.min_tokens,
+            "drafts": self.drafts,
+        }
+
+
 def check_proposer(proposer: object) -> None:
     """Raise ``TypeError`` unless ``proposer`` follows the :class:`Proposer` protocol."""
     if isinstance(proposer, str):
@@ -441,10 +501,13 @@ def make_proposer(
     :mod:`kakeya_lab.align.named`; needs ``verifier_sha256``, the verifier's
     ``LoadedModel.description.weight_sha256``, which must be the one it was trained for);
     ``drafter-tree:NAME`` (a named feature drafter drafting EAGLE-2 trees, the draft length
-    being the node budget)."""
+    being the node budget); ``FIRST+SECOND`` (two chain proposers above,
+    :class:`FallbackProposer`: the second drafts when the first offers fewer than two
+    tokens, e.g. ``suffix+draft:MODEL``)."""
     usage = (
         "use none, ngram[:SIZES], suffix[:DEPTH], early-exit:LAYERS, draft:MODEL, "
-        "drafter:NAME, drafter-tree:NAME, ngram-tree[:SIZES], suffix-tree[:DEPTH] or tree:SPEC"
+        "drafter:NAME, drafter-tree:NAME, ngram-tree[:SIZES], suffix-tree[:DEPTH], tree:SPEC "
+        "or FIRST+SECOND"
     )
     if spec is not None and not isinstance(spec, str):
         raise InputTypeError(
@@ -452,6 +515,23 @@ def make_proposer(
         )
     if spec in (None, "", "none"):
         return None
+    if "+" in spec:  # FIRST+SECOND: the second drafts when the first offers too little
+        first, _, second = spec.partition("+")
+        parts = [
+            make_proposer(
+                part,
+                model,
+                config,
+                tokenizer,
+                draft_model=draft_model,
+                shared_replies=shared_replies,
+                verifier_sha256=verifier_sha256,
+            )
+            for part in (first, second)
+        ]
+        if parts[0] is None or parts[1] is None:
+            raise ValueError(f"FIRST+SECOND needs two proposers, got {spec!r} ({usage})")
+        return FallbackProposer(parts[0], parts[1])
     kind, _, arg = spec.partition(":")
     if kind == "tree" and arg:  # any chain proposer verified as a 1-wide tree
         inner = make_proposer(

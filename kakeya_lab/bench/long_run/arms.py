@@ -34,8 +34,14 @@ class Arm:
 def check_proposer_spec(spec: str | None) -> None:
     """Raise ValueError unless ``spec`` names a proposer (``ngram[:SIZES]``,
     ``suffix[:DEPTH]``, ``early-exit:LAYERS``, ``draft:MODEL``, ``drafter:NAME``, the tree proposers
-    ``ngram-tree[:SIZES]``, ``suffix-tree[:DEPTH]``, ``drafter-tree:NAME`` and ``tree:SPEC``) —
-    checked without a model."""
+    ``ngram-tree[:SIZES]``, ``suffix-tree[:DEPTH]``, ``drafter-tree:NAME`` and ``tree:SPEC``,
+    and ``FIRST+SECOND`` of two chain proposers) — checked without a model."""
+    if spec and "+" in spec:
+        for part in spec.split("+", 1):
+            if part.partition(":")[0] in ("tree", "ngram-tree", "suffix-tree", "drafter-tree"):
+                raise ValueError(f"FIRST+SECOND combines chain proposers, got {spec!r}")
+            check_proposer_spec(part)
+        return
     kind, _, arg = (spec or "").partition(":")
     if kind == "tree":  # a chain proposer verified as a 1-wide tree
         if arg.partition(":")[0] in ("tree", "ngram-tree", "suffix-tree", "drafter-tree"):
