@@ -515,27 +515,10 @@ def make_proposer(
         )
     if spec in (None, "", "none"):
         return None
-    if "+" in spec:  # FIRST+SECOND: the second drafts when the first offers too little
-        first, _, second = spec.partition("+")
-        parts = [
-            make_proposer(
-                part,
-                model,
-                config,
-                tokenizer,
-                draft_model=draft_model,
-                shared_replies=shared_replies,
-                verifier_sha256=verifier_sha256,
-            )
-            for part in (first, second)
-        ]
-        if parts[0] is None or parts[1] is None:
-            raise ValueError(f"FIRST+SECOND needs two proposers, got {spec!r} ({usage})")
-        return FallbackProposer(parts[0], parts[1])
-    kind, _, arg = spec.partition(":")
-    if kind == "tree" and arg:  # any chain proposer verified as a 1-wide tree
-        inner = make_proposer(
-            arg,
+
+    def part(sub: str) -> Proposer | None:  # a spec inside this one, with the same context
+        return make_proposer(
+            sub,
             model,
             config,
             tokenizer,
@@ -543,6 +526,16 @@ def make_proposer(
             shared_replies=shared_replies,
             verifier_sha256=verifier_sha256,
         )
+
+    if "+" in spec:  # FIRST+SECOND: the second drafts when the first offers too little
+        first, _, second = spec.partition("+")
+        a, b = part(first), part(second)
+        if a is None or b is None:
+            raise ValueError(f"FIRST+SECOND needs two proposers, got {spec!r} ({usage})")
+        return FallbackProposer(a, b)
+    kind, _, arg = spec.partition(":")
+    if kind == "tree" and arg:  # any chain proposer verified as a 1-wide tree
+        inner = part(arg)
         if inner is None or is_tree_proposer(inner):
             raise ValueError(f"tree:SPEC wraps a chain proposer, got {spec!r} ({usage})")
         return ChainTree(inner)
