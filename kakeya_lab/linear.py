@@ -16,29 +16,154 @@ block forward and a one-token forward already do; a comparison of speeds is only
 plain decoding and the speculative arm run the same kernel, which holds because the kernel is
 a property of the loaded model that both share. While gradients are being recorded for a
 layer's weight or input, the layer falls back to ``aten`` (oneDNN's op has no backward).
+
+``int8`` and ``int4`` are different in kind: they multiply by a quantised copy of each
+weight matrix with the activations in bfloat16 (``int8``: one scale per output row,
+symmetric, ``torch._weight_int8pack_mm``; ``int4``: a scale and an offset per 32 inputs of a
+row, ``torch._weight_int4pack_mm_for_cpu``), which cuts the bytes a one-token step reads to a
+half or a quarter of bfloat16's (a prefill of many rows still multiplies by the weights).
+They change the model's numbers (by about the size of the rounding), so they are meant for
+a *draft* model, whose numbers only decide how many drafted tokens the verifier accepts,
+never what it emits. The parameters stay as they were (the quantised copy lives beside
+them, outside the state dict), so switching back restores the exact model; a layer whose
+shape the kernel cannot tile keeps ``aten`` (int8: an input width that is a multiple of 16;
+int4: of 32, and an output width that is a multiple of 16). After changing the weights,
+switch again to re-quantise.
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNELS = ("aten", "onednn")
+KERNELS = ("aten", "onednn", "int8", "int4")
 _DTYPES = (torch.float32, torch.bfloat16)
+INT4_GROUP = 32  # inputs per int4 scale and offset (the kernel takes 32, 64, 128 or 256)
+
+
+def _onednn_linear(layer: nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    """``layer(input)`` through oneDNN's linear where it applies, else PyTorch's."""
+    if torch.is_grad_enabled() and (layer.weight.requires_grad or input.requires_grad):
+        return F.linear(input, layer.weight, layer.bias)
+    if input.dtype != layer.weight.dtype or input.device.type != "cpu" or input.numel() == 0:
+        return F.linear(input, layer.weight, layer.bias)
+    return torch.ops.mkldnn._linear_pointwise(
+        input.contiguous(), layer.weight, layer.bias, "none", [], ""
+    )
 
 
 class OneDNNLinear(nn.Linear):
     """An ``nn.Linear`` whose inference forward is oneDNN's linear over its own weights."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
+        return _onednn_linear(self, input)
+
+
+FEW_ROWS = 8  # up to this many rows the quantised kernels are faster; beyond, the weights
+
+
+class QuantizedLinear(nn.Linear):
+    """An ``nn.Linear`` whose inference forward multiplies bfloat16 activations by a
+    quantised copy of its weight (``_packed``, built by :meth:`pack`); the result has the
+    input's dtype. Subclasses name the kernel. More than :data:`FEW_ROWS` rows at once (a
+    prefill) are multiplied by the layer's own weight on oneDNN's kernel instead: the
+    quantised kernels are tuned for a few rows and take about three times as long as that
+    for hundreds."""
+
+    _packed: tuple[torch.Tensor, ...]
+
+    @staticmethod
+    def fits(layer: nn.Linear) -> bool:
+        """Whether the kernel can tile ``layer``'s weight."""
+        raise NotImplementedError
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The kernel's operands for ``weight``."""
+        raise NotImplementedError
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (2-D, bfloat16) times the quantised weight, transposed."""
+        raise NotImplementedError
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
         if torch.is_grad_enabled() and (self.weight.requires_grad or input.requires_grad):
             return F.linear(input, self.weight, self.bias)
-        if input.dtype != self.weight.dtype or input.device.type != "cpu" or input.numel() == 0:
+        if input.device.type != "cpu" or input.numel() == 0:
             return F.linear(input, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(
-            input.contiguous(), self.weight, self.bias, "none", [], ""
-        )
+        if input.numel() > FEW_ROWS * input.shape[-1]:
+            if torch.backends.mkldnn.is_available():
+                return _onednn_linear(self, input)
+            return F.linear(input, self.weight, self.bias)
+        rows = input.reshape(-1, input.shape[-1]).to(torch.bfloat16).contiguous()
+        out = self.product(rows).to(input.dtype)
+        if self.bias is not None:
+            out = out + self.bias.to(input.dtype)
+        return out.reshape(*input.shape[:-1], out.shape[-1])
+
+
+class Int8Linear(QuantizedLinear):
+    """Weight-only int8, one bfloat16 scale per output row."""
+
+    @staticmethod
+    def fits(layer: nn.Linear) -> bool:
+        return layer.in_features % 16 == 0  # other widths give wrong sums or crash
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return quantize_int8(weight)
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        weight, scale = self._packed
+        return torch._weight_int8pack_mm(rows, weight, scale)
+
+
+class Int4Linear(QuantizedLinear):
+    """Weight-only int4, a bfloat16 scale and offset per :data:`INT4_GROUP` inputs of a row."""
+
+    @staticmethod
+    def fits(layer: nn.Linear) -> bool:
+        return layer.in_features % INT4_GROUP == 0 and layer.out_features % 16 == 0
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, scale, offset = quantize_int4(weight)
+        packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        # the kernel's layout: [groups, rows, (scale, offset)]
+        return packed, torch.stack([scale, offset], dim=-1).transpose(0, 1).contiguous()
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        packed, scales_and_offsets = self._packed
+        return torch._weight_int4pack_mm_for_cpu(rows, packed, INT4_GROUP, scales_and_offsets)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 of a 2-D weight: ``(q, scale)`` with ``q * scale ≈ weight``.
+
+    The scale is rounded to bfloat16 (the kernel's dtype) before ``q`` is computed from it,
+    so the rounding of the scale is not added on top of the rounding of ``q``."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(torch.bfloat16)
+    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 of a 2-D weight in groups of :data:`INT4_GROUP` inputs:
+    ``(q, scale, offset)``, ``q`` in 0..15 (int32, ``[rows, inputs]``) and ``scale``,
+    ``offset`` (bfloat16, ``[rows, groups]``) with ``(q - 8) * scale + offset ≈ weight``
+    group by group. Scale and offset are rounded to bfloat16 before ``q`` is computed."""
+    w = weight.detach().float()
+    rows, width = w.shape
+    groups = w.reshape(rows, width // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / 15.0).clamp_min(1e-12).to(torch.bfloat16)
+    offset = (low + 8.0 * scale.float()).to(torch.bfloat16)
+    q = torch.round((groups - offset.float()[..., None]) / scale.float()[..., None] + 8.0)
+    return q.clamp_(0, 15).to(torch.int32).reshape(rows, width).contiguous(), scale, offset
 
 
 def check_linear_kernel(kernel: str) -> None:
@@ -50,31 +175,53 @@ def check_linear_kernel(kernel: str) -> None:
             "linear kernel 'onednn' needs a PyTorch build with oneDNN (mkldnn), which this "
             "one lacks; use 'aten'"
         )
+    op = {"int8": "_weight_int8pack_mm", "int4": "_weight_int4pack_mm_for_cpu"}.get(kernel)
+    if op and not hasattr(torch, op):
+        raise ValueError(
+            f"linear kernel {kernel!r} needs torch.{op}, which this PyTorch build lacks; "
+            "use 'aten' or 'onednn'"
+        )
+
+
+_CLASSES: dict[str, type[nn.Linear]] = {
+    "aten": nn.Linear,
+    "onednn": OneDNNLinear,
+    "int8": Int8Linear,
+    "int4": Int4Linear,
+}
 
 
 def set_linear_kernel(model: nn.Module, kernel: str) -> int:
-    """Make every ``nn.Linear`` of ``model`` run ``kernel`` (``"aten"`` or ``"onednn"``);
-    return how many layers were switched.
+    """Make every ``nn.Linear`` of ``model`` run ``kernel`` (one of :data:`KERNELS`);
+    return how many layers run it now.
 
-    Only CPU layers in float32 or bfloat16 are switched to ``onednn`` (others keep
-    ``aten``); a layer of a subclass of ``nn.Linear`` other than :class:`OneDNNLinear` is
-    left alone. Raises ``ValueError`` for an unknown kernel, before anything changes."""
+    Only CPU layers in float32 or bfloat16 are switched away from ``aten`` (others keep it;
+    for ``int8`` and ``int4`` also those whose shape the kernel cannot tile); a layer of a
+    subclass of ``nn.Linear`` other than these kernels' is left alone. Raises ``ValueError``
+    for an unknown kernel, before anything changes."""
     check_linear_kernel(kernel)
+    target = _CLASSES[kernel]
     switched = 0
     for module in model.modules():
-        if type(module) not in (nn.Linear, OneDNNLinear):
+        if type(module) not in _CLASSES.values():
             continue
-        if kernel == "onednn":
-            weight = module.weight
-            if weight.device.type != "cpu" or weight.dtype not in _DTYPES:
+        layer = cast(nn.Linear, module)
+        layer.__dict__.pop("_packed", None)
+        layer.__class__ = nn.Linear
+        weight = layer.weight
+        if kernel != "aten" and (weight.device.type != "cpu" or weight.dtype not in _DTYPES):
+            continue
+        if issubclass(target, QuantizedLinear):
+            if not target.fits(layer):
                 continue
-            module.__class__ = OneDNNLinear
-        else:
-            module.__class__ = nn.Linear
+            layer.__dict__["_packed"] = target.pack(weight)
+        layer.__class__ = target
         switched += 1
     return switched
 
 
 def linear_kernel_of(model: nn.Module) -> str:
-    """``"onednn"`` if any linear layer of ``model`` runs oneDNN's kernel, else ``"aten"``."""
-    return "onednn" if any(type(m) is OneDNNLinear for m in model.modules()) else "aten"
+    """The kernel :func:`set_linear_kernel` last set on ``model``'s linear layers: the first
+    of ``int4``, ``int8`` and ``onednn`` some layer runs, else ``"aten"``."""
+    kinds = {type(m) for m in model.modules()}
+    return next((k for k in ("int4", "int8", "onednn") if _CLASSES[k] in kinds), "aten")

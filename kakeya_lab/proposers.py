@@ -485,6 +485,7 @@ def make_proposer(
     draft_model=None,
     shared_replies=None,
     verifier_sha256: str | None = None,
+    draft_linear: str | None = None,
 ) -> Proposer | None:
     """Build a proposer from a short spec (CLI, notebooks, sweep files).
 
@@ -496,9 +497,11 @@ def make_proposer(
     node budget) and ``tree:SPEC`` (any chain proposer above as a 1-wide tree);
     ``draft:MODEL`` (a registry name or local folder, loaded with
     :func:`~kakeya_lab.models.load_model` unless ``draft_model`` — an already loaded model,
-    i.e. what ``load_model`` returns or a bare ``PreTrainedModel`` — is given; its tokenizer
-    must equal ``tokenizer``); ``drafter:NAME`` (a named drafter of the store, see
-    :mod:`kakeya_lab.align.named`; needs ``verifier_sha256``, the verifier's
+    i.e. what ``load_model`` returns or a bare ``PreTrainedModel`` — is given, in the
+    verifier's dtype and with ``draft_linear`` as its linear kernel, default the verifier's:
+    ``"int8"`` or ``"int4"`` (quantised weights) make a draft model's steps cheaper on CPU,
+    :mod:`kakeya_lab.linear`; its tokenizer must equal ``tokenizer``); ``drafter:NAME`` (a
+    named drafter of the store, see :mod:`kakeya_lab.align.named`; needs ``verifier_sha256``, the verifier's
     ``LoadedModel.description.weight_sha256``, which must be the one it was trained for);
     ``drafter-tree:NAME`` (a named feature drafter drafting EAGLE-2 trees, the draft length
     being the node budget); ``FIRST+SECOND`` (two chain proposers above,
@@ -525,6 +528,7 @@ def make_proposer(
             draft_model=draft_model,
             shared_replies=shared_replies,
             verifier_sha256=verifier_sha256,
+            draft_linear=draft_linear,
         )
 
     if "+" in spec:  # FIRST+SECOND: the second drafts when the first offers too little
@@ -572,7 +576,9 @@ def make_proposer(
             from kakeya_lab.models import load_model
 
             draft_model = load_model(
-                arg, dtype=next(model.parameters()).dtype, linear=linear_kernel_of(model)
+                arg,
+                dtype=next(model.parameters()).dtype,
+                linear=draft_linear or linear_kernel_of(model),
             )
         net = getattr(draft_model, "model", draft_model)
         return DraftModelProposer(

@@ -130,6 +130,12 @@ MISUSES = [
         "--linear onednn is a torch kernel",
     ),
     ("chat unknown kernel", ["chat", "--linear", "fast"], "invalid choice: 'fast'"),
+    (
+        "chat draft kernel without a draft model",
+        ["chat", "--proposer", "ngram", "--draft-linear", "int8"],
+        "--draft-linear int8 needs a draft:MODEL proposer",
+    ),
+    ("chat quantised verifier", ["chat", "--linear", "int8"], "invalid choice: 'int8'"),
     ("unknown command", ["frobnicate"], "invalid choice: 'frobnicate'"),
 ]
 

@@ -1,7 +1,9 @@
 """The linear layers' kernel (``kakeya_lab.linear``): oneDNN's linear in place of PyTorch's
 default must leave the weights alone, be reversible, give the oracle's logits through the
 sink-window verifier across eviction, blocks and rollback, and keep greedy speculative
-decoding equal to plain decoding. The speed is measured by ``benchmarks/verify_cost.py``
+decoding equal to plain decoding. The int8 kernel (for draft models) must be the bfloat16
+product with its dequantised weight, reversible, and keep a draft model's speculative decoding
+equal to plain decoding with most drafts accepted. The speed is measured by ``benchmarks/verify_cost.py``
 and notebook 35 (``linear``), not here."""
 
 from __future__ import annotations
@@ -16,7 +18,17 @@ from oracle_cases import blocks_with_rollback, check_close, chunked
 from kakeya_lab import SinkWindowConfig, load_model
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
 from kakeya_lab.data import domain_conversations
-from kakeya_lab.linear import OneDNNLinear, linear_kernel_of, set_linear_kernel
+from kakeya_lab.linear import (
+    FEW_ROWS,
+    INT4_GROUP,
+    Int4Linear,
+    Int8Linear,
+    OneDNNLinear,
+    linear_kernel_of,
+    quantize_int4,
+    quantize_int8,
+    set_linear_kernel,
+)
 from kakeya_lab.models import DEFAULT_MODEL
 from kakeya_lab.proposers import NgramProposer, make_proposer
 from kakeya_lab.reference import oracle_logits
@@ -128,3 +140,114 @@ def test_a_draft_model_loaded_by_name_runs_the_verifiers_kernel(onednn_model):
         f"draft:{DEFAULT_MODEL}", onednn_model.model, config, onednn_model.tokenizer
     )
     assert linear_kernel_of(proposer.model) == "onednn"
+
+
+def test_an_int8_layer_is_the_bfloat16_product_with_its_dequantised_weight():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 40)
+    ref = copy.deepcopy(layer)
+    assert set_linear_kernel(layer, "int8") == 1 and isinstance(layer, Int8Linear)
+    assert linear_kernel_of(layer) == "int8"
+    q, scale = quantize_int8(ref.weight)
+    assert q.dtype == torch.int8 and scale.dtype == torch.bfloat16
+    deq = q.float() * scale.float()[:, None]
+    # each weight within half an int8 step of its value (the scale is rounded before q is)
+    assert ((deq - ref.weight).abs() <= scale.float()[:, None] * 0.5 + 1e-8).all()
+    x = torch.randn(2, 3, 64)
+    with torch.no_grad():
+        got = layer(x)
+        want = x.bfloat16().float() @ deq.T + ref.bias
+    assert got.shape == (2, 3, 40) and got.dtype == torch.float32
+    assert (got - want).abs().max().item() <= 1e-2 * want.abs().max().item()  # bf16 output
+    assert set_linear_kernel(layer, "aten") == 1 and "_packed" not in layer.__dict__
+    with torch.no_grad():
+        assert torch.equal(layer(x), ref(x))
+    assert set(layer.state_dict()) == {"weight", "bias"}
+
+
+def test_an_int4_layer_is_the_bfloat16_product_with_its_dequantised_weight():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 48)
+    ref = copy.deepcopy(layer)
+    assert set_linear_kernel(layer, "int4") == 1 and isinstance(layer, Int4Linear)
+    assert linear_kernel_of(layer) == "int4"
+    q, scale, offset = quantize_int4(ref.weight)
+    assert q.shape == (48, 96) and int(q.min()) >= 0 and int(q.max()) <= 15
+    assert scale.shape == offset.shape == (48, 96 // INT4_GROUP)
+    step = scale.float().repeat_interleave(INT4_GROUP, dim=1)
+    deq = (q.float() - 8) * step + offset.float().repeat_interleave(INT4_GROUP, dim=1)
+    # each weight within half an int4 step of its value, plus the offset's bf16 rounding
+    tol = step * 0.5 + offset.float().abs().repeat_interleave(INT4_GROUP, dim=1) / 256
+    assert ((deq - ref.weight).abs() <= tol + 1e-8).all()
+    x = torch.randn(5, 96)
+    with torch.no_grad():
+        got = layer(x)
+        want = x.bfloat16().float() @ deq.T + ref.bias
+    assert (got - want).abs().max().item() <= 1e-2 * want.abs().max().item()
+    many = torch.randn(2, FEW_ROWS, 96)  # a prefill: the layer's own weights, not the int4 copy
+    with torch.no_grad():
+        assert (layer(many) - ref(many)).abs().max().item() <= 1e-5
+    assert set_linear_kernel(layer, "aten") == 1
+    with torch.no_grad():
+        assert torch.equal(layer(x), ref(x))
+
+
+def test_int8_leaves_layers_the_kernel_cannot_tile_and_is_reversible_on_a_model(tiny_model):
+    model = copy.deepcopy(tiny_model.model)
+    odd = torch.nn.Linear(24, 8)  # an input width the int8 kernel cannot tile (16)
+    model.add_module("odd", odd)
+    ids = torch.tensor([[5, 17, 301, 9, 42, 7, 7, 1000]])
+    keys = set(model.state_dict())
+    with torch.no_grad():
+        want = model(ids).logits
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert set_linear_kernel(model, "int8") == linears - 1
+    assert type(odd) is torch.nn.Linear and set(model.state_dict()) == keys
+    with torch.no_grad():
+        got = model(ids).logits
+    assert 0 < (got - want).abs().max().item() <= 0.05 * want.abs().max().item()
+    assert set_linear_kernel(model, "int4") > 0 and linear_kernel_of(model) == "int4"
+    assert type(odd) is torch.nn.Linear
+    assert set_linear_kernel(model, "onednn") == linears  # from int4 straight to another
+    assert set_linear_kernel(model, "aten") == linears
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
+
+
+def test_an_int8_draft_model_keeps_speculative_decoding_lossless_past_eviction(default_model):
+    """The int8 copy changes the draft's numbers, not the verifier's: the stream equals plain
+    decoding, and a draft that is the verifier up to int8 rounding has most drafts accepted."""
+    config = SinkWindowConfig(sink=4, window=60)
+    draft = load_model(DEFAULT_MODEL, dtype=torch.float32, linear="int8", progress=False)
+    assert draft.description.linear == "int8"
+    run = run_speculative(
+        default_model,
+        {
+            "draft": lambda: make_proposer(
+                f"draft:{DEFAULT_MODEL}",
+                default_model.model,
+                SinkWindowConfig(sink=4, window=60),
+                default_model.tokenizer,
+                draft_model=draft,
+            )
+        },
+        [4],
+        domain_conversations("code", "dev", limit=1),
+        config=config,
+        turns_per_conversation=2,
+        max_new_tokens=24,
+        measure_cost=False,
+        progress=False,
+    )
+    assert greedy_streams_identical(run.turns)
+    assert run.turns["history_len"].max() > config.budget
+    drafted = run.turns[run.turns["arm"] != "plain"]
+    assert drafted["accepted"].sum() >= 0.75 * drafted["proposed"].sum()
+    by_name = make_proposer(
+        f"draft:{DEFAULT_MODEL}",
+        default_model.model,
+        config,
+        default_model.tokenizer,
+        draft_linear="int8",
+    )
+    assert linear_kernel_of(by_name.model) == "int8"

@@ -50,8 +50,8 @@ class ModelDescription:
     dtype, e.g. ``"float32"``. ``backend`` is the runtime holding the weights: ``"torch"``
     or ``"mlx"`` (same files, same ``weight_sha256``). ``blas`` is, for MLX, the BLAS its
     CPU backend calls (:func:`kakeya_lab.blas.mlx_blas`); "" for torch. ``linear`` is, for
-    torch, the kernel its linear layers run (``"aten"`` or ``"onednn"``,
-    :mod:`kakeya_lab.linear`); "" for MLX.
+    torch, the kernel its linear layers run (``"aten"``, ``"onednn"``, ``"int8"`` or
+    ``"int4"``, :mod:`kakeya_lab.linear`); "" for MLX.
     """
 
     name: str
@@ -318,9 +318,10 @@ def load_model(
     is a torch dtype or a name (``"float32"``, ``"bf16"``, ..., ``"auto"`` for the stored
     dtype). The model is put in eval mode and switched to the sink-window attention
     (:func:`kakeya_lab.attention.enable_sink_window_attention`). ``linear`` is the kernel its
-    linear layers run (torch only): ``"aten"`` (PyTorch's default) or ``"onednn"`` (oneDNN's,
-    cheaper for blocks of a few rows on CPU; :mod:`kakeya_lab.linear`); ``ValueError`` for
-    another name, before anything is loaded.
+    linear layers run (torch only): ``"aten"`` (PyTorch's default), ``"onednn"`` (oneDNN's,
+    cheaper for blocks of a few rows on CPU) or ``"int8"``/``"int4"`` (quantised copies of
+    the weights for a draft model: cheaper steps, changed numbers; :mod:`kakeya_lab.linear`);
+    ``ValueError`` for another name, before anything is loaded.
 
     Verification (before anything is read): a folder with a ``manifest.json`` (every registry
     store folder) must hold every file the manifest lists with the recorded size and sha256,

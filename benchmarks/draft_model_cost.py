@@ -1,0 +1,120 @@
+"""What a draft model's one-token step costs on each linear kernel, and what int8 changes.
+
+    OMP_NUM_THREADS=2 python benchmarks/draft_model_cost.py --out FILE
+
+Loads a draft model (``--model``, in ``--dtype``), fills a sink-window cache with real code
+context (``--window``), and times one-token steps (a provisional block of one token, rolled
+back) and a prefill of ``--prefill`` tokens (a new user turn; rolled back) with its linear layers on each kernel of ``kakeya_lab/linear.py`` — PyTorch's default,
+oneDNN's, and int8 weights — switched between calls on the same loaded weights, interleaved
+round by round after one untimed round. Then it feeds ``--positions`` tokens of held-out
+code one at a time on each kernel and reports how often the greedy next token equals
+the default kernel's: int8 changes a draft's numbers, so this is the share of drafts it could
+lose. Prints medians in ms; a benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kakeya_lab import SinkWindowConfig, Verifier, load_model
+from kakeya_lab.data import domain_conversations
+from kakeya_lab.durable import write_json_atomic
+from kakeya_lab.linear import KERNELS, set_linear_kernel
+from kakeya_lab.results import now_iso
+
+
+def code_tokens(tokenizer, n: int, split: str) -> list[int]:
+    """At least ``n`` token ids of the code domain's ``split`` (held-out files for ``dev``)."""
+    ids: list[int] = []
+    for conversation in domain_conversations("code", split):
+        for turn in conversation.turns:
+            ids += tokenizer(turn, add_special_tokens=False)["input_ids"]
+        if len(ids) >= n:
+            return ids[:n]
+    raise SystemExit(f"the code {split} split has fewer than {n} tokens")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--window", type=int, default=1020)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--positions", type=int, default=256)
+    parser.add_argument("--prefill", type=int, default=128)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    started = now_iso()
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype), progress=False)
+    config = SinkWindowConfig(sink=4, window=args.window)
+    verifier = Verifier(loaded.model, config)
+    context = code_tokens(loaded.tokenizer, config.budget + args.prefill, "train")
+    verifier.append(context[: config.budget])
+    turn = context[config.budget :]
+
+    times: dict[str, list[float]] = {k: [] for k in KERNELS}
+    prefill: dict[str, list[float]] = {k: [] for k in KERNELS}
+    for r in range(args.repeats + 1):
+        for kernel in KERNELS:
+            set_linear_kernel(loaded.model, kernel)
+            for block, into in (([100], times), (turn, prefill)):
+                t0 = time.perf_counter()
+                verifier.forward_block(block)
+                verifier.rollback()
+                if r:  # round 0 warms up
+                    into[kernel].append(time.perf_counter() - t0)
+
+    held_out = code_tokens(loaded.tokenizer, args.positions, "dev")
+    greedy: dict[str, torch.Tensor] = {}
+    for kernel in KERNELS:  # one token at a time, as a draft model runs (not a prefill)
+        set_linear_kernel(loaded.model, kernel)
+        scorer = Verifier(loaded.model, config)
+        greedy[kernel] = torch.tensor([int(scorer.append([t]).argmax()) for t in held_out])
+    set_linear_kernel(loaded.model, "aten")
+    agree = {k: float((g == greedy["aten"]).float().mean()) for k, g in greedy.items()}
+
+    med = {k: statistics.median(ts) for k, ts in times.items()}
+    med_prefill = {k: statistics.median(ts) for k, ts in prefill.items()}
+    print(
+        f"{loaded.description.name} ({args.dtype}), {verifier.cache_len} cached tokens, "
+        f"torch threads {torch.get_num_threads()}"
+    )
+    print(
+        f"kernel   one-token step ms  ×aten  prefill of {len(turn)} ms  greedy next token = aten's"
+    )
+    for kernel in KERNELS:
+        print(
+            f"{kernel:7s}  {med[kernel] * 1e3:17.1f}  {med[kernel] / med['aten']:5.2f}  "
+            f"{med_prefill[kernel] * 1e3:16.1f}  {agree[kernel]:24.1%}"
+        )
+    write_json_atomic(
+        args.out,
+        {
+            "model": loaded.description.name,
+            "weight_sha256": loaded.description.weight_sha256,
+            "dtype": args.dtype,
+            "cache": config.to_dict(),
+            "cached_tokens": verifier.cache_len,
+            "positions": args.positions,
+            "torch_threads": torch.get_num_threads(),
+            "started": started,
+            "finished": now_iso(),
+            "prefill_tokens": len(turn),
+            "median_s": med,
+            "prefill_median_s": med_prefill,
+            "timings_s": times,
+            "prefill_timings_s": prefill,
+            "greedy_agreement_with_aten": agree,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
