@@ -125,7 +125,14 @@ def _add_linear(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_draft_linear(p: argparse.ArgumentParser) -> None:
+def _add_draft_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--draft-window",
+        type=int,
+        default=None,
+        help="a draft:MODEL proposer's own cache window (default: --window); a shorter one "
+        "makes its steps cheaper",
+    )
     p.add_argument(
         "--draft-linear",
         choices=["aten", "onednn", "int8", "int4"],
@@ -139,9 +146,14 @@ def _add_draft_linear(p: argparse.ArgumentParser) -> None:
 def _check_linear(args: argparse.Namespace) -> None:
     if getattr(args, "backend", None) == "mlx" and args.linear != "aten":
         raise UserError(f"--linear {args.linear} is a torch kernel; the MLX backend has its own")
-    draft_linear = getattr(args, "draft_linear", None)
-    if draft_linear and "draft:" not in (getattr(args, "proposer", None) or ""):
-        raise UserError(f"--draft-linear {draft_linear} needs a draft:MODEL proposer")
+    drafts = "draft:" in (getattr(args, "proposer", None) or "")
+    for flag in ("draft_linear", "draft_window"):
+        value = getattr(args, flag, None)
+        if value is not None and not drafts:
+            name = "--" + flag.replace("_", "-")
+            raise UserError(f"{name} {value} needs a draft:MODEL proposer")
+    if getattr(args, "draft_window", None) is not None:
+        _check_int("--draft-window", args.draft_window, 1)
 
 
 def _check_model(name: str, flag: str = "--model") -> None:
@@ -398,6 +410,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             tok,
             verifier_sha256=loaded.description.weight_sha256,
             draft_linear=args.draft_linear,
+            draft_window=args.draft_window,
         )
     except ValueError as exc:
         raise UserError(str(exc)) from exc
@@ -480,7 +493,7 @@ def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
         help="tokens drafted per verifier forward (speculative decoding)",
     )
     _add_linear(p)
-    _add_draft_linear(p)
+    _add_draft_options(p)
     p.set_defaults(func=cmd_chat)
 
 

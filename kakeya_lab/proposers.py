@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 import torch
@@ -486,6 +486,7 @@ def make_proposer(
     shared_replies=None,
     verifier_sha256: str | None = None,
     draft_linear: str | None = None,
+    draft_window: int | None = None,
 ) -> Proposer | None:
     """Build a proposer from a short spec (CLI, notebooks, sweep files).
 
@@ -500,7 +501,9 @@ def make_proposer(
     i.e. what ``load_model`` returns or a bare ``PreTrainedModel`` — is given, in the
     verifier's dtype and with ``draft_linear`` as its linear kernel, default the verifier's:
     ``"int8"`` or ``"int4"`` (quantised weights) make a draft model's steps cheaper on CPU,
-    :mod:`kakeya_lab.linear`; its tokenizer must equal ``tokenizer``); ``drafter:NAME`` (a
+    :mod:`kakeya_lab.linear`; its own sink-window cache keeps ``config``'s sinks and
+    positions and ``draft_window`` recent entries, default ``config``'s window: a shorter
+    one makes its steps cheaper; its tokenizer must equal ``tokenizer``); ``drafter:NAME`` (a
     named drafter of the store, see :mod:`kakeya_lab.align.named`; needs ``verifier_sha256``, the verifier's
     ``LoadedModel.description.weight_sha256``, which must be the one it was trained for);
     ``drafter-tree:NAME`` (a named feature drafter drafting EAGLE-2 trees, the draft length
@@ -529,6 +532,7 @@ def make_proposer(
             shared_replies=shared_replies,
             verifier_sha256=verifier_sha256,
             draft_linear=draft_linear,
+            draft_window=draft_window,
         )
 
     if "+" in spec:  # FIRST+SECOND: the second drafts when the first offers too little
@@ -583,7 +587,7 @@ def make_proposer(
         net = getattr(draft_model, "model", draft_model)
         return DraftModelProposer(
             net,
-            config,
+            config if draft_window is None else replace(config, window=draft_window),
             tokenizer=getattr(draft_model, "tokenizer", None),
             verifier_tokenizer=tokenizer,
             label=arg,

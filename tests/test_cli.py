@@ -136,6 +136,16 @@ MISUSES = [
         "--draft-linear int8 needs a draft:MODEL proposer",
     ),
     ("chat quantised verifier", ["chat", "--linear", "int8"], "invalid choice: 'int8'"),
+    (
+        "chat draft window without a draft model",
+        ["chat", "--draft-window", "64"],
+        "--draft-window 64 needs a draft:MODEL proposer",
+    ),
+    (
+        "chat draft window 0",
+        ["chat", "--proposer", "draft:smollm2-135m-instruct", "--draft-window", "0"],
+        "--draft-window must be >= 1",
+    ),
     ("unknown command", ["frobnicate"], "invalid choice: 'frobnicate'"),
 ]
 

@@ -1,10 +1,11 @@
 """The linear layers' kernel (``kakeya_lab.linear``): oneDNN's linear in place of PyTorch's
 default must leave the weights alone, be reversible, give the oracle's logits through the
 sink-window verifier across eviction, blocks and rollback, and keep greedy speculative
-decoding equal to plain decoding. The int8 kernel (for draft models) must be the bfloat16
-product with its dequantised weight, reversible, and keep a draft model's speculative decoding
-equal to plain decoding with most drafts accepted. The speed is measured by ``benchmarks/verify_cost.py``
-and notebook 35 (``linear``), not here."""
+decoding equal to plain decoding. The int8 and int4 kernels (for draft models) must be the
+bfloat16 product with the dequantised weight (the exact weights for a prefill), reversible,
+and keep a draft model's speculative decoding equal to plain decoding with most drafts
+accepted. The speed is measured by ``benchmarks/verify_cost.py``,
+``benchmarks/draft_model_cost.py`` and notebook 35 (``linear``, ``draft_linear``), not here."""
 
 from __future__ import annotations
 
@@ -216,7 +217,8 @@ def test_int8_leaves_layers_the_kernel_cannot_tile_and_is_reversible_on_a_model(
 
 def test_an_int8_draft_model_keeps_speculative_decoding_lossless_past_eviction(default_model):
     """The int8 copy changes the draft's numbers, not the verifier's: the stream equals plain
-    decoding, and a draft that is the verifier up to int8 rounding has most drafts accepted."""
+    decoding, and a draft that is the verifier up to int8 rounding has most drafts accepted,
+    here with its own cache shorter than the verifier's (``draft_window``)."""
     config = SinkWindowConfig(sink=4, window=60)
     draft = load_model(DEFAULT_MODEL, dtype=torch.float32, linear="int8", progress=False)
     assert draft.description.linear == "int8"
@@ -229,6 +231,7 @@ def test_an_int8_draft_model_keeps_speculative_decoding_lossless_past_eviction(d
                 SinkWindowConfig(sink=4, window=60),
                 default_model.tokenizer,
                 draft_model=draft,
+                draft_window=40,
             )
         },
         [4],
@@ -249,5 +252,9 @@ def test_an_int8_draft_model_keeps_speculative_decoding_lossless_past_eviction(d
         config,
         default_model.tokenizer,
         draft_linear="int8",
+        draft_window=40,
     )
     assert linear_kernel_of(by_name.model) == "int8"
+    assert by_name.config == SinkWindowConfig(sink=4, window=40)
+    by_name.propose(list(range(100, 200)), 2)
+    assert by_name.verifier.cache_len <= 4 + 40
