@@ -130,8 +130,8 @@ def _add_draft_options(p: argparse.ArgumentParser) -> None:
         "--draft-window",
         type=int,
         default=None,
-        help="a draft:MODEL proposer's own cache window (default: --window); a shorter one "
-        "makes its steps cheaper",
+        help="a draft:MODEL proposer's own cache window (default: --window); with a shorter "
+        "one it attends over fewer entries once the history outgrows it",
     )
     p.add_argument(
         "--draft-linear",

@@ -502,8 +502,8 @@ def make_proposer(
     verifier's dtype and with ``draft_linear`` as its linear kernel, default the verifier's:
     ``"int8"`` or ``"int4"`` (quantised weights) make a draft model's steps cheaper on CPU,
     :mod:`kakeya_lab.linear`; its own sink-window cache keeps ``config``'s sinks and
-    positions and ``draft_window`` recent entries, default ``config``'s window: a shorter
-    one makes its steps cheaper; its tokenizer must equal ``tokenizer``); ``drafter:NAME`` (a
+    positions and ``draft_window`` recent entries, default ``config``'s window (a shorter
+    one attends over fewer entries once the history outgrows it); its tokenizer must equal ``tokenizer``); ``drafter:NAME`` (a
     named drafter of the store, see :mod:`kakeya_lab.align.named`; needs ``verifier_sha256``, the verifier's
     ``LoadedModel.description.weight_sha256``, which must be the one it was trained for);
     ``drafter-tree:NAME`` (a named feature drafter drafting EAGLE-2 trees, the draft length
