@@ -40,6 +40,28 @@ from kakeya_lab.reference import oracle_logits
 TOL = 2e-4
 
 
+EVICTING = SinkWindowConfig(sink=4, window=60)  # two turns of code outgrow it
+
+
+def _code_run_past_eviction(loaded, proposers, draft_lengths):
+    """Plain decoding and the arms on two turns of held-out code through :data:`EVICTING`,
+    which the history outgrows (checked)."""
+    config = EVICTING
+    run = run_speculative(
+        loaded,
+        proposers,
+        draft_lengths,
+        domain_conversations("code", "dev", limit=1),
+        config=config,
+        turns_per_conversation=2,
+        max_new_tokens=24,
+        measure_cost=False,
+        progress=False,
+    )
+    assert run.turns["history_len"].max() > config.budget
+    return run
+
+
 @pytest.fixture(scope="module")
 def onednn_model():
     """The default real model, loaded with its linear layers on oneDNN's kernel."""
@@ -119,20 +141,8 @@ def test_onednn_verifier_gives_the_oracle_logits_past_eviction(
 def test_onednn_greedy_speculative_decoding_equals_plain_past_eviction(onednn_model):
     """Plain decoding and the speculative arms share the loaded model, so both run oneDNN's
     kernel; the arms must emit exactly the plain stream."""
-    config = SinkWindowConfig(sink=4, window=60)
-    run = run_speculative(
-        onednn_model,
-        {"ngram": NgramProposer},
-        [3, 6],
-        domain_conversations("code", "dev", limit=1),
-        config=config,
-        turns_per_conversation=2,
-        max_new_tokens=24,
-        measure_cost=False,
-        progress=False,
-    )
+    run = _code_run_past_eviction(onednn_model, {"ngram": NgramProposer}, [3, 6])
     assert greedy_streams_identical(run.turns)
-    assert run.turns["history_len"].max() > config.budget
 
 
 def test_a_draft_model_loaded_by_name_runs_the_verifiers_kernel(onednn_model):
@@ -219,31 +229,22 @@ def test_an_int8_draft_model_keeps_speculative_decoding_lossless_past_eviction(d
     """The int8 copy changes the draft's numbers, not the verifier's: the stream equals plain
     decoding, and a draft that is the verifier up to int8 rounding has most drafts accepted,
     here with its own cache shorter than the verifier's (``draft_window``)."""
-    config = SinkWindowConfig(sink=4, window=60)
+    config = EVICTING
     draft = load_model(DEFAULT_MODEL, dtype=torch.float32, linear="int8", progress=False)
     assert draft.description.linear == "int8"
-    run = run_speculative(
-        default_model,
-        {
-            "draft": lambda: make_proposer(
-                f"draft:{DEFAULT_MODEL}",
-                default_model.model,
-                SinkWindowConfig(sink=4, window=60),
-                default_model.tokenizer,
-                draft_model=draft,
-                draft_window=40,
-            )
-        },
-        [4],
-        domain_conversations("code", "dev", limit=1),
-        config=config,
-        turns_per_conversation=2,
-        max_new_tokens=24,
-        measure_cost=False,
-        progress=False,
-    )
+
+    def proposer():
+        return make_proposer(
+            f"draft:{DEFAULT_MODEL}",
+            default_model.model,
+            config,
+            default_model.tokenizer,
+            draft_model=draft,
+            draft_window=40,
+        )
+
+    run = _code_run_past_eviction(default_model, {"draft": proposer}, [4])
     assert greedy_streams_identical(run.turns)
-    assert run.turns["history_len"].max() > config.budget
     drafted = run.turns[run.turns["arm"] != "plain"]
     assert drafted["accepted"].sum() >= 0.75 * drafted["proposed"].sum()
     by_name = make_proposer(
