@@ -133,26 +133,29 @@ def _add_draft_options(p: argparse.ArgumentParser) -> None:
         help="a draft:MODEL proposer's own cache window (default: --window); with a shorter "
         "one it attends over fewer entries once the history outgrows it",
     )
-    p.add_argument(
-        "--draft-linear",
-        choices=["aten", "onednn", "int8", "int4"],
-        default=None,
-        help="a draft:MODEL proposer's linear-layer kernel (default: --linear's); int8 and "
-        "int4 multiply by quantised copies of its weights, cheaper steps on CPU (they change "
-        "only how many drafted tokens are accepted, never the output)",
-    )
 
 
 def _check_linear(args: argparse.Namespace) -> None:
+    from kakeya_lab.proposer_spec import check_proposer_spec, draft_model_spec
+
     if getattr(args, "backend", None) == "mlx" and args.linear != "aten":
         raise UserError(f"--linear {args.linear} is a torch kernel; the MLX backend has its own")
-    drafts = "draft:" in (getattr(args, "proposer", None) or "")
-    for flag in ("draft_linear", "draft_window"):
-        value = getattr(args, flag, None)
-        if value is not None and not drafts:
-            name = "--" + flag.replace("_", "-")
-            raise UserError(f"{name} {value} needs a draft:MODEL proposer")
+    try:
+        drafts = [
+            draft_model_spec(arg)
+            for kind, arg in check_proposer_spec(getattr(args, "proposer", None))
+            if kind == "draft"
+        ]
+    except ValueError:
+        return  # _check_proposer says what is wrong with the spec
+    if getattr(args, "backend", None) == "mlx" and any(kernel for _, kernel in drafts):
+        raise UserError(
+            f"--proposer {args.proposer}: a draft model's kernel is a torch kernel; "
+            "the MLX backend has its own"
+        )
     if getattr(args, "draft_window", None) is not None:
+        if not drafts:
+            raise UserError(f"--draft-window {args.draft_window} needs a draft:MODEL proposer")
         _check_int("--draft-window", args.draft_window, 1)
 
 
@@ -181,55 +184,27 @@ def _check_model(name: str, flag: str = "--model") -> None:
     )
 
 
-def _check_proposer(spec: str) -> None:
-    """The syntax of a proposer spec (a draft model is checked with :func:`_check_model`)."""
-    if spec and "+" in spec:  # FIRST+SECOND: two chain proposers
-        for part in spec.split("+", 1):
-            if part in ("", "none") or part.partition(":")[0] in (
-                "tree",
-                "ngram-tree",
-                "suffix-tree",
-                "drafter-tree",
-            ):
-                raise UserError(f"--proposer {spec}: FIRST+SECOND combines two chain proposers")
-            _check_proposer(part)
-        return
-    kind, _, arg = (spec or "none").partition(":")
-    if kind == "none" and not arg:
-        return
-    if (
-        kind == "tree"
-        and arg
-        and not arg.startswith(("tree", "ngram-tree", "suffix-tree", "drafter-tree"))
-    ):
-        _check_proposer(arg)  # a chain proposer verified as a 1-wide tree
-        return
-    if kind in ("suffix", "suffix-tree") and (not arg or arg.isdigit()):
-        return
-    if kind == "ngram-tree":
-        kind = "ngram"
-    if kind == "ngram" and (not arg or all(p.isdigit() and int(p) >= 1 for p in arg.split(","))):
-        return
-    if kind == "early-exit" and arg.isdigit() and int(arg) >= 1:
-        return
-    if kind == "draft" and arg:
-        _check_model(arg, "--proposer draft:")
-        return
-    if kind in ("drafter", "drafter-tree") and arg:
-        from kakeya_lab.align.named import read_record
+def _check_proposer(spec: str | None) -> None:
+    """A proposer spec's syntax, and the draft models and named drafters it names (looked
+    up without loading anything)."""
+    from kakeya_lab.proposer_spec import check_proposer_spec, draft_model_spec
 
-        record = read_record(arg)  # DrafterNotFound (lists the names) before a model loads
-        if kind == "drafter-tree" and record.get("kind") != "feature":
-            raise UserError(
-                f"{spec!r}: draft trees need a feature drafter; {arg!r} is a "
-                f"{record.get('kind')} drafter (use drafter:{arg})"
-            )
-        return
-    raise UserError(
-        f"unknown proposer {spec!r}: use none, ngram[:SIZES], suffix[:DEPTH], early-exit:LAYERS, "
-        "draft:MODEL, drafter:NAME, ngram-tree[:SIZES], suffix-tree[:DEPTH], drafter-tree:NAME, "
-        "tree:SPEC or FIRST+SECOND"
-    )
+    try:
+        leaves = check_proposer_spec(spec)
+    except ValueError as exc:
+        raise UserError(f"--proposer {spec}: {exc}") from None
+    for kind, arg in leaves:
+        if kind == "draft":
+            _check_model(draft_model_spec(arg)[0], "--proposer draft:")
+        elif kind in ("drafter", "drafter-tree"):
+            from kakeya_lab.align.named import read_record
+
+            record = read_record(arg)  # DrafterNotFound (lists the names) before a model loads
+            if kind == "drafter-tree" and record.get("kind") != "feature":
+                raise UserError(
+                    f"{spec!r}: draft trees need a feature drafter; {arg!r} is a "
+                    f"{record.get('kind')} drafter (use drafter:{arg})"
+                )
 
 
 def _human_size(n: int | None) -> str:
@@ -409,7 +384,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
             config,
             tok,
             verifier_sha256=loaded.description.weight_sha256,
-            draft_linear=args.draft_linear,
             draft_window=args.draft_window,
         )
     except ValueError as exc:
@@ -483,8 +457,10 @@ def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--proposer",
         default="none",
-        help="none | ngram | early-exit:LAYERS | draft:MODEL | drafter:NAME (a named drafter, "
-        "see `kakeya-lab align list`) (speculative decoding)",
+        help="none | ngram | suffix | early-exit:LAYERS | draft:MODEL[:KERNEL] | drafter:NAME "
+        "(a named drafter, see `kakeya-lab align list`) | ngram-tree | suffix-tree | FIRST+SECOND "
+        "(speculative decoding); KERNEL int8 or int4 gives the draft model quantised weights, "
+        "cheaper steps that change only how many drafts are accepted, never the output",
     )
     p.add_argument(
         "--draft-length",
@@ -654,8 +630,8 @@ def cmd_long_run(args: argparse.Namespace) -> int:
             )
         if "speculative" in names and args.proposer is None:
             raise UserError("the speculative arm needs --proposer, e.g. --proposer ngram")
-        if args.proposer is not None and args.proposer.startswith("drafter:"):
-            _check_proposer(args.proposer)  # an unknown named drafter before a model loads
+        if args.proposer is not None:
+            _check_proposer(args.proposer)  # an unknown model or drafter before a model loads
         _check_int("--draft-length", args.draft_length, 1)
         arms = standard_arms(
             args.sink,
@@ -984,8 +960,9 @@ def add_long_run_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--proposer",
         default=None,
-        help="the speculative arm's proposer: ngram[:SIZES], early-exit:LAYERS, draft:MODEL "
-        "or drafter:NAME",
+        help="the speculative arm's proposer: ngram[:SIZES], suffix[:DEPTH], early-exit:LAYERS, "
+        "draft:MODEL[:KERNEL] (e.g. draft:smollm2-135m-instruct:int4), drafter:NAME, a tree "
+        "proposer or FIRST+SECOND",
     )
     p.add_argument(
         "--draft-length", type=int, default=4, help="draft tokens per step of the speculative arm"

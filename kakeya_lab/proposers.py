@@ -39,6 +39,7 @@ from kakeya_lab.backend import backend_name_of
 from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.inputs import InputTypeError
 from kakeya_lab.linear import linear_kernel_of
+from kakeya_lab.proposer_spec import USAGE, check_proposer_spec, draft_model_spec
 from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.tree import DraftTree
 from kakeya_lab.verifier import Verifier
@@ -496,11 +497,12 @@ def make_proposer(
     ``early-exit:LAYERS``; tree proposers ``ngram-tree[:SIZES]`` and
     ``suffix-tree[:DEPTH]`` (:mod:`kakeya_lab.tree_proposers`; the draft length is their
     node budget) and ``tree:SPEC`` (any chain proposer above as a 1-wide tree);
-    ``draft:MODEL`` (a registry name or local folder, loaded with
+    ``draft:MODEL[:KERNEL]`` (a registry name or local folder, loaded with
     :func:`~kakeya_lab.models.load_model` unless ``draft_model`` — an already loaded model,
     i.e. what ``load_model`` returns or a bare ``PreTrainedModel`` — is given, in the
-    verifier's dtype and with ``draft_linear`` as its linear kernel, default the verifier's:
-    ``"int8"`` or ``"int4"`` (quantised weights) make a draft model's steps cheaper on CPU,
+    verifier's dtype and with ``KERNEL`` as its linear kernel, else ``draft_linear``, else
+    the verifier's: ``int8`` or ``int4`` (quantised weights, e.g.
+    ``draft:qwen2.5-coder-0.5b-instruct:int4``) make a draft model's steps cheaper on CPU,
     :mod:`kakeya_lab.linear`; its own sink-window cache keeps ``config``'s sinks and
     positions and ``draft_window`` recent entries, default ``config``'s window (a shorter
     one attends over fewer entries once the history outgrows it); its tokenizer must equal ``tokenizer``); ``drafter:NAME`` (a
@@ -510,17 +512,14 @@ def make_proposer(
     being the node budget); ``FIRST+SECOND`` (two chain proposers above,
     :class:`FallbackProposer`: the second drafts when the first offers fewer than two
     tokens, e.g. ``suffix+draft:MODEL``)."""
-    usage = (
-        "use none, ngram[:SIZES], suffix[:DEPTH], early-exit:LAYERS, draft:MODEL, "
-        "drafter:NAME, drafter-tree:NAME, ngram-tree[:SIZES], suffix-tree[:DEPTH], tree:SPEC "
-        "or FIRST+SECOND"
-    )
     if spec is not None and not isinstance(spec, str):
         raise InputTypeError(
-            f"proposer spec must be a string or None, got {type(spec).__name__} ({usage})"
+            f"proposer spec must be a string or None, got {type(spec).__name__} ({USAGE})"
         )
+    check_proposer_spec(spec)  # the grammar, before anything loads
     if spec in (None, "", "none"):
         return None
+    assert spec is not None
 
     def part(sub: str) -> Proposer | None:  # a spec inside this one, with the same context
         return make_proposer(
@@ -537,52 +536,40 @@ def make_proposer(
 
     if "+" in spec:  # FIRST+SECOND: the second drafts when the first offers too little
         first, _, second = spec.partition("+")
-        a, b = part(first), part(second)
-        if a is None or b is None:
-            raise ValueError(f"FIRST+SECOND needs two proposers, got {spec!r} ({usage})")
-        return FallbackProposer(a, b)
+        return FallbackProposer(cast(Proposer, part(first)), cast(Proposer, part(second)))
     kind, _, arg = spec.partition(":")
-    if kind == "tree" and arg:  # any chain proposer verified as a 1-wide tree
-        inner = part(arg)
-        if inner is None or is_tree_proposer(inner):
-            raise ValueError(f"tree:SPEC wraps a chain proposer, got {spec!r} ({usage})")
-        return ChainTree(inner)
-    if kind in ("ngram-tree", "suffix-tree"):
-        from kakeya_lab.tree_proposers import NgramTreeProposer, SuffixTreeProposer
+    if kind == "tree":  # any chain proposer verified as a 1-wide tree
+        return ChainTree(cast(Proposer, part(arg)))
+    if kind == "suffix-tree":
+        from kakeya_lab.tree_proposers import SuffixTreeProposer
 
-        if kind == "suffix-tree":
-            if arg and not arg.isdigit():
-                raise ValueError(f"bad suffix depth in {spec!r}: write it like suffix-tree:8")
-            return SuffixTreeProposer(max_depth=int(arg) if arg else 8, shared=shared_replies)
-        try:
-            tree_sizes = [int(n) for n in arg.split(",")] if arg else [3, 2, 1]
-        except ValueError:
-            raise ValueError(
-                f"bad n-gram sizes in {spec!r}: write them like ngram-tree:3,2,1"
-            ) from None
-        return NgramTreeProposer(tree_sizes)
+        return SuffixTreeProposer(max_depth=int(arg) if arg else 8, shared=shared_replies)
+    if kind == "ngram-tree":
+        from kakeya_lab.tree_proposers import NgramTreeProposer
+
+        return NgramTreeProposer([int(n) for n in arg.split(",")] if arg else [3, 2, 1])
     if kind == "ngram":
-        try:
-            sizes = [int(n) for n in arg.split(",")] if arg else (3, 2, 1)
-        except ValueError:
-            raise ValueError(f"bad n-gram sizes in {spec!r}: write them like ngram:3,2,1") from None
-        return NgramProposer(sizes)
+        return NgramProposer([int(n) for n in arg.split(",")] if arg else (3, 2, 1))
     if kind == "suffix":
         from kakeya_lab.suffix import SuffixProposer
 
-        if arg and not arg.isdigit():
-            raise ValueError(f"bad suffix depth in {spec!r}: write it like suffix:8")
         return SuffixProposer(max_depth=int(arg) if arg else 8, shared=shared_replies)
-    if kind == "early-exit" and arg.isdigit():
+    if kind == "early-exit":
         return EarlyExitProposer(model, config, num_layers=int(arg))
-    if kind == "draft" and arg:
+    if kind == "draft":
+        name, kernel = draft_model_spec(arg)
         if draft_model is None:
             from kakeya_lab.models import load_model
 
             draft_model = load_model(
-                arg,
+                name,
                 dtype=next(model.parameters()).dtype,
-                linear=draft_linear or linear_kernel_of(model),
+                linear=kernel or draft_linear or linear_kernel_of(model),
+            )
+        elif kernel:
+            raise ValueError(
+                f"{spec!r} names a kernel for a draft model that is already loaded; "
+                "load it with that kernel (load_model(..., linear=...)) and write draft:MODEL"
             )
         net = getattr(draft_model, "model", draft_model)
         return DraftModelProposer(
@@ -592,19 +579,18 @@ def make_proposer(
             verifier_tokenizer=tokenizer,
             label=arg,
         )
-    if kind in ("drafter", "drafter-tree") and arg:
-        from kakeya_lab.align.drafters import DrafterProposer, DrafterTreeProposer
-        from kakeya_lab.align.named import load_named_drafter
+    # drafter:NAME or drafter-tree:NAME, the only kinds left after check_proposer_spec
+    from kakeya_lab.align.drafters import DrafterProposer, DrafterTreeProposer
+    from kakeya_lab.align.named import load_named_drafter
 
-        if backend_name_of(model) == "mlx":
-            raise ValueError(
-                f"{spec!r}: named drafters read the verifier's hidden states, which only the "
-                "torch backend traces; load the model with backend='torch'"
-            )
-        drafter = load_named_drafter(arg, model, verifier_sha256)
-        if kind == "drafter-tree":
-            return DrafterTreeProposer(cast("FeatureDrafter", drafter), label=f"{arg} (tree)")
-        if drafter.config.kind == "lora":  # a distilled draft model, with its own cache
-            return DraftModelProposer(cast("LoraDrafter", drafter).draft_model(), config, label=arg)
-        return DrafterProposer(cast("Drafter", drafter), label=arg)
-    raise ValueError(f"unknown proposer {spec!r}: {usage}")
+    if backend_name_of(model) == "mlx":
+        raise ValueError(
+            f"{spec!r}: named drafters read the verifier's hidden states, which only the "
+            "torch backend traces; load the model with backend='torch'"
+        )
+    drafter = load_named_drafter(arg, model, verifier_sha256)
+    if kind == "drafter-tree":
+        return DrafterTreeProposer(cast("FeatureDrafter", drafter), label=f"{arg} (tree)")
+    if drafter.config.kind == "lora":  # a distilled draft model, with its own cache
+        return DraftModelProposer(cast("LoraDrafter", drafter).draft_model(), config, label=arg)
+    return DrafterProposer(cast("Drafter", drafter), label=arg)

@@ -72,7 +72,7 @@ MISUSES = [
     ),
     ("capture out is a file", ["align", "capture", "{tmp}/afile"], "exists and is not a folder"),
     ("chat unknown proposer", [*CHAT, "--proposer", "oracle"], "unknown proposer 'oracle'"),
-    ("chat early-exit not a number", [*CHAT, "--proposer", "early-exit:x"], "unknown proposer"),
+    ("chat early-exit not a number", [*CHAT, "--proposer", "early-exit:x"], "bad layer count"),
     (
         "chat draft model unknown",
         [*CHAT, "--proposer", "draft:no-such-model"],
@@ -131,9 +131,23 @@ MISUSES = [
     ),
     ("chat unknown kernel", ["chat", "--linear", "fast"], "invalid choice: 'fast'"),
     (
-        "chat draft kernel without a draft model",
-        ["chat", "--proposer", "ngram", "--draft-linear", "int8"],
-        "--draft-linear int8 needs a draft:MODEL proposer",
+        "chat draft kernel unknown model",
+        [*CHAT, "--proposer", "draft:no-such-model:int4"],
+        "'no-such-model' is not a registry model",
+    ),
+    (
+        "long-run draft kernel on mlx",
+        [
+            "long-run",
+            "{out}",
+            "--backend",
+            "mlx",
+            "--arms",
+            "speculative",
+            "--proposer",
+            "suffix+draft:smollm2-135m-instruct:int4",
+        ],
+        "a draft model's kernel is a torch kernel",
     ),
     ("chat quantised verifier", ["chat", "--linear", "int8"], "invalid choice: 'int8'"),
     (

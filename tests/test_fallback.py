@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kakeya_lab import SinkWindowConfig, Verifier
-from kakeya_lab.bench.long_run.arms import check_proposer_spec
+from kakeya_lab.proposer_spec import check_proposer_spec
 from kakeya_lab.proposers import DraftModelProposer, FallbackProposer, make_proposer
 from kakeya_lab.speculative import plain_decode, speculative_decode
 from kakeya_lab.suffix import SuffixProposer
@@ -52,7 +52,7 @@ def test_suffix_then_draft_model_is_lossless_past_eviction(tiny_model, text_ids)
 
 def test_bad_combinations_are_clear_errors(tiny_model):
     config = SinkWindowConfig(sink=4, window=28)
-    with pytest.raises(ValueError, match="two proposers"):
+    with pytest.raises(ValueError, match="two chain proposers"):
         make_proposer("none+ngram", tiny_model.model, config)
     with pytest.raises(ValueError, match="chain proposers"):
         make_proposer("suffix-tree+ngram", tiny_model.model, config)

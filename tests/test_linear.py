@@ -247,15 +247,17 @@ def test_an_int8_draft_model_keeps_speculative_decoding_lossless_past_eviction(d
     assert greedy_streams_identical(run.turns)
     drafted = run.turns[run.turns["arm"] != "plain"]
     assert drafted["accepted"].sum() >= 0.75 * drafted["proposed"].sum()
-    by_name = make_proposer(
-        f"draft:{DEFAULT_MODEL}",
+    by_name = make_proposer(  # the spec's kernel wins over draft_linear, the default
+        f"draft:{DEFAULT_MODEL}:int4",
         default_model.model,
         config,
         default_model.tokenizer,
         draft_linear="int8",
         draft_window=40,
     )
-    assert linear_kernel_of(by_name.model) == "int8"
+    assert linear_kernel_of(by_name.model) == "int4" and by_name.label.endswith(":int4")
     assert by_name.config == SinkWindowConfig(sink=4, window=40)
     by_name.propose(list(range(100, 200)), 2)
     assert by_name.verifier.cache_len <= 4 + 40
+    with pytest.raises(ValueError, match="already loaded"):  # draft_model has its own kernel
+        make_proposer(f"draft:{DEFAULT_MODEL}:int4", default_model.model, config, draft_model=draft)

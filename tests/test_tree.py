@@ -519,8 +519,8 @@ def test_sampled_tree_decoding_commits_what_it_delivers():
 
 
 def test_tree_specs_pass_the_cli_and_long_run_checks():
-    from kakeya_lab.bench.long_run.arms import check_proposer_spec
     from kakeya_lab.cli import UserError, _check_proposer
+    from kakeya_lab.proposer_spec import check_proposer_spec
 
     specs = ("ngram-tree", "ngram-tree:3,2", "suffix-tree", "suffix-tree:6", "tree:ngram")
     for spec in specs:

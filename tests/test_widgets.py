@@ -75,6 +75,31 @@ def test_speculative_tokens_are_tagged_and_the_stream_is_the_plain_one(tiny_mode
         assert set(a.token_kinds) == {"verifier"}
 
 
+def test_the_panel_offers_the_registry_draft_model_and_it_decodes_losslessly(
+    default_model, tiny_model
+):
+    """The default model's registry draft (its own weights in int4) is offered by name in the
+    panel; two turns through a cache the conversation outgrows equal plain decoding."""
+    from kakeya_lab.linear import linear_kernel_of
+
+    config = SinkWindowConfig(sink=4, window=28)
+    spec = "draft:smollm2-135m-instruct:int4"
+    panel, plain = (ChatPanel(default_model, config, max_new_tokens=12) for _ in range(2))
+    assert spec in panel.proposer.options and "suffix" in panel.proposer.options
+    assert spec not in ChatPanel(tiny_model, CONFIG).proposer.options  # not a registry model
+    panel.proposer.value = spec
+    for message in ("Hi! How are you today?", "Tell me about your favourite book."):
+        a = plain.send(message)
+        plain.wait(120)
+        b = panel.send(message)
+        panel.wait(120)
+        assert a is not None and b is not None
+        assert b.error is None and b.proposer == spec and a.token_ids == b.token_ids
+    assert "draft" in b.token_kinds
+    assert linear_kernel_of(panel.chat.proposer(spec).model) == "int4"
+    assert panel.chat.cache_snapshot().evicted_tokens > 0
+
+
 def test_the_panel_keeps_only_the_last_turns_on_the_page(tiny_model):
     panel = ChatPanel(tiny_model, CONFIG, max_new_tokens=3, keep_turns=2)
     for i in range(5):

@@ -30,6 +30,9 @@ class ModelSpec:
         store_dtype: dtype the dequantised weights are saved in (``"float32"``/``"bfloat16"``).
         dtype_note: why that dtype.
         default: whether this is :data:`DEFAULT_MODEL`.
+        draft: the ``draft:MODEL[:KERNEL]`` proposer that drafts fastest for this model
+            among the draft models measured (README, "A quantised draft model"); "" when
+            none was measured. The chat panel offers it when its model is pulled.
     """
 
     name: str
@@ -42,6 +45,7 @@ class ModelSpec:
     store_dtype: str = "float32"
     dtype_note: str = ""
     default: bool = False
+    draft: str = ""
 
     @property
     def source(self) -> str:
@@ -87,6 +91,7 @@ REGISTRY: dict[str, ModelSpec] = {
             store_dtype="float32",
             dtype_note="float32: dequantised GGUF values are kept at full precision (~0.54 GB).",
             default=True,
+            draft="draft:smollm2-135m-instruct:int4",  # its own weights in int4
         ),
         ModelSpec(
             name="qwen2.5-coder-0.5b-instruct",
@@ -123,6 +128,7 @@ REGISTRY: dict[str, ModelSpec] = {
                 "(<= 0.2% per tensor; float16 would be ~0.01%), far below the 4-bit "
                 "quantisation error. load_model(dtype=torch.float32) upcasts exactly."
             ),
+            draft="draft:qwen2.5-coder-0.5b-instruct:int4",
         ),
     )
 }

@@ -156,14 +156,31 @@ def named_drafter_specs(verifier_sha256: str | None) -> list[str]:
     return specs
 
 
+def registry_draft_specs(model_name: str | None) -> list[str]:
+    """The registry's draft model for ``model_name`` (:attr:`ModelSpec.draft
+    <kakeya_lab.models.ModelSpec.draft>`, e.g. ``draft:smollm2-135m-instruct:int4``) when the
+    verifier is a registry model, one was measured for it and its draft model is pulled."""
+    from kakeya_lab.models import REGISTRY
+    from kakeya_lab.models.store import folder_present, model_dir
+    from kakeya_lab.proposer_spec import draft_model_spec
+
+    spec = REGISTRY[model_name].draft if model_name in REGISTRY else ""
+    if not spec:
+        return []
+    draft_name = draft_model_spec(spec.partition(":")[2])[0]
+    return [spec] if folder_present(model_dir(draft_name)) else []
+
+
 class ChatPanel:
     """An ipywidgets chat with a session; see the module docstring.
 
     ``source``: a loaded model (``load_model``) or a ``SessionStore`` (then pass
     ``tokenizer``); ``config`` the sink-window cache for a new store. ``proposers`` are
-    the proposer specs offered; by default ``none``, ``ngram``, ``early-exit:8`` and
-    ``drafter:NAME`` (and ``drafter-tree:NAME`` for a feature drafter) for every named
-    drafter trained for this verifier (:func:`named_drafter_specs`; torch backend only).
+    the proposer specs offered; by default ``none``, ``ngram``, ``suffix``, ``early-exit:8``,
+    the registry's draft model for a registry verifier (:func:`registry_draft_specs`, e.g.
+    the default model's own int4 copy) and ``drafter:NAME`` (and ``drafter-tree:NAME`` for a
+    feature drafter) for every named drafter trained for this verifier
+    (:func:`named_drafter_specs`); the last two on the torch backend only.
     """
 
     def __init__(
@@ -193,10 +210,13 @@ class ChatPanel:
         )
         if proposers is None:
             torch_backend = backend_name_of(self.chat.store.model) != "mlx"  # drafters: torch
+            name = getattr(getattr(source, "description", None), "name", None)
             proposers = (
                 "none",
                 "ngram",
+                "suffix",
                 "early-exit:8",
+                *(registry_draft_specs(name) if torch_backend else []),
                 *(named_drafter_specs(self.chat.verifier_sha256) if torch_backend else []),
             )
         self.keep_turns = keep_turns

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from typing import cast
 
 from kakeya_lab.cache import PositionMode, SinkWindowConfig
+from kakeya_lab.proposer_spec import USAGE, check_proposer_spec
 
 ARM_NAMES = ("sink_window", "full_cache", "reprefill", "speculative")
-PROPOSER_KINDS = ("ngram", "suffix", "early-exit", "draft", "drafter")
 
 
 @dataclass(frozen=True)
@@ -29,48 +29,6 @@ class Arm:
         if self.proposer is not None:  # plain arms keep the settings older checkpoints saved
             out.update(proposer=self.proposer, draft_length=self.draft_length)
         return out
-
-
-def check_proposer_spec(spec: str | None) -> None:
-    """Raise ValueError unless ``spec`` names a proposer (``ngram[:SIZES]``,
-    ``suffix[:DEPTH]``, ``early-exit:LAYERS``, ``draft:MODEL``, ``drafter:NAME``, the tree proposers
-    ``ngram-tree[:SIZES]``, ``suffix-tree[:DEPTH]``, ``drafter-tree:NAME`` and ``tree:SPEC``,
-    and ``FIRST+SECOND`` of two chain proposers) — checked without a model."""
-    if spec and "+" in spec:
-        for part in spec.split("+", 1):
-            if part.partition(":")[0] in ("tree", "ngram-tree", "suffix-tree", "drafter-tree"):
-                raise ValueError(f"FIRST+SECOND combines chain proposers, got {spec!r}")
-            check_proposer_spec(part)
-        return
-    kind, _, arg = (spec or "").partition(":")
-    if kind == "tree":  # a chain proposer verified as a 1-wide tree
-        if arg.partition(":")[0] in ("tree", "ngram-tree", "suffix-tree", "drafter-tree"):
-            raise ValueError(f"tree:SPEC wraps a chain proposer, got {spec!r}")
-        check_proposer_spec(arg)
-        return
-    named = kind
-    tree_of = {"ngram-tree": "ngram", "suffix-tree": "suffix", "drafter-tree": "drafter"}
-    kind = tree_of.get(kind, kind)
-    if kind not in PROPOSER_KINDS:
-        raise ValueError(
-            "the speculative arm needs a proposer: ngram[:SIZES], suffix[:DEPTH], "
-            "early-exit:LAYERS, draft:MODEL, drafter:NAME, ngram-tree[:SIZES], "
-            f"suffix-tree[:DEPTH], drafter-tree:NAME or tree:SPEC, got {spec!r}"
-        )
-    if (
-        kind == "ngram"
-        and arg
-        and not all(n.strip().isdigit() and int(n) >= 1 for n in arg.split(","))
-    ):
-        raise ValueError(f"bad n-gram sizes in {spec!r}: write them like ngram:3,2,1")
-    if kind == "suffix" and arg and not (arg.isdigit() and 1 <= int(arg) <= 64):
-        raise ValueError(f"bad suffix depth in {spec!r}: write it like suffix:8")
-    if kind == "early-exit" and not (arg.isdigit() and int(arg) >= 1):
-        raise ValueError(f"bad layer count in {spec!r}: write it like early-exit:8")
-    if kind == "draft" and not arg:
-        raise ValueError(f"no draft model in {spec!r}: write it like draft:MODEL")
-    if kind == "drafter" and not arg:
-        raise ValueError(f"no drafter name in {spec!r}: write it like {named}:NAME")
 
 
 def standard_arms(
@@ -111,7 +69,10 @@ def standard_arms(
         if "sink_window" in names:
             known["sink_window"] = Arm("sink_window", bounded)
         if "speculative" in names:
-            check_proposer_spec(proposer)
+            if not check_proposer_spec(proposer):
+                raise ValueError(
+                    f"the speculative arm needs a proposer, got {proposer!r} ({USAGE})"
+                )
             if (
                 isinstance(draft_length, bool)
                 or not isinstance(draft_length, int)
