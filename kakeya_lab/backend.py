@@ -25,6 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kakeya_lab.cache import SinkWindowCache, SinkWindowConfig, cache_kwarg
+from kakeya_lab.draft_step import MAX_TOKENS, LeanForward
 from kakeya_lab.tree import DraftTree
 
 BACKENDS = ("torch", "mlx")
@@ -154,12 +155,18 @@ def check_same_backend(verifier_backend: str, proposer: Any) -> None:
 
 
 def make_backend(
-    model: Any, config: SinkWindowConfig, block_padding: Mapping[int, int] | None = None
+    model: Any,
+    config: SinkWindowConfig,
+    block_padding: Mapping[int, int] | None = None,
+    lean_forward: LeanForward | None = None,
 ) -> Backend:
     """The backend for ``model``: :class:`TorchBackend` or :class:`~kakeya_lab.mlx_backend.MLXBackend`
-    (``block_padding``, see :class:`~kakeya_lab.verifier.Verifier`: torch only)."""
+    (``block_padding`` and ``lean_forward``, see :class:`~kakeya_lab.verifier.Verifier`:
+    torch only)."""
     if backend_name_of(model) == "torch":
-        return TorchBackend(model, config, block_padding)
+        return TorchBackend(model, config, block_padding, lean_forward)
+    if lean_forward is not None:
+        raise ValueError("a lean forward runs on the torch backend only")
     if block_padding and any(n != m for n, m in block_padding.items()):
         raise ValueError("block padding is implemented on the torch backend only")
     from kakeya_lab.mlx_backend import MLXBackend
@@ -213,7 +220,9 @@ class CacheBackend:
 
 
 class TorchBackend(CacheBackend):
-    """A transformers causal LM over a :class:`SinkWindowCache` (``auto_commit=False``)."""
+    """A transformers causal LM over a :class:`SinkWindowCache` (``auto_commit=False``);
+    with ``lean_forward`` (a :class:`~kakeya_lab.draft_step.LeanForward` of the same model,
+    for draft models) short blocks that need no hidden states run through it instead."""
 
     name = "torch"
 
@@ -222,9 +231,12 @@ class TorchBackend(CacheBackend):
         model: PreTrainedModel,
         config: SinkWindowConfig,
         block_padding: Mapping[int, int] | None = None,
+        lean_forward: LeanForward | None = None,
     ):
         from kakeya_lab.attention import enable_sink_window_attention
 
+        if lean_forward is not None and lean_forward.model is not model:
+            raise ValueError("lean_forward must be built from the same model")
         enable_sink_window_attention(model)
         self.model = model
         self.config = config
@@ -232,6 +244,7 @@ class TorchBackend(CacheBackend):
         self.device = next(model.parameters()).device
         self.cache = SinkWindowCache(model, config, auto_commit=False)
         self.block_padding = dict(block_padding or {})
+        self.lean_forward = lean_forward
 
     def forward(
         self,
@@ -247,6 +260,13 @@ class TorchBackend(CacheBackend):
         # a chain block scored at a cheaper larger size: the padding (the last token again)
         # comes after every real row, so no real row sees it, and is dropped afterwards
         pad = self.block_padding.get(n, n) - n if all_rows and tree is None else 0
+        lean = self.lean_forward
+        if lean is not None and tree is None and not hidden and not pad and n <= MAX_TOKENS:
+            try:
+                return Forward(lean(self.cache, ids, all_rows=all_rows), None)
+            except BaseException:
+                self.cache.crop(start)  # drop this forward's partial block only
+                raise
         input_ids = torch.tensor([ids + ids[-1:] * pad], dtype=torch.long, device=self.device)
         captured: list[torch.Tensor] = []
         hook = None

@@ -37,6 +37,7 @@ from transformers import PreTrainedModel
 from kakeya_lab import inputs
 from kakeya_lab.backend import backend_name_of
 from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.draft_step import LeanForward
 from kakeya_lab.inputs import InputTypeError
 from kakeya_lab.linear import linear_kernel_of
 from kakeya_lab.proposer_spec import USAGE, check_proposer_spec, draft_model_spec
@@ -350,7 +351,9 @@ class DraftModelProposer:
 
     Drafts ``draft_length`` tokens autoregressively (greedy when ``sampling`` is greedy,
     else sampled from the same filtered distribution the verifier samples from). After ``accept(n)`` its
-    cache keeps the accepted drafts and drops the rest.
+    cache keeps the accepted drafts and drops the rest. With ``lean`` (the default) a model
+    :class:`~kakeya_lab.draft_step.LeanForward` supports runs its one-token steps through it
+    (cheaper on CPU, rounded differently; ``describe()["forward"]`` says which ran).
     """
 
     name = "draft_model"
@@ -363,6 +366,7 @@ class DraftModelProposer:
         tokenizer=None,
         verifier_tokenizer=None,
         label: str | None = None,
+        lean: bool = True,
     ):
         check_same_tokenizer(tokenizer, verifier_tokenizer)
         self.model = model
@@ -372,9 +376,17 @@ class DraftModelProposer:
             or getattr(getattr(model, "config", None), "name_or_path", "")
             or type(model).__name__
         )
-        self.verifier = Verifier(model, config)
+        self.lean_forward = (
+            LeanForward(model)
+            if lean and backend_name_of(model) == "torch" and LeanForward.supports(model)
+            else None
+        )
+        self.verifier = self._new_cache()
         self._next_logits: torch.Tensor | None = None
         self._rows: list[torch.Tensor] = []
+
+    def _new_cache(self) -> Verifier:
+        return Verifier(self.model, self.config, lean_forward=self.lean_forward)
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Bring the draft cache to exactly ``context`` (all committed); the next logits."""
@@ -385,7 +397,7 @@ class DraftModelProposer:
         # tells an extension from a rewrite without reading the whole history each step.
         n = len(history)
         if n > len(context) or any(context[i] != history[i] for i in range(max(0, n - 64), n)):
-            self.verifier = v = Verifier(self.model, self.config)
+            self.verifier = v = self._new_cache()
             n, self._next_logits = 0, None
         new = context[n:]
         if new:
@@ -425,7 +437,12 @@ class DraftModelProposer:
         self._next_logits = self._rows[keep]
 
     def describe(self) -> dict:
-        return {"name": self.name, "model": self.label, "cache": self.config.to_dict()}
+        return {
+            "name": self.name,
+            "model": self.label,
+            "cache": self.config.to_dict(),
+            "forward": "lean" if self.lean_forward is not None else "transformers",
+        }
 
 
 def early_exit_model(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:

@@ -24,6 +24,7 @@ from kakeya_lab.backend import (  # noqa: F401 (final_norm, vocab_size_of: re-ex
     vocab_size_of,
 )
 from kakeya_lab.cache import SinkWindowConfig, interrupts_deferred
+from kakeya_lab.draft_step import LeanForward
 from kakeya_lab.tree import DraftTree
 
 
@@ -128,7 +129,10 @@ class Verifier:
     larger size this machine scores faster: :meth:`forward_block` then runs ``n`` tokens
     plus copies of the last up to that size and drops the copies, so its logits, the cache
     and the hidden trace are those of the ``n`` tokens (up to float rounding of the other
-    matrix shape).
+    matrix shape). ``lean_forward`` (PyTorch backend, draft models only: a
+    :class:`~kakeya_lab.draft_step.LeanForward` of ``model``) runs blocks of up to
+    :data:`~kakeya_lab.draft_step.MAX_TOKENS` tokens that need no hidden states, with
+    different rounding (never for a verifier whose output is delivered).
     """
 
     def __init__(
@@ -138,6 +142,7 @@ class Verifier:
         *,
         prefill_chunk: int = 512,
         block_padding: Mapping[int, int] | None = None,
+        lean_forward: LeanForward | None = None,
     ):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -146,7 +151,7 @@ class Verifier:
                 raise ValueError(
                     f"block_padding maps a block size to a size at least as large, got {n} -> {m}"
                 )
-        self.backend = make_backend(model, config, block_padding)
+        self.backend = make_backend(model, config, block_padding, lean_forward)
         self.model = model
         self.config = config
         self.prefill_chunk = prefill_chunk

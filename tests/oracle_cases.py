@@ -22,11 +22,12 @@ def token_by_token(model, ids: Sequence[int], config: SinkWindowConfig):
     return torch.stack([v.append([t]) for t in ids]), v
 
 
-def chunked(model, ids: Sequence[int], config: SinkWindowConfig, rng: random.Random):
+def chunked(model, ids: Sequence[int], config: SinkWindowConfig, rng: random.Random, **options):
     """Blocks of random sizes (1..13), each scored then committed, with a random prefill
     chunk; plus one multi-chunk append of the whole sequence on a fresh verifier.
+    ``options`` go to every :class:`~kakeya_lab.Verifier`.
     Returns ``([n, vocab] logits, last row of the single append, verifier)``."""
-    v = Verifier(model, config, prefill_chunk=rng.randint(3, 9))
+    v = Verifier(model, config, prefill_chunk=rng.randint(3, 9), **options)
     rows, i = [], 0
     while i < len(ids):
         chunk = list(ids[i : i + rng.randint(1, 13)])
@@ -34,16 +35,19 @@ def chunked(model, ids: Sequence[int], config: SinkWindowConfig, rng: random.Ran
         rows.append(v.forward_block(chunk))
         v.commit(len(chunk))
         i += len(chunk)
-    last = Verifier(model, config, prefill_chunk=rng.randint(3, 9)).append(list(ids))
+    last = Verifier(model, config, prefill_chunk=rng.randint(3, 9), **options).append(list(ids))
     return torch.cat(rows), last, v
 
 
-def blocks_with_rollback(model, ids: Sequence[int], config: SinkWindowConfig, rng: random.Random):
+def blocks_with_rollback(
+    model, ids: Sequence[int], config: SinkWindowConfig, rng: random.Random, **options
+):
     """Speculative-style: score a block with wrong tail tokens, keep a prefix (or roll the
-    whole block back), feed the true token alone when nothing was kept.
+    whole block back), feed the true token alone when nothing was kept. ``options`` go to
+    the :class:`~kakeya_lab.Verifier`.
     Returns ``([n, vocab] logits of the kept rows, verifier)``."""
     ids = list(ids)
-    v = Verifier(model, config)
+    v = Verifier(model, config, **options)
     rows = [v.append(ids[:1])]
     i = 1
     while i < len(ids):

@@ -1,0 +1,193 @@
+"""A draft model's forward of a few tokens, written out: :class:`LeanForward`.
+
+A draft model spends its time in one-token forwards. On a laptop CPU, once its weights are
+quantised (:mod:`kakeya_lab.linear`), a small model's token costs more in the Python around
+the products than in the products: transformers' forward calls about twenty modules per
+layer, converts dtypes at each linear layer and builds the mask and rotary tables every time.
+:class:`LeanForward` computes the same forward of the same weights as one straight sequence
+of tensor operations over the model's own :class:`~kakeya_lab.cache.SinkWindowCache`: the
+q, k and v projections fused into one product and the gate and up projections into another
+(copies of the weights packed with the model's kernel), the cache's own key layout as the
+attention mask (so eviction, rolling positions and pending blocks mean what they mean for
+transformers' forward), and transformers' rotary module for the angles.
+
+It is for draft models only: the rounding differs from transformers' forward (a fused
+product, activations rounded to bfloat16 once per product rather than per layer), which can
+change which drafts a draft model proposes, never what speculative decoding emits. The
+verifier always runs transformers' forward. Supported: Llama, Qwen2 and Qwen3 layer stacks
+with plain (or this package's) linear layers and no sliding-window layers
+(:meth:`LeanForward.supports`); anything else keeps transformers' forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from kakeya_lab.cache import SinkWindowCache
+from kakeya_lab.linear import FEW_ROWS, QuantizedLinear, linear_kernel_of, set_linear_kernel
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+MAX_TOKENS = FEW_ROWS  # longer blocks (prefills) keep transformers' forward
+
+
+def _fused(layers: Sequence[nn.Linear], kernel: str) -> nn.Linear:
+    """One linear layer computing ``layers`` side by side (their outputs concatenated)."""
+    weight = torch.cat([layer.weight.detach() for layer in layers])
+    fused = nn.Linear(
+        weight.shape[1],
+        weight.shape[0],
+        bias=any(layer.bias is not None for layer in layers),
+        device=weight.device,
+        dtype=weight.dtype,
+    )
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if fused.bias is not None:
+        fused.bias = nn.Parameter(
+            torch.cat(
+                [
+                    layer.bias.detach()
+                    if layer.bias is not None
+                    else weight.new_zeros(layer.out_features)
+                    for layer in layers
+                ]
+            ),
+            requires_grad=False,
+        )
+    set_linear_kernel(fused, kernel)
+    return fused
+
+
+def _product(layer: nn.Linear, rows: torch.Tensor) -> torch.Tensor:
+    """``layer(rows)`` for 2-D ``rows`` of at most :data:`MAX_TOKENS`, in ``rows``' dtype;
+    a quantised layer's kernel is called directly (rows rounded to bfloat16 once)."""
+    if isinstance(layer, QuantizedLinear):
+        out = layer.product(rows.to(torch.bfloat16)).to(rows.dtype)
+        return out if layer.bias is None else out + layer.bias
+    return layer(rows)
+
+
+def _rms(x: torch.Tensor, norm: Any) -> torch.Tensor:
+    """transformers' RMSNorm (float32 statistics) of ``x``."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LeanForward:
+    """``model``'s forward of up to :data:`MAX_TOKENS` tokens over its sink-window cache,
+    written out (module docstring). Build it once per model (it packs fused copies of the
+    attention and MLP input projections with the model's linear kernel); it holds no state
+    between calls, so one serves every cache of that model."""
+
+    def __init__(self, model: PreTrainedModel):
+        problem = self.unsupported(model)
+        if problem:
+            raise ValueError(f"LeanForward does not support this model: {problem}")
+        kernel = linear_kernel_of(model)
+        cfg = model.config
+        base: Any = model.base_model  # nn.Module attributes type as Tensor | Module
+        self.model = model
+        self.embed = base.embed_tokens
+        self.norm = base.norm
+        self.rotary = base.rotary_emb
+        self.lm_head: Any = model.lm_head
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.layers: list[tuple[Any, ...]] = []
+        for layer in base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(
+                (
+                    layer.input_layernorm,
+                    _fused([attn.q_proj, attn.k_proj, attn.v_proj], kernel),
+                    getattr(attn, "q_norm", None),
+                    getattr(attn, "k_norm", None),
+                    attn.o_proj,
+                    layer.post_attention_layernorm,
+                    _fused([mlp.gate_proj, mlp.up_proj], kernel),
+                    mlp.down_proj,
+                )
+            )
+
+    @staticmethod
+    def unsupported(model: nn.Module) -> str:
+        """Why :class:`LeanForward` cannot run ``model`` ("" when it can)."""
+        cfg = getattr(model, "config", None)
+        model_type = getattr(cfg, "model_type", None)
+        if model_type not in ARCHITECTURES:
+            return f"architecture {model_type!r} (supported: {', '.join(ARCHITECTURES)})"
+        if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+            return "sliding-window layers"
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            return f"activation {act!r}"
+        base: Any = getattr(model, "base_model", None)
+        for layer in getattr(base, "layers", ()):
+            attn, mlp = layer.self_attn, layer.mlp
+            for name, proj in (
+                ("q_proj", attn.q_proj),
+                ("k_proj", attn.k_proj),
+                ("v_proj", attn.v_proj),
+                ("o_proj", attn.o_proj),
+                ("gate_proj", mlp.gate_proj),
+                ("up_proj", mlp.up_proj),
+                ("down_proj", mlp.down_proj),
+            ):
+                if not isinstance(proj, nn.Linear):
+                    return f"{name} is a {type(proj).__name__}, not a linear layer"
+        return ""
+
+    @classmethod
+    def supports(cls, model: nn.Module) -> bool:
+        """Whether :class:`LeanForward` can run ``model``."""
+        return not cls.unsupported(model)
+
+    @torch.inference_mode()
+    def __call__(
+        self, cache: SinkWindowCache, token_ids: Sequence[int], *, all_rows: bool
+    ) -> torch.Tensor:
+        """Append ``token_ids`` (at most :data:`MAX_TOKENS`) to ``cache`` as a provisional
+        block, as transformers' forward would; the logits of every row (``all_rows``) or the
+        last, float32 ``[rows, vocab]``."""
+        n = len(token_ids)
+        if not 1 <= n <= MAX_TOKENS:
+            raise ValueError(f"LeanForward takes 1 to {MAX_TOKENS} tokens, got {n}")
+        start = cache.next_position
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.embed.weight.device)
+        x = self.embed(ids)[None]  # [1, n, hidden]
+        positions = torch.arange(start, start + n, device=ids.device)[None]
+        cos, sin = self.rotary(x, positions)
+        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        layout = cache.get_mask_sizes(n, 0)[1]
+        mask = layout.mask.reshape(1, 1, n, -1)
+        mask_or_none = None if bool(mask.all()) else mask
+        h, kv, d = self.heads, self.kv_heads, self.head_dim
+        for i, (norm1, qkv, q_norm, k_norm, o_proj, norm2, gate_up, down) in enumerate(self.layers):
+            q, k, v = _product(qkv, _rms(x, norm1)[0]).split([h * d, kv * d, kv * d], dim=-1)
+            q, k, v = q.view(n, h, d), k.view(n, kv, d), v.view(n, kv, d)
+            if q_norm is not None:
+                q, k = q_norm(q), k_norm(k)
+            q, k, v = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            keys, values = cache.update(k, v, i)
+            attn = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask_or_none, enable_gqa=kv != h
+            )
+            x = x + _product(o_proj, attn[0].transpose(0, 1).reshape(n, h * d))[None]
+            gate, up = _product(gate_up, _rms(x, norm2)[0]).chunk(2, dim=-1)
+            x = x + _product(down, F.silu(gate) * up)[None]
+        rows = _rms(x, self.norm)[0] if all_rows else _rms(x[:, -1:], self.norm)[0]
+        return _product(self.lm_head, rows).float()

@@ -1,0 +1,109 @@
+"""The lean draft forward (kakeya_lab/draft_step.py) against the dense masked oracle: blocks
+with wrong tails, partial commits and rollbacks, and chunked appends that mix lean blocks
+(up to 8 tokens) with transformers' forward (longer ones), over histories that wrap a small
+window many times, in global and rolling positions; then what a draft model does with it.
+Its speed is a benchmark (benchmarks/draft_model_cost.py), not a test."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from oracle_cases import blocks_with_rollback, check_close, chunked
+
+from kakeya_lab import SinkWindowConfig, load_model
+from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
+from kakeya_lab.data import domain_conversations
+from kakeya_lab.draft_step import MAX_TOKENS, LeanForward
+from kakeya_lab.models import DEFAULT_MODEL, tiny_random_model
+from kakeya_lab.proposers import DraftModelProposer
+from kakeya_lab.reference import oracle_logits
+
+TOL = 2e-4
+
+
+@pytest.mark.parametrize("mode", ["global", "rolling"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_lean_forward_gives_the_oracle_logits_past_eviction(architecture, mode, record_tolerance):
+    loaded = tiny_random_model(architecture, seed=1)
+    model = loaded.model
+    lean = LeanForward(model)
+    config = SinkWindowConfig(sink=3, window=17, positions=mode)
+    ids = [random.Random(2).randrange(loaded.model.config.vocab_size) for _ in range(120)]
+    want = oracle_logits(model, ids, config)
+    got, v = blocks_with_rollback(model, ids, config, random.Random(3), lean_forward=lean)
+    assert v.history_len == len(ids) > 4 * config.budget
+    name = f"tiny {architecture} lean/{mode}"
+    check_close(f"{name}/blocks+rollback", got, want, TOL, record_tolerance)
+    rows, last, _ = chunked(model, ids, config, random.Random(4), lean_forward=lean)
+    check_close(f"{name}/chunked", rows, want, TOL, record_tolerance)
+    check_close(f"{name}/chunked append", last, want[-1], TOL, record_tolerance)
+
+
+def test_lean_forward_of_the_default_model_gives_the_oracle_logits(
+    default_model, text_ids, record_tolerance
+):
+    config = SinkWindowConfig(sink=4, window=28)
+    ids = text_ids[:120]
+    lean = LeanForward(default_model.model)
+    got, v = blocks_with_rollback(
+        default_model.model, ids, config, random.Random(5), lean_forward=lean
+    )
+    assert v.history_len == len(ids) > 3 * config.budget
+    want = oracle_logits(default_model.model, ids, config)
+    check_close("smollm2 lean/global/blocks+rollback", got, want, TOL, record_tolerance)
+
+
+def test_an_int4_lean_draft_keeps_speculative_decoding_lossless_past_eviction(default_model):
+    """The default model's own int4 copy drafts through the lean forward and, side by side,
+    through transformers' forward: both streams are plain decoding's, over two turns of
+    held-out chit-chat that outgrow a 4 + 60 cache, and the lean one accepts about as much."""
+    draft = load_model(DEFAULT_MODEL, dtype=torch.float32, linear="int4", progress=False)
+    config = SinkWindowConfig(sink=4, window=60)
+    made: dict[str, list[DraftModelProposer]] = {"lean": [], "transformers": []}
+
+    def factory(forward: str):
+        def make() -> DraftModelProposer:
+            made[forward].append(DraftModelProposer(draft.model, config, lean=forward == "lean"))
+            return made[forward][-1]
+
+        return make
+
+    run = run_speculative(
+        default_model,
+        {forward: factory(forward) for forward in made},
+        [5],
+        domain_conversations("chitchat", "dev")[:1],
+        config=config,
+        turns_per_conversation=2,
+        max_new_tokens=48,
+        progress=False,
+    )
+    assert greedy_streams_identical(run.turns)
+    assert run.turns["history_len"].max() > config.budget
+    for forward, proposers in made.items():
+        assert proposers and all(p.describe()["forward"] == forward for p in proposers)
+    turns = run.turns[run.turns["arm"] != "plain"].groupby("arm")[["accepted", "proposed"]].sum()
+    rate = turns["accepted"] / turns["proposed"]
+    assert rate["transformers@5"] > 0.5 and abs(rate["lean@5"] - rate["transformers@5"]) < 0.1
+
+
+def test_models_the_lean_forward_cannot_run_keep_transformers_forward(tiny_model):
+    wrapped = copy.deepcopy(tiny_random_model("llama", seed=1).model)
+    layer = wrapped.model.layers[0].self_attn
+    layer.q_proj = torch.nn.Sequential(layer.q_proj)  # e.g. an adapter around a projection
+    assert "q_proj is a Sequential" in LeanForward.unsupported(wrapped)
+    with pytest.raises(ValueError, match="does not support this model"):
+        LeanForward(wrapped)
+    config = SinkWindowConfig(sink=2, window=14)
+    assert DraftModelProposer(wrapped, config).describe()["forward"] == "transformers"
+    lean = LeanForward(tiny_model.model)
+    v_cache = DraftModelProposer(tiny_model.model, config).verifier.backend.cache
+    with pytest.raises(ValueError, match=f"1 to {MAX_TOKENS} tokens"):
+        lean(v_cache, list(range(MAX_TOKENS + 1)), all_rows=True)
+    with pytest.raises(ValueError, match="same model"):
+        from kakeya_lab import Verifier
+
+        Verifier(wrapped, config, lean_forward=lean)
