@@ -6,10 +6,12 @@ Loads a draft model (``--model``, in ``--dtype``), fills a sink-window cache wit
 context (``--window``), and times one-token steps (a provisional block of one token, rolled
 back) and a prefill of ``--prefill`` tokens (a new user turn; rolled back) with its linear layers on each kernel of ``kakeya_lab/linear.py`` — PyTorch's default,
 oneDNN's, and int8 weights — switched between calls on the same loaded weights, interleaved
-round by round after one untimed round. Then it feeds ``--positions`` tokens of held-out
+round by round after one untimed round; each one-token step is timed twice, through
+transformers' forward and through the lean forward of ``kakeya_lab/draft_step.py`` (what a
+draft model runs by default). Then it feeds ``--positions`` tokens of held-out
 code one at a time on each kernel and reports how often the greedy next token equals
-the default kernel's: int8 changes a draft's numbers, so this is the share of drafts it could
-lose. Prints medians in ms; a benchmark, not a test.
+the default kernel's, through either forward: int8, int4 and the lean forward's rounding
+change a draft's numbers, so this is the share of drafts they could lose. Prints medians in ms; a benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from kakeya_lab import SinkWindowConfig, Verifier, load_model
 from kakeya_lab.data import domain_conversations
+from kakeya_lab.draft_step import LeanForward
 from kakeya_lab.durable import write_json_atomic
 from kakeya_lab.linear import KERNELS, set_linear_kernel
 from kakeya_lab.results import now_iso
@@ -58,15 +61,26 @@ def main(argv: list[str] | None = None) -> int:
     verifier.append(context[: config.budget])
     turn = context[config.budget :]
 
+    leans, lean_verifiers = {}, {}
+    for kernel in KERNELS:  # the fused projections are packed with the kernel
+        set_linear_kernel(loaded.model, kernel)
+        leans[kernel] = LeanForward(loaded.model)
+        lean_verifiers[kernel] = Verifier(loaded.model, config, lean_forward=leans[kernel])
+        lean_verifiers[kernel].append(context[: config.budget])
     times: dict[str, list[float]] = {k: [] for k in KERNELS}
+    lean_times: dict[str, list[float]] = {k: [] for k in KERNELS}
     prefill: dict[str, list[float]] = {k: [] for k in KERNELS}
     for r in range(args.repeats + 1):
         for kernel in KERNELS:
             set_linear_kernel(loaded.model, kernel)
-            for block, into in (([100], times), (turn, prefill)):
+            for v, block, into in (
+                (verifier, [100], times),
+                (lean_verifiers[kernel], [100], lean_times),
+                (verifier, turn, prefill),
+            ):
                 t0 = time.perf_counter()
-                verifier.forward_block(block)
-                verifier.rollback()
+                v.forward_block(block)
+                v.rollback()
                 if r:  # round 0 warms up
                     into[kernel].append(time.perf_counter() - t0)
 
@@ -74,24 +88,29 @@ def main(argv: list[str] | None = None) -> int:
     greedy: dict[str, torch.Tensor] = {}
     for kernel in KERNELS:  # one token at a time, as a draft model runs (not a prefill)
         set_linear_kernel(loaded.model, kernel)
-        scorer = Verifier(loaded.model, config)
-        greedy[kernel] = torch.tensor([int(scorer.append([t]).argmax()) for t in held_out])
+        for name, lean in ((kernel, None), (f"{kernel} lean", leans[kernel])):
+            scorer = Verifier(loaded.model, config, lean_forward=lean)
+            greedy[name] = torch.tensor([int(scorer.append([t]).argmax()) for t in held_out])
     set_linear_kernel(loaded.model, "aten")
     agree = {k: float((g == greedy["aten"]).float().mean()) for k, g in greedy.items()}
 
     med = {k: statistics.median(ts) for k, ts in times.items()}
+    med_lean = {k: statistics.median(ts) for k, ts in lean_times.items()}
     med_prefill = {k: statistics.median(ts) for k, ts in prefill.items()}
     print(
         f"{loaded.description.name} ({args.dtype}), {verifier.cache_len} cached tokens, "
         f"torch threads {torch.get_num_threads()}"
     )
     print(
-        f"kernel   one-token step ms  ×aten  prefill of {len(turn)} ms  greedy next token = aten's"
+        f"kernel   one-token step ms  ×aten  lean step ms  lean/transformers  "
+        f"prefill of {len(turn)} ms  greedy = aten's  lean greedy = aten's"
     )
     for kernel in KERNELS:
         print(
             f"{kernel:7s}  {med[kernel] * 1e3:17.1f}  {med[kernel] / med['aten']:5.2f}  "
-            f"{med_prefill[kernel] * 1e3:16.1f}  {agree[kernel]:24.1%}"
+            f"{med_lean[kernel] * 1e3:12.1f}  {med_lean[kernel] / med[kernel]:17.2f}  "
+            f"{med_prefill[kernel] * 1e3:16.1f}  {agree[kernel]:15.1%}  "
+            f"{agree[f'{kernel} lean']:20.1%}"
         )
     write_json_atomic(
         args.out,
@@ -107,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
             "finished": now_iso(),
             "prefill_tokens": len(turn),
             "median_s": med,
+            "lean_median_s": med_lean,
             "prefill_median_s": med_prefill,
             "timings_s": times,
+            "lean_timings_s": lean_times,
             "prefill_timings_s": prefill,
             "greedy_agreement_with_aten": agree,
         },

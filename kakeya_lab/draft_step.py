@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kakeya_lab.cache import SinkWindowCache
 from kakeya_lab.linear import FEW_ROWS, QuantizedLinear, linear_kernel_of, set_linear_kernel
@@ -73,15 +74,14 @@ def _product(layer: nn.Linear, rows: torch.Tensor) -> torch.Tensor:
 
 
 def _rms(x: torch.Tensor, norm: Any) -> torch.Tensor:
-    """transformers' RMSNorm (float32 statistics) of ``x``."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * h.to(x.dtype)
+    """RMSNorm of ``x`` in one fused operation (transformers' module takes eight)."""
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of ``x`` ``[..., head_dim]`` (transformers' ``rotate_half`` form)."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class LeanForward:
@@ -110,6 +110,7 @@ class LeanForward:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(
                 (
+                    attn,
                     layer.input_layernorm,
                     _fused([attn.q_proj, attn.k_proj, attn.v_proj], kernel),
                     getattr(attn, "q_norm", None),
@@ -168,25 +169,25 @@ class LeanForward:
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.embed.weight.device)
         x = self.embed(ids)[None]  # [1, n, hidden]
         positions = torch.arange(start, start + n, device=ids.device)[None]
-        cos, sin = self.rotary(x, positions)
-        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
-        layout = cache.get_mask_sizes(n, 0)[1]
-        mask = layout.mask.reshape(1, 1, n, -1)
-        mask_or_none = None if bool(mask.all()) else mask
+        cos, sin = self.rotary(x, positions)  # [1, n, head_dim], broadcast over heads
+        mask = cache.get_mask_sizes(n, 0)[1].mask  # what transformers' forward is given
         h, kv, d = self.heads, self.kv_heads, self.head_dim
-        for i, (norm1, qkv, q_norm, k_norm, o_proj, norm2, gate_up, down) in enumerate(self.layers):
-            q, k, v = _product(qkv, _rms(x, norm1)[0]).split([h * d, kv * d, kv * d], dim=-1)
-            q, k, v = q.view(n, h, d), k.view(n, kv, d), v.view(n, kv, d)
-            if q_norm is not None:
-                q, k = q_norm(q), k_norm(k)
-            q, k, v = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+        for i, (attn, norm1, qkv, q_norm, k_norm, o_proj, norm2, gate_up, down) in enumerate(
+            self.layers
+        ):
+            qkv_rows = _product(qkv, _rms(x, norm1)[0]).view(n, h + 2 * kv, d)
+            if q_norm is None:  # q and k rotated in one go
+                qk = _rotate(qkv_rows[:, : h + kv].transpose(0, 1), cos, sin)
+                q, k = qk[None, :h], qk[None, h:]
+            else:  # Qwen3: each head's q and k normalised first
+                q = _rotate(q_norm(qkv_rows[:, :h]).transpose(0, 1), cos, sin)[None]
+                k = _rotate(k_norm(qkv_rows[:, h : h + kv]).transpose(0, 1), cos, sin)[None]
+            v = qkv_rows[:, h + kv :].transpose(0, 1)[None]
             keys, values = cache.update(k, v, i)
-            attn = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask_or_none, enable_gqa=kv != h
-            )
-            x = x + _product(o_proj, attn[0].transpose(0, 1).reshape(n, h * d))[None]
+            # transformers' own SDPA call: the same kernel choice (e.g. a one-token query's
+            # heads packed onto the key heads) as its forward
+            out = sdpa_attention_forward(attn, q, keys, values, mask, scaling=attn.scaling)[0]
+            x = x + _product(o_proj, out.reshape(n, h * d))[None]
             gate, up = _product(gate_up, _rms(x, norm2)[0]).chunk(2, dim=-1)
             x = x + _product(down, F.silu(gate) * up)[None]
         rows = _rms(x, self.norm)[0] if all_rows else _rms(x[:, -1:], self.norm)[0]
