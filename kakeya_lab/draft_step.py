@@ -11,9 +11,12 @@ q, k and v projections fused into one product and the gate and up projections in
 attention mask (so eviction, rolling positions and pending blocks mean what they mean for
 transformers' forward), and transformers' rotary module for the angles.
 
-It is for draft models only: the rounding differs from transformers' forward (a fused
-product, activations rounded to bfloat16 once per product rather than per layer), which can
-change which drafts a draft model proposes, never what speculative decoding emits. The
+It is for draft models only: its rounding can differ from transformers' forward (one fused
+RMSNorm computed in the model's dtype; on a float32 model the logits agree to float
+rounding, as the tests check against the dense oracle), which can change which drafts a
+draft model proposes, never what speculative decoding emits. With a quantised kernel the
+fused projections hold only their packed copies; with a full-precision kernel they are the
+model's own layers, so a lean forward adds no full-precision weights. The
 verifier always runs transformers' forward. Supported: Llama, Qwen2 and Qwen3 layer stacks
 with plain (or this package's) linear layers and no sliding-window layers
 (:meth:`LeanForward.supports`); anything else keeps transformers' forward.
@@ -37,36 +40,36 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3")
 MAX_TOKENS = FEW_ROWS  # longer blocks (prefills) keep transformers' forward
 
 
-def _fused(layers: Sequence[nn.Linear], kernel: str) -> nn.Linear:
-    """One linear layer computing ``layers`` side by side (their outputs concatenated)."""
+Projection = nn.Linear | tuple[nn.Linear, ...]
+
+
+def _fused(layers: Sequence[nn.Linear], kernel: str) -> Projection:
+    """``layers`` side by side (their outputs concatenated). With a quantised kernel that can
+    tile their stacked weights: one layer holding only the packed copy of the stack (the
+    full-precision stack is dropped once packed, so it costs the packed bytes alone, and
+    only :func:`_product` may call it); otherwise the layers themselves (no copy)."""
     weight = torch.cat([layer.weight.detach() for layer in layers])
-    fused = nn.Linear(
-        weight.shape[1],
-        weight.shape[0],
-        bias=any(layer.bias is not None for layer in layers),
-        device=weight.device,
-        dtype=weight.dtype,
-    )
+    with torch.device("meta"):  # no throw-away initialisation
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
     fused.weight = nn.Parameter(weight, requires_grad=False)
-    if fused.bias is not None:
-        fused.bias = nn.Parameter(
-            torch.cat(
-                [
-                    layer.bias.detach()
-                    if layer.bias is not None
-                    else weight.new_zeros(layer.out_features)
-                    for layer in layers
-                ]
-            ),
-            requires_grad=False,
-        )
+    if any(layer.bias is not None for layer in layers):
+        biases = [
+            layer.bias.detach() if layer.bias is not None else weight.new_zeros(layer.out_features)
+            for layer in layers
+        ]
+        fused.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
     set_linear_kernel(fused, kernel)
+    if not isinstance(fused, QuantizedLinear):
+        return tuple(layers)
+    fused.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
     return fused
 
 
-def _product(layer: nn.Linear, rows: torch.Tensor) -> torch.Tensor:
+def _product(layer: Projection, rows: torch.Tensor) -> torch.Tensor:
     """``layer(rows)`` for 2-D ``rows`` of at most :data:`MAX_TOKENS`, in ``rows``' dtype;
     a quantised layer's kernel is called directly (rows rounded to bfloat16 once)."""
+    if isinstance(layer, tuple):
+        return torch.cat([_product(part, rows) for part in layer], dim=-1)
     if isinstance(layer, QuantizedLinear):
         out = layer.product(rows.to(torch.bfloat16)).to(rows.dtype)
         return out if layer.bias is None else out + layer.bias
@@ -86,9 +89,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class LeanForward:
     """``model``'s forward of up to :data:`MAX_TOKENS` tokens over its sink-window cache,
-    written out (module docstring). Build it once per model (it packs fused copies of the
-    attention and MLP input projections with the model's linear kernel); it holds no state
-    between calls, so one serves every cache of that model."""
+    written out (module docstring). Build it once per model and after any change of its
+    linear kernel (it packs fused copies of the attention and MLP input projections with
+    the model's kernel); it holds no state between calls, so one serves every cache of that
+    model."""
 
     def __init__(self, model: PreTrainedModel):
         problem = self.unsupported(model)
