@@ -135,7 +135,7 @@ def test_speculative_arm_settings_are_checked_without_a_model():
     [
         (["--arms", "speculative"], "needs --proposer"),
         (["--proposer", "ngram"], "add it, e.g. --arms sink_window,speculative"),
-        (["--arms", "speculative", "--proposer", "oracle"], "needs a proposer"),
+        (["--arms", "speculative", "--proposer", "oracle"], "unknown proposer 'oracle'"),
         (
             ["--arms", "speculative", "--proposer", "ngram", "--draft-length", "0"],
             "--draft-length must be >= 1",

@@ -118,7 +118,7 @@ def test_engine_errors_map_to_clear_statuses_and_leave_sessions_untouched(
         with pytest.raises(grpc.RpcError) as info:
             client.generate(sid, 8, proposer="ngram:0")
         assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-        assert "n-gram size must be >= 1" in info.value.details()
+        assert "bad n-gram sizes in 'ngram:0'" in info.value.details()
         after_info = client.info(sid, include_history=True)
         assert list(after_info.history) == list(before_info.history)  # nothing committed
         assert after_info.cache_len == before_info.cache_len
@@ -146,7 +146,7 @@ def test_engine_errors_map_to_clear_statuses_and_leave_sessions_untouched(
             max_tokens=4,
             extra_body={"reuse": False, "proposer": "ngram:0"},
         )
-    assert "n-gram size must be >= 1" in str(bad.value)
+    assert "bad n-gram sizes in 'ngram:0'" in str(bad.value)
 
     runner.join(timeout=300)
     assert other["ids"] == greedy(other_prompt, 24)  # the concurrent session: as a clean run
