@@ -377,7 +377,7 @@ class DraftModelProposer:
             or type(model).__name__
         )
         self.lean_forward = (
-            LeanForward(model)
+            LeanForward.of(model)
             if lean and backend_name_of(model) == "torch" and LeanForward.supports(model)
             else None
         )

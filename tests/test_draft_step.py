@@ -35,9 +35,12 @@ def test_lean_forward_gives_the_oracle_logits_past_eviction(architecture, mode, 
     want = oracle_logits(model, ids, config)
     got, v = blocks_with_rollback(model, ids, config, random.Random(3), lean_forward=lean)
     assert v.history_len == len(ids) > 4 * config.budget
+    assert lean.forwards > len(ids) // 8  # every block of this path is lean-sized
     name = f"tiny {architecture} lean/{mode}"
     check_close(f"{name}/blocks+rollback", got, want, TOL, record_tolerance)
+    before = lean.forwards
     rows, last, _ = chunked(model, ids, config, random.Random(4), lean_forward=lean)
+    assert lean.forwards > before  # blocks of up to 8 lean, longer ones transformers'
     check_close(f"{name}/chunked", rows, want, TOL, record_tolerance)
     check_close(f"{name}/chunked append", last, want[-1], TOL, record_tolerance)
 
@@ -51,7 +54,7 @@ def test_lean_forward_of_the_default_model_gives_the_oracle_logits(
     got, v = blocks_with_rollback(
         default_model.model, ids, config, random.Random(5), lean_forward=lean
     )
-    assert v.history_len == len(ids) > 3 * config.budget
+    assert v.history_len == len(ids) > 3 * config.budget and lean.forwards > len(ids) // 8
     want = oracle_logits(default_model.model, ids, config)
     check_close("smollm2 lean/global/blocks+rollback", got, want, TOL, record_tolerance)
 
@@ -85,6 +88,9 @@ def test_an_int4_lean_draft_keeps_speculative_decoding_lossless_past_eviction(de
     assert run.turns["history_len"].max() > config.budget
     for forward, proposers in made.items():
         assert proposers and all(p.describe()["forward"] == forward for p in proposers)
+    lean = made["lean"][0].lean_forward
+    assert lean is not None and lean.forwards > 0
+    assert all(p.lean_forward is lean for p in made["lean"])  # built once per model
     turns = run.turns[run.turns["arm"] != "plain"].groupby("arm")[["accepted", "proposed"]].sum()
     rate = turns["accepted"] / turns["proposed"]
     assert rate["transformers@5"] > 0.5 and abs(rate["lean@5"] - rate["transformers@5"]) < 0.1
