@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from kakeya_lab import SinkWindowConfig, Verifier, load_model
-from kakeya_lab.align.drafters import DrafterConfig, build_drafter
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.durable import write_json_atomic
+from kakeya_lab.proposers.drafters.network import DrafterConfig, build_drafter
 from kakeya_lab.results import now_iso
 
 

@@ -58,9 +58,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
-    from kakeya_lab.align.checkpoint import CheckpointError
     from kakeya_lab.align.rollouts import RolloutError
     from kakeya_lab.models import ModelStoreError
+    from kakeya_lab.proposers.drafters.checkpoint import CheckpointError
     from kakeya_lab.resume import ResumeMismatch
     from kakeya_lab.session import SessionError
 
@@ -136,7 +136,7 @@ def _add_draft_options(p: argparse.ArgumentParser) -> None:
 
 
 def _check_linear(args: argparse.Namespace) -> None:
-    from kakeya_lab.proposer_spec import check_proposer_spec, draft_model_spec
+    from kakeya_lab.proposers import check_proposer_spec, draft_model_spec
 
     if getattr(args, "backend", None) == "mlx" and args.linear != "aten":
         raise UserError(f"--linear {args.linear} is a torch kernel; the MLX backend has its own")
@@ -187,7 +187,7 @@ def _check_model(name: str, flag: str = "--model") -> None:
 def _check_proposer(spec: str | None) -> None:
     """A proposer spec's syntax, and the draft models and named drafters it names (looked
     up without loading anything)."""
-    from kakeya_lab.proposer_spec import check_proposer_spec, draft_model_spec
+    from kakeya_lab.proposers import check_proposer_spec, draft_model_spec
 
     try:
         leaves = check_proposer_spec(spec)
@@ -197,7 +197,7 @@ def _check_proposer(spec: str | None) -> None:
         if kind == "draft":
             _check_model(draft_model_spec(arg)[0], "--proposer draft:")
         elif kind in ("drafter", "drafter-tree"):
-            from kakeya_lab.align.named import read_record
+            from kakeya_lab.proposers.drafters.named import read_record
 
             record = read_record(arg)  # DrafterNotFound (lists the names) before a model loads
             if kind == "drafter-tree" and record.get("kind") != "feature":
@@ -1183,9 +1183,9 @@ def cmd_align_train(args: argparse.Namespace) -> int:
     """``kakeya-lab align train NAME``: capture (or reuse) rollouts, train a drafter with
     held-out evaluation and save it as a named drafter (resumable; nothing under NAME
     until it is finished)."""
-    from kakeya_lab.align.named import check_name, drafters_home
     from kakeya_lab.align.recipe import AlignRecipe, align_named_drafter
     from kakeya_lab.models import load_model
+    from kakeya_lab.proposers.drafters.named import check_name, drafters_home
 
     config = _check_cache(args)
     try:
@@ -1266,7 +1266,7 @@ def cmd_align_train(args: argparse.Namespace) -> int:
 
 def cmd_align_list(args: argparse.Namespace) -> int:
     """``kakeya-lab align list``: the named drafters (complete ones only)."""
-    from kakeya_lab.align.named import drafters_home, list_drafters
+    from kakeya_lab.proposers.drafters.named import drafters_home, list_drafters
 
     rows = list_drafters()
     if args.json:

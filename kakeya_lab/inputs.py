@@ -21,11 +21,9 @@ from typing import Any, TypeGuard
 import numpy as np
 import torch
 
+from kakeya_lab.errors import InputTypeError
+
 MAX_SIZE = 2**31 - 1  # positions are int64 but no machine holds more tokens than this
-
-
-class InputTypeError(TypeError, ValueError):
-    """An argument of the wrong kind (a float where an integer belongs, a string...)."""
 
 
 def _kind(value: object) -> str:

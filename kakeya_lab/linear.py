@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNELS = ("aten", "onednn", "int8", "int4")
+from kakeya_lab.linear_kernels import KERNELS
+
 _DTYPES = (torch.float32, torch.bfloat16)
 INT4_GROUP = 32  # inputs per int4 scale and offset (the kernel takes 32, 64, 128 or 256)
 

@@ -13,14 +13,6 @@ import pandas as pd
 import pytest
 import torch
 
-from kakeya_lab.align.checkpoint import CheckpointError, load_drafter, save_drafter
-from kakeya_lab.align.drafters import (
-    DrafterConfig,
-    DrafterProposer,
-    DrafterTreeProposer,
-    build_drafter,
-    drafter_config_for,
-)
 from kakeya_lab.align.evaluate import drafter_factory
 from kakeya_lab.align.pipeline import best_drafter, drafter_shapes, per_domain, train_config_for
 from kakeya_lab.align.rollouts import (
@@ -34,6 +26,14 @@ from kakeya_lab.align.train import RolloutData, TrainConfig, evaluate_offline, t
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
 from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.data import domain_conversations
+from kakeya_lab.proposers.drafters.checkpoint import CheckpointError, load_drafter, save_drafter
+from kakeya_lab.proposers.drafters.network import (
+    DrafterConfig,
+    DrafterProposer,
+    DrafterTreeProposer,
+    build_drafter,
+    drafter_config_for,
+)
 from kakeya_lab.reference import oracle_logits
 from kakeya_lab.session import model_eos_ids
 from kakeya_lab.verifier import HiddenTrace, Verifier

@@ -19,9 +19,9 @@ from kakeya_lab.cost_model import (
     measure_block_cost,
 )
 from kakeya_lab.proposers import NgramProposer
+from kakeya_lab.proposers.trees import SuffixTreeProposer
 from kakeya_lab.session import SessionStore, collect_reply
 from kakeya_lab.speculative import plain_decode, speculative_decode
-from kakeya_lab.tree_proposers import SuffixTreeProposer
 
 
 def test_fit_recovers_a_line_through_noisy_medians():

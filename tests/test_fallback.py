@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from kakeya_lab import SinkWindowConfig, Verifier
-from kakeya_lab.proposer_spec import check_proposer_spec
 from kakeya_lab.proposers import DraftModelProposer, FallbackProposer, make_proposer
+from kakeya_lab.proposers.registry import check_proposer_spec
+from kakeya_lab.proposers.suffix import SuffixProposer
 from kakeya_lab.speculative import plain_decode, speculative_decode
-from kakeya_lab.suffix import SuffixProposer
 
 
 def test_suffix_then_draft_model_is_lossless_past_eviction(tiny_model, text_ids):

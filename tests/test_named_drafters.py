@@ -14,8 +14,13 @@ import shutil
 
 import pytest
 
-from kakeya_lab.align.checkpoint import CheckpointError
-from kakeya_lab.align.named import (
+from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
+from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.cli import main
+from kakeya_lab.data import domain_conversations
+from kakeya_lab.proposers import make_proposer
+from kakeya_lab.proposers.drafters.checkpoint import CheckpointError
+from kakeya_lab.proposers.drafters.named import (
     DrafterNotFound,
     DrafterVerifierMismatch,
     check_name,
@@ -23,11 +28,6 @@ from kakeya_lab.align.named import (
     list_drafters,
     load_named_drafter,
 )
-from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
-from kakeya_lab.cache import SinkWindowConfig
-from kakeya_lab.cli import main
-from kakeya_lab.data import domain_conversations
-from kakeya_lab.proposers import make_proposer
 
 NAME = "t-feature"
 TRAIN = [

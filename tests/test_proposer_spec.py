@@ -1,4 +1,4 @@
-"""The proposer spec grammar (kakeya_lab/proposer_spec.py), checked without a model: the
+"""The proposer spec grammar (kakeya_lab/proposers/registry.py), checked without a model: the
 leaves a spec names, a draft model's kernel suffix, and the errors bad specs get. Building
 proposers from specs is tested with models in test_speculative, test_fallback, test_tree and
 test_linear (the int4 suffix)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kakeya_lab.proposer_spec import check_proposer_spec, draft_model_spec
+from kakeya_lab.proposers import check_proposer_spec, draft_model_spec
 
 
 def test_leaves_of_well_formed_specs():

@@ -9,8 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kakeya_lab.align.checkpoint import CheckpointError
-from kakeya_lab.align.drafters import build_drafter, drafter_config_for
 from kakeya_lab.align.rollouts import (
     CaptureOptions,
     capture_rollouts,
@@ -20,6 +18,8 @@ from kakeya_lab.align.rollouts import (
 from kakeya_lab.align.train import RolloutData, TrainConfig, train_drafter
 from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.data import domain_conversations
+from kakeya_lab.proposers.drafters.checkpoint import CheckpointError
+from kakeya_lab.proposers.drafters.network import build_drafter, drafter_config_for
 from kakeya_lab.resume import ResumeMismatch, differences
 from kakeya_lab.session import model_eos_ids
 

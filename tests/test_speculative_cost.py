@@ -16,7 +16,7 @@ from kakeya_lab.cost_model import BlockCost
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.plots import cost_model_figure
 from kakeya_lab.proposers import NgramProposer
-from kakeya_lab.tree_proposers import SuffixTreeProposer
+from kakeya_lab.proposers.trees import SuffixTreeProposer
 
 
 def test_arm_costs_follow_the_formulas_by_hand():

@@ -13,11 +13,11 @@ import pytest
 from test_ngram import edits
 
 from kakeya_lab import SinkWindowConfig, Verifier
-from kakeya_lab.proposer_spec import check_proposer_spec
 from kakeya_lab.proposers import make_proposer
+from kakeya_lab.proposers.registry import check_proposer_spec
+from kakeya_lab.proposers.suffix import SharedReplies, SuffixIndex, SuffixProposer
 from kakeya_lab.session import SessionStore, collect_reply
 from kakeya_lab.speculative import plain_decode, speculative_decode
-from kakeya_lab.suffix import SharedReplies, SuffixIndex, SuffixProposer
 
 
 def brute_counts(sequences, ctx):

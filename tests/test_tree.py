@@ -14,6 +14,7 @@ from scipy.stats import chisquare
 
 from kakeya_lab import SinkWindowConfig, Verifier, reference
 from kakeya_lab.proposers import ChainTree, DraftModelProposer, NgramProposer, make_proposer
+from kakeya_lab.proposers.trees import NgramTreeProposer, SuffixTreeProposer
 from kakeya_lab.sampling import SamplingConfig, sampling_probs
 from kakeya_lab.speculative import (
     SpeculativeStep,
@@ -23,7 +24,6 @@ from kakeya_lab.speculative import (
     speculative_decode,
 )
 from kakeya_lab.tree import DraftTree
-from kakeya_lab.tree_proposers import NgramTreeProposer, SuffixTreeProposer
 
 CODE = (
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
@@ -520,7 +520,7 @@ def test_sampled_tree_decoding_commits_what_it_delivers():
 
 def test_tree_specs_pass_the_cli_and_long_run_checks():
     from kakeya_lab.cli import UserError, _check_proposer
-    from kakeya_lab.proposer_spec import check_proposer_spec
+    from kakeya_lab.proposers.registry import check_proposer_spec
 
     specs = ("ngram-tree", "ngram-tree:3,2", "suffix-tree", "suffix-tree:6", "tree:ngram")
     for spec in specs:
@@ -558,8 +558,8 @@ def test_tree_sessions_match_plain_across_turns(default_model):
     """Through the session runtime, over several chat turns past the window, with the
     suffix tree sharing replies across the turns' index."""
     from kakeya_lab.chat import ChatTemplate
+    from kakeya_lab.proposers.suffix import SharedReplies
     from kakeya_lab.session import SessionStore, Token
-    from kakeya_lab.suffix import SharedReplies
 
     model, tok = default_model.model, default_model.tokenizer
     config = SinkWindowConfig(sink=4, window=48)

@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING, TypeVar
 import pandas as pd
 import torch
 
-from kakeya_lab.align.checkpoint import save_drafter
-from kakeya_lab.align.drafters import build_drafter, drafter_config_for
 from kakeya_lab.align.rollouts import CaptureOptions, capture_rollouts
 from kakeya_lab.align.train import RolloutData, TrainConfig, train_drafter
 from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.data import Split, domain_conversations
+from kakeya_lab.proposers.drafters.checkpoint import save_drafter
+from kakeya_lab.proposers.drafters.network import build_drafter, drafter_config_for
 
 if TYPE_CHECKING:
-    from kakeya_lab.align.drafters import AnyDrafter
+    from kakeya_lab.proposers.drafters.network import AnyDrafter
 
 T = TypeVar("T")
 

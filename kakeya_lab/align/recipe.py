@@ -4,7 +4,7 @@ held-out evaluation, save the named artefact (``kakeya-lab align train``).
 Every stage resumes: the capture folders resume their shards
 (:func:`~kakeya_lab.align.rollouts.capture_rollouts`), training resumes from its checkpoint
 under ``work_dir`` (:func:`~kakeya_lab.align.train.train_drafter`), and the named drafter
-appears only when :func:`~kakeya_lab.align.named.save_named_drafter` renames a finished
+appears only when :func:`~kakeya_lab.proposers.drafters.named.save_named_drafter` renames a finished
 folder into place, so an interrupted run leaves nothing under the name.
 """
 
@@ -20,8 +20,6 @@ from typing import Any
 import pandas as pd
 import torch
 
-from kakeya_lab.align.drafters import build_drafter, drafter_config_for
-from kakeya_lab.align.named import check_name, drafters_home, save_named_drafter
 from kakeya_lab.align.pipeline import capture_domains, drafter_shapes, train_config_for
 from kakeya_lab.align.rollouts import (
     CaptureOptions,
@@ -33,6 +31,8 @@ from kakeya_lab.align.rollouts import (
 from kakeya_lab.align.train import RolloutData, TrainingResumeMismatch, train_drafter
 from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.data import domain_conversations
+from kakeya_lab.proposers.drafters.named import check_name, drafters_home, save_named_drafter
+from kakeya_lab.proposers.drafters.network import build_drafter, drafter_config_for
 from kakeya_lab.results import now_iso
 from kakeya_lab.session import model_eos_ids
 

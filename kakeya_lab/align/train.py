@@ -24,7 +24,8 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from kakeya_lab.align.checkpoint import (
+from kakeya_lab.align.losses import LossWeights, distill_losses
+from kakeya_lab.proposers.drafters.checkpoint import (
     CONFIG,
     WEIGHTS,
     CheckpointError,
@@ -35,12 +36,11 @@ from kakeya_lab.align.checkpoint import (
     save_drafter,
     write_folder_atomic,
 )
-from kakeya_lab.align.drafters import trainable_state
-from kakeya_lab.align.losses import LossWeights, distill_losses
+from kakeya_lab.proposers.drafters.network import trainable_state
 from kakeya_lab.resume import ResumeMismatch, check_resume
 
 if TYPE_CHECKING:
-    from kakeya_lab.align.drafters import AnyDrafter
+    from kakeya_lab.proposers.drafters.network import AnyDrafter
 
 TRAINER = "trainer.json"
 OPTIMIZER = "optimizer.safetensors"

@@ -139,21 +139,19 @@ def status_html(record: ReplyRecord | None, busy: bool) -> str:
     )
 
 
-def named_drafter_specs(verifier_sha256: str | None) -> list[str]:
-    """``drafter:NAME`` for every named drafter trained for the verifier weights
-    ``verifier_sha256`` (none when it is unknown), sorted by name, each feature drafter
-    followed by ``drafter-tree:NAME`` (its EAGLE-2 tree)."""
-    from kakeya_lab.align.named import list_drafters
+def named_drafter_specs(verifier_sha256: str | None, *, tree: bool = False) -> list[str]:
+    """The names of the store's named drafters trained for the verifier weights
+    ``verifier_sha256`` (none when it is unknown), sorted; with ``tree``, only those that
+    draft trees (feature drafters)."""
+    from kakeya_lab.proposers.drafters.named import list_drafters
 
     if not verifier_sha256:
         return []
-    specs = []
-    for r in list_drafters():
-        if r["verifier_sha256"] == verifier_sha256:
-            specs.append(f"drafter:{r['name']}")
-            if r["kind"] == "feature":
-                specs.append(f"drafter-tree:{r['name']}")
-    return specs
+    return [
+        r["name"]
+        for r in list_drafters()
+        if r["verifier_sha256"] == verifier_sha256 and (not tree or r["kind"] == "feature")
+    ]
 
 
 def registry_draft_specs(model_name: str | None) -> list[str]:
@@ -162,7 +160,7 @@ def registry_draft_specs(model_name: str | None) -> list[str]:
     verifier is a registry model, one was measured for it and its draft model is pulled."""
     from kakeya_lab.models import REGISTRY
     from kakeya_lab.models.store import folder_present, model_dir
-    from kakeya_lab.proposer_spec import draft_model_spec
+    from kakeya_lab.proposers import draft_model_spec
 
     spec = REGISTRY[model_name].draft if model_name in REGISTRY else ""
     if not spec:
@@ -171,16 +169,40 @@ def registry_draft_specs(model_name: str | None) -> list[str]:
     return [spec] if folder_present(model_dir(draft_name)) else []
 
 
+def offered_proposer_specs(
+    model_name: str | None, verifier_sha256: str | None, backend: str
+) -> tuple[str, ...]:
+    """The proposer specs the panel offers, from the proposer registry: ``none``, then for
+    each registered kind that runs on ``backend`` its example when it needs nothing or the
+    verifier, the registry's measured draft model (:func:`registry_draft_specs`) when it
+    needs a draft model, and ``KIND:NAME`` for every named drafter trained for this
+    verifier when it needs one (:func:`named_drafter_specs`)."""
+    from kakeya_lab.proposers import proposer_kinds
+
+    specs = ["none"]
+    for kind in proposer_kinds():
+        if kind.wraps or (kind.backends and backend not in kind.backends):
+            continue
+        if kind.needs in ("nothing", "verifier"):
+            specs.append(kind.example)
+        elif kind.needs == "draft model":
+            specs += registry_draft_specs(model_name)
+        elif kind.needs == "named drafter":
+            names = named_drafter_specs(verifier_sha256, tree=kind.tree)
+            specs += [f"{kind.name}:{name}" for name in names]
+    return tuple(dict.fromkeys(specs))
+
+
 class ChatPanel:
     """An ipywidgets chat with a session; see the module docstring.
 
     ``source``: a loaded model (``load_model``) or a ``SessionStore`` (then pass
     ``tokenizer``); ``config`` the sink-window cache for a new store. ``proposers`` are
-    the proposer specs offered; by default ``none``, ``ngram``, ``suffix``, ``early-exit:8``,
-    the registry's draft model for a registry verifier (:func:`registry_draft_specs`, e.g.
-    the default model's own int4 copy) and ``drafter:NAME`` (and ``drafter-tree:NAME`` for a
-    feature drafter) for every named drafter trained for this verifier
-    (:func:`named_drafter_specs`); the last two on the torch backend only.
+    the proposer specs offered; by default every registered kind's
+    (:func:`offered_proposer_specs`): the model-free ones and ``early-exit:8``, the
+    registry's draft model for a registry verifier (e.g. the default model's own int4 copy)
+    and ``drafter:NAME`` (and ``drafter-tree:NAME`` for a feature drafter) for every named
+    drafter trained for this verifier (the last two on the torch backend only).
     """
 
     def __init__(
@@ -209,15 +231,10 @@ class ChatPanel:
             verifier_sha256=verifier_sha256,
         )
         if proposers is None:
-            torch_backend = backend_name_of(self.chat.store.model) != "mlx"  # drafters: torch
-            name = getattr(getattr(source, "description", None), "name", None)
-            proposers = (
-                "none",
-                "ngram",
-                "suffix",
-                "early-exit:8",
-                *(registry_draft_specs(name) if torch_backend else []),
-                *(named_drafter_specs(self.chat.verifier_sha256) if torch_backend else []),
+            proposers = offered_proposer_specs(
+                getattr(getattr(source, "description", None), "name", None),
+                self.chat.verifier_sha256,
+                backend_name_of(self.chat.store.model),
             )
         self.keep_turns = keep_turns
         self.message = w.Text(placeholder="type a message", layout=w.Layout(width="60%"))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from kakeya_lab.cache import PositionMode, SinkWindowConfig
-from kakeya_lab.proposer_spec import USAGE, check_proposer_spec
+from kakeya_lab.proposers import check_proposer_spec, usage
 
 ARM_NAMES = ("sink_window", "full_cache", "reprefill", "speculative")
 
@@ -71,7 +71,7 @@ def standard_arms(
         if "speculative" in names:
             if not check_proposer_spec(proposer):
                 raise ValueError(
-                    f"the speculative arm needs a proposer, got {proposer!r} ({USAGE})"
+                    f"the speculative arm needs a proposer, got {proposer!r} ({usage()})"
                 )
             if (
                 isinstance(draft_length, bool)

@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors.torch import save_file
 
-from kakeya_lab.align.checkpoint import (
+from kakeya_lab.linear import linear_kernel_of, set_linear_kernel
+from kakeya_lab.models.store import sha256_files, store_home
+from kakeya_lab.proposers.drafters.checkpoint import (
     CONFIG,
     WEIGHTS,
     CheckpointError,
@@ -35,12 +37,10 @@ from kakeya_lab.align.checkpoint import (
     load_trainable,
     read_tensors,
 )
-from kakeya_lab.align.drafters import build_drafter, trainable_state
-from kakeya_lab.linear import linear_kernel_of, set_linear_kernel
-from kakeya_lab.models.store import sha256_files, store_home
+from kakeya_lab.proposers.drafters.network import build_drafter, trainable_state
 
 if TYPE_CHECKING:
-    from kakeya_lab.align.drafters import AnyDrafter
+    from kakeya_lab.proposers.drafters.network import AnyDrafter
 
 RECORD, MANIFEST = "record.json", "manifest.json"
 SCHEMA = 1
@@ -225,7 +225,7 @@ def load_named_drafter(name: str, model, verifier_sha256: str | None) -> AnyDraf
     Raises :class:`DrafterNotFound` (listing the names that exist) for an unknown or
     incomplete name, :class:`DrafterVerifierMismatch` when the drafter was trained for
     other verifier weights or ``verifier_sha256`` is not given (naming both), and
-    :class:`~kakeya_lab.align.checkpoint.CheckpointError` for damaged files or a verifier
+    :class:`~kakeya_lab.proposers.drafters.checkpoint.CheckpointError` for damaged files or a verifier
     of another vocabulary or width. The drafter's linear layers run the verifier's kernel
     (:mod:`kakeya_lab.linear`).
     """

@@ -1,4 +1,6 @@
-"""Model-free tree proposers: n-gram and suffix drafts as :class:`~kakeya_lab.tree.DraftTree`s.
+"""Tree proposers: n-gram and suffix drafts as :class:`~kakeya_lab.tree.DraftTree`s
+(``ngram-tree``, ``suffix-tree``), and any chain proposer as a 1-wide tree (``tree:SPEC``,
+:class:`ChainTree`).
 
 Both expand a tree best-first (EAGLE-2 style, by the drafter's confidence) under a node
 budget, the decoder's draft length: every candidate child carries a score, the highest
@@ -11,7 +13,7 @@ own children become candidates.
   trie, a node scored by the longest n-gram that led to it, then by how many occurrences
   pass through it, then by recency. When the longest n-gram occurs once, the chain
   :class:`NgramProposer` drafts is the tree's first path.
-* :class:`SuffixTreeProposer` — the suffix index of :class:`~kakeya_lab.suffix.SuffixProposer`:
+* :class:`SuffixTreeProposer` — the suffix index of :class:`~kakeya_lab.proposers.suffix.SuffixProposer`:
   a node's children are the ``branch`` most frequent continuations of the longest
   matching suffix of ``context + path``, scored by the path's estimated probability (the
   product of ``count / total`` along it), kept while it is at least ``min_probability``
@@ -30,9 +32,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from kakeya_lab import inputs
-from kakeya_lab.proposers import NgramProposer
+from kakeya_lab.proposers.base import Draft, Proposer, check_proposer
+from kakeya_lab.proposers.ngram import NgramProposer
+from kakeya_lab.proposers.registry import ProposerRequest
+from kakeya_lab.proposers.suffix import SuffixProposer
 from kakeya_lab.sampling import SamplingConfig
-from kakeya_lab.suffix import SuffixProposer
 from kakeya_lab.tree import DraftTree
 
 
@@ -179,3 +183,52 @@ class SuffixTreeProposer(SuffixProposer):
 
     def describe(self) -> dict:
         return {**super().describe(), "branch": self.branch}
+
+
+class ChainTree:
+    """Any chain proposer as a 1-wide tree proposer (the tree path with chain drafts;
+    proposal distributions are kept, so rejection sampling works as for chains). Other
+    attributes (``bind``, ``observe_reply``, ``verifier``...) are the wrapped proposer's."""
+
+    def __init__(self, proposer: Proposer):
+        check_proposer(proposer)
+        self.proposer = proposer
+        self.name = f"tree:{proposer.name}"
+
+    def propose(self, context, draft_length, sampling=None, generator=None) -> Draft:
+        return self.proposer.propose(context, draft_length, sampling, generator)
+
+    def propose_tree(self, context, max_nodes, sampling=None, generator=None) -> DraftTree:
+        draft = self.proposer.propose(context, max_nodes, sampling, generator)
+        tokens = list(draft.tokens)[:max_nodes]
+        probs = None if draft.probs is None else draft.probs[: len(tokens)]
+        return DraftTree.chain(tokens, probs)
+
+    def accept(self, n: int) -> None:
+        self.proposer.accept(n)
+
+    def describe(self) -> dict:
+        inner = self.proposer.describe() if hasattr(self.proposer, "describe") else {}
+        return {**inner, "name": self.name, "tree": "chain"}
+
+    def __getattr__(self, name: str):
+        if name == "proposer":  # not set yet (e.g. during copying): no recursion
+            raise AttributeError(name)
+        return getattr(self.proposer, name)
+
+
+def build_ngram_tree(argument: str, request: ProposerRequest) -> NgramTreeProposer:
+    """``ngram-tree[:SIZES]`` (default sizes 3, 2, 1)."""
+    return NgramTreeProposer([int(n) for n in argument.split(",")] if argument else [3, 2, 1])
+
+
+def build_suffix_tree(argument: str, request: ProposerRequest) -> SuffixTreeProposer:
+    """``suffix-tree[:DEPTH]`` (default depth 8), sharing the request's ``shared_replies``."""
+    return SuffixTreeProposer(
+        max_depth=int(argument) if argument else 8, shared=request.shared_replies
+    )
+
+
+def build_chain_tree(argument: str, request: ProposerRequest) -> ChainTree:
+    """``tree:SPEC``: the chain proposer ``SPEC`` as a 1-wide tree."""
+    return ChainTree(request.build(argument))

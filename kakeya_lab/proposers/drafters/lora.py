@@ -16,7 +16,7 @@ import warnings
 import torch
 from torch import nn
 
-from kakeya_lab.proposers import early_exit_model
+from kakeya_lab.proposers.early_exit import early_exit_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -1,5 +1,5 @@
 """Drafter checkpoints: ``drafter.safetensors`` (trainable weights only) + ``drafter.json``
-(its :class:`~kakeya_lab.align.drafters.DrafterConfig`, which names the verifier's weight
+(its :class:`~kakeya_lab.proposers.drafters.network.DrafterConfig`, which names the verifier's weight
 sha256 and vocabulary). Loading checks both against the verifier it is given, so a
 drafter is never silently used with a model it was not trained for.
 """
@@ -17,10 +17,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from kakeya_lab.align.drafters import DrafterConfig, build_drafter, trainable_state
+from kakeya_lab.proposers.drafters.network import DrafterConfig, build_drafter, trainable_state
 
 if TYPE_CHECKING:
-    from kakeya_lab.align.drafters import AnyDrafter
+    from kakeya_lab.proposers.drafters.network import AnyDrafter
 
 WEIGHTS, CONFIG = "drafter.safetensors", "drafter.json"
 

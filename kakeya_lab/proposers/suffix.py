@@ -28,7 +28,8 @@ import time
 from collections.abc import Sequence
 
 from kakeya_lab import inputs
-from kakeya_lab.proposers import Draft
+from kakeya_lab.proposers.base import Draft
+from kakeya_lab.proposers.registry import ProposerRequest
 from kakeya_lab.sampling import SamplingConfig
 
 
@@ -215,3 +216,8 @@ class SuffixProposer:
             "min_match": self.min_match,
             "shared_replies": self.shared.replies if self.shared is not None else None,
         }
+
+
+def build(argument: str, request: ProposerRequest) -> SuffixProposer:
+    """``suffix[:DEPTH]`` (default depth 8), sharing the request's ``shared_replies``."""
+    return SuffixProposer(max_depth=int(argument) if argument else 8, shared=request.shared_replies)

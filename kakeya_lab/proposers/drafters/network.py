@@ -14,14 +14,13 @@ Neither frozen matrix is part of a drafter's checkpoint.
   the context pairs and ``draft_length`` learned mask slots; one forward fills the whole block.
   Learnable bridges map the verifier's width to the drafter's narrower one and back.
 
-:class:`DrafterProposer` makes either one a proposer of the speculative-decoding protocol:
-it binds to the session's verifier to read its hidden-state trace.
+:mod:`kakeya_lab.proposers.drafters.proposer` makes either one a proposer of the
+speculative-decoding protocol; :mod:`kakeya_lab.align` trains them.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, cast
@@ -30,15 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kakeya_lab import inputs
 from kakeya_lab.attention import rotate
-from kakeya_lab.proposers import Draft
 from kakeya_lab.sampling import GREEDY, SamplingConfig
 from kakeya_lab.tree import DraftTree
-from kakeya_lab.verifier import HiddenTrace, Verifier
 
 if TYPE_CHECKING:
-    from kakeya_lab.align.lora import LoraDrafter
+    from kakeya_lab.proposers.drafters.lora import LoraDrafter
 
 KINDS = ("feature", "block", "lora")
 
@@ -414,7 +410,7 @@ def build_drafter(config: DrafterConfig, verifier_model) -> AnyDrafter:
     emb = verifier_model.get_input_embeddings().weight.detach().float()
     head = verifier_model.get_output_embeddings().weight.detach().float()
     if config.kind == "lora":
-        from kakeya_lab.align.lora import LoraDrafter
+        from kakeya_lab.proposers.drafters.lora import LoraDrafter
 
         lora = LoraDrafter(config, verifier_model)
         lora.eval()
@@ -423,94 +419,3 @@ def build_drafter(config: DrafterConfig, verifier_model) -> AnyDrafter:
     drafter = cls(config, emb, head)
     drafter.eval()
     return drafter
-
-
-class DrafterProposer:
-    """A trained (or untrained) drafter as a speculative-decoding proposer.
-
-    ``bind(verifier)`` (called by the decoder) turns on the verifier's hidden-state trace;
-    until the trace holds the feature of the latest committed token the proposer drafts
-    nothing, so the step is a plain one.
-    """
-
-    def __init__(self, drafter: Drafter, label: str | None = None):
-        self.drafter = drafter
-        self.name = f"{drafter.config.kind}_drafter"
-        self.label = label or self.name
-        self.trace: HiddenTrace | None = None
-
-    def bind(self, verifier: Verifier) -> None:
-        c = self.drafter.config
-        self.trace = verifier.trace_hidden(c.context_len + 2 * c.block_size + 64)
-
-    def propose(self, context, draft_length, sampling=GREEDY, generator=None) -> Draft:
-        t0 = time.perf_counter()
-        held = self._context(context) if draft_length >= 1 else None
-        if held is None:
-            return Draft([], None, time.perf_counter() - t0)
-        feats, next_tokens = held
-        tokens, probs = self.drafter.draft(
-            feats,
-            next_tokens,
-            draft_length,
-            sampling if sampling is not None else GREEDY,
-            generator,
-        )
-        return Draft(tokens, probs, time.perf_counter() - t0)
-
-    def accept(self, n: int) -> None:
-        return None
-
-    def _context(self, context: Sequence[int]) -> tuple[torch.Tensor, list[int]] | None:
-        """The latest held features and the tokens that followed them, or None."""
-        context = list(context)
-        history = context[:-1]  # committed; the last token is emitted but not yet scored
-        trace = self.trace
-        n = trace.held_suffix(history, self.drafter.config.context_len) if trace else 0
-        if trace is None or n == 0:
-            return None
-        positions = range(len(history) - n, len(history))
-        feats = trace.features(positions, [history[p] for p in positions])
-        if feats is None:  # held_suffix counted them held, so not expected: draft nothing
-            return None
-        return feats, context[len(context) - n :]
-
-    def describe(self) -> dict:
-        c = self.drafter.config
-        return {
-            "name": self.name,
-            "label": self.label,
-            "kind": c.kind,
-            "width": c.width,
-            "num_layers": c.num_layers,
-            "context_len": c.context_len,
-            "block_size": c.block_size,
-            "draft_vocab": len(c.draft_vocab),
-        }
-
-
-class DrafterTreeProposer(DrafterProposer):
-    """A feature drafter drafting EAGLE-2 trees (:meth:`FeatureDrafter.draft_tree`); the
-    decoder's draft length is the node budget, ``branch`` the children tried per node."""
-
-    def __init__(self, drafter: FeatureDrafter, label: str | None = None, *, branch: int = 4):
-        if not isinstance(drafter, FeatureDrafter):
-            raise ValueError(
-                f"draft trees need a feature drafter (it drafts one token per forward); "
-                f"got a {drafter.config.kind} drafter"
-            )
-        super().__init__(drafter, label)
-        self.name = "feature_drafter_tree"
-        self.branch = inputs.count(branch, "branch", minimum=1, maximum=inputs.MAX_SIZE)
-
-    def propose_tree(self, context, max_nodes, sampling=None, generator=None) -> DraftTree:
-        held = self._context(context) if max_nodes >= 1 else None
-        if held is None:
-            return DraftTree.empty()
-        feats, next_tokens = held
-        return cast(FeatureDrafter, self.drafter).draft_tree(
-            feats, next_tokens, max_nodes, self.branch
-        )
-
-    def describe(self) -> dict:
-        return {**super().describe(), "tree": "eagle2", "branch": self.branch}

@@ -1,0 +1,6 @@
+"""The names of the linear kernels a torch model's linear layers can run
+(:mod:`kakeya_lab.linear`), importable without torch (command lines, spec checks)."""
+
+from __future__ import annotations
+
+KERNELS = ("aten", "onednn", "int8", "int4")

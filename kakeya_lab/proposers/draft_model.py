@@ -1,0 +1,154 @@
+"""A smaller model drafting for the verifier (``draft:MODEL[:KERNEL]``), with its own
+sink-window cache; the torch backend runs its steps through the lean forward where it can."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+from transformers import PreTrainedModel
+
+from kakeya_lab.backend import backend_name_of
+from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.draft_step import LeanForward
+from kakeya_lab.linear import linear_kernel_of
+from kakeya_lab.proposers.base import Draft, check_same_tokenizer
+from kakeya_lab.proposers.builtin import draft_model_spec
+from kakeya_lab.proposers.registry import ProposerRequest
+from kakeya_lab.sampling import SamplingConfig
+from kakeya_lab.verifier import Verifier
+
+
+class DraftModelProposer:
+    """A draft model with its own sink-window cache.
+
+    Drafts ``draft_length`` tokens autoregressively (greedy when ``sampling`` is greedy,
+    else sampled from the same filtered distribution the verifier samples from). After ``accept(n)`` its
+    cache keeps the accepted drafts and drops the rest. With ``lean`` (the default) a model
+    :class:`~kakeya_lab.draft_step.LeanForward` supports runs its one-token steps through it
+    (cheaper on CPU, rounded differently; ``describe()["forward"]`` says which ran).
+    """
+
+    name = "draft_model"
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        config: SinkWindowConfig,
+        *,
+        tokenizer=None,
+        verifier_tokenizer=None,
+        label: str | None = None,
+        lean: bool = True,
+    ):
+        check_same_tokenizer(tokenizer, verifier_tokenizer)
+        self.model = model
+        self.config = config
+        self.label = (
+            label
+            or getattr(getattr(model, "config", None), "name_or_path", "")
+            or type(model).__name__
+        )
+        self.lean_forward = (
+            LeanForward.of(model)
+            if lean and backend_name_of(model) == "torch" and LeanForward.supports(model)
+            else None
+        )
+        self.verifier = self._new_cache()
+        self._next_logits: torch.Tensor | None = None
+        self._rows: list[torch.Tensor] = []
+
+    def _new_cache(self) -> Verifier:
+        return Verifier(self.model, self.config, lean_forward=self.lean_forward)
+
+    def _sync(self, context: Sequence[int]) -> torch.Tensor:
+        """Bring the draft cache to exactly ``context`` (all committed); the next logits."""
+        v = self.verifier
+        v.rollback()
+        history = v.history_view()
+        # A session's history only changes at its end, so comparing the last entries
+        # tells an extension from a rewrite without reading the whole history each step.
+        n = len(history)
+        if n > len(context) or any(context[i] != history[i] for i in range(max(0, n - 64), n)):
+            self.verifier = v = self._new_cache()
+            n, self._next_logits = 0, None
+        new = context[n:]
+        if new:
+            self._next_logits = v.append(new)
+        if self._next_logits is None:
+            raise ValueError("a draft needs a non-empty context")
+        return self._next_logits
+
+    def propose(self, context, draft_length, sampling=None, generator=None) -> Draft:
+        t0 = time.perf_counter()
+        sampling = sampling if sampling is not None else SamplingConfig()
+        logits = self._sync(context)
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        self._rows = [logits]  # logits after context, then after each forwarded draft
+        for i in range(draft_length):
+            if sampling.greedy:
+                token = int(torch.argmax(logits))
+            else:
+                q = sampling.probs(logits)
+                token = int(torch.multinomial(q, 1, generator=generator))
+                probs.append(q)
+            tokens.append(token)
+            if i + 1 < draft_length:
+                logits = self.verifier.forward_block([token])[-1]
+                self._rows.append(logits)
+        return Draft(
+            tokens=tokens,
+            probs=torch.stack(probs) if probs else None,
+            seconds=time.perf_counter() - t0,
+        )
+
+    def accept(self, n: int) -> None:
+        """Keep the first ``n`` drafted tokens in the draft cache (as far as they were forwarded)."""
+        keep = min(n, self.verifier.pending_len)
+        self.verifier.commit(keep)
+        self._next_logits = self._rows[keep]
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "model": self.label,
+            "cache": self.config.to_dict(),
+            "forward": "lean" if self.lean_forward is not None else "transformers",
+        }
+
+
+def build(argument: str, request: ProposerRequest) -> DraftModelProposer:
+    """``draft:MODEL[:KERNEL]``: ``MODEL`` (a registry name or local folder) loaded with
+    :func:`~kakeya_lab.models.load_model` unless the request carries ``draft_model`` (an
+    already loaded model: what ``load_model`` returns or a bare ``PreTrainedModel``), in the
+    verifier's dtype and with ``KERNEL`` as its linear kernel, else the request's
+    ``draft_linear``, else the verifier's (``int8``/``int4``: quantised weights, cheaper
+    steps on CPU, :mod:`kakeya_lab.linear`). Its own sink-window cache keeps the config's
+    sinks and positions and ``draft_window`` recent entries (default: the config's
+    window); its tokenizer must equal the verifier's."""
+    name, kernel = draft_model_spec(argument)
+    model, draft_model = request.model, request.draft_model
+    if draft_model is None:
+        from kakeya_lab.models import load_model
+
+        draft_model = load_model(
+            name,
+            dtype=next(model.parameters()).dtype,
+            linear=kernel or request.draft_linear or linear_kernel_of(model),
+        )
+    elif kernel:
+        raise ValueError(
+            f"draft:{argument} names a kernel for a draft model that is already loaded; "
+            "load it with that kernel (load_model(..., linear=...)) and write draft:MODEL"
+        )
+    config = request.config
+    return DraftModelProposer(
+        getattr(draft_model, "model", draft_model),
+        config if request.draft_window is None else replace(config, window=request.draft_window),
+        tokenizer=getattr(draft_model, "tokenizer", None),
+        verifier_tokenizer=request.tokenizer,
+        label=argument,
+    )
