@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=2 python benchmarks/draft_cost.py --out FILE
 
-Builds a feature drafter of the shape of the README's million-token drafter (the default
+Builds a feature drafter of the shape of the million-token drafter of docs/results.md (the default
 model's width, one layer, 8 context pairs, a 4096-token draft vocabulary) with seeded
 random weights, sharpened (``--sharpen``) so that, like a trained drafter, it is confident
 enough for its EAGLE-2 tree to grow deep; reads real features from the default verifier's

@@ -1,17 +1,21 @@
-"""The README's evidence convention, checked: every Results figure backed by a committed file.
+"""The evidence convention, checked: every published figure backed by a committed file.
 
-``evidence/<name>/`` holds a run's small files (``metrics.json``, ``turns.csv``,
-``command.txt``) and ``claims.yaml``, a list of
-``{quote: "1.03×", file: metrics.json, key: "anchor.ratio", scale: 1}``: the README
-contains ``quote``; the number in the quote (``index``: which one, when the quote holds
-several; default the only one) equals ``value(file, key) * scale`` rounded to the decimals
-the quote writes (``6.9e-5``: to its significant digits). ``key`` is a dotted path into a
-JSON file, or into a CSV file read as a list of rows (``"23.cache_len"``).
+Figures live in two documents (:data:`DOCUMENTS`): ``docs/results.md``, the complete
+record, and the headline table of ``README.md``. ``evidence/<name>/`` holds a run's small
+files (``metrics.json``, ``turns.csv``, ``command.txt``) and ``claims.yaml``, a list of
+``{quote: "1.03×", file: metrics.json, key: "anchor.ratio", scale: 1, doc: README.md}``:
+the document ``doc`` (default ``docs/results.md``) contains ``quote``; the number in the
+quote (``index``: which one, when the quote holds several; default the only one) equals
+``value(file, key) * scale`` rounded to the decimals the quote writes (``6.9e-5``: to its
+significant digits). ``key`` is a dotted path into a JSON file, or into a CSV file read as
+a list of rows (``"23.cache_len"``).
 
-:func:`check_evidence` also checks that every ``evidence/...`` path the README names exists,
-that every evidence folder is named in the README, that evidence files stay small, and
-that every ``###`` subsection of the README's ``## Results`` names an evidence folder
-(:func:`sections_without_evidence`). ``kakeya-lab evidence check`` prints the problems.
+:func:`check_evidence` also checks that every ``evidence/...`` path either document names
+exists, that every evidence folder is named in ``docs/results.md``, that evidence files
+stay small, that every ``###`` section of ``docs/results.md`` names an evidence folder
+(:func:`sections_without_evidence`) and that every row of the README's headline table
+does (:func:`headline_rows_without_evidence`) and quotes a figure claimed with
+``doc: README.md``. ``kakeya-lab evidence check`` prints the problems.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ from pathlib import Path
 from typing import Any
 
 MAX_FILE_BYTES = 1_000_000
+RESULTS = "docs/results.md"
+README = "README.md"
+DOCUMENTS = (RESULTS, README)
+HEADLINE = "Headline results"
 _NUMBER = re.compile(r"[-−]?\d[\d,]*(?:\.\d+)?(?:[eE][-−]?\d+)?")
 _EVIDENCE_PATH = re.compile(r"evidence/[A-Za-z0-9_.\-/]*[A-Za-z0-9_/]")
 
@@ -38,6 +46,7 @@ class Claim:
     key: str
     scale: float = 1.0
     index: int | None = None
+    doc: str = RESULTS
 
 
 def parse_numbers(quote: str) -> list[tuple[float, int]]:
@@ -102,6 +111,9 @@ def load_claims(folder: str | Path) -> list[Claim]:
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict) or not {"quote", "file", "key"} <= set(entry):
             raise ValueError(f"{folder}/claims.yaml entry {i} needs quote, file and key")
+        doc = str(entry.get("doc", RESULTS))
+        if doc not in DOCUMENTS:
+            raise ValueError(f"{folder}/claims.yaml entry {i}: doc must be one of {DOCUMENTS}")
         claims.append(
             Claim(
                 folder,
@@ -110,16 +122,18 @@ def load_claims(folder: str | Path) -> list[Claim]:
                 str(entry["key"]),
                 float(entry.get("scale", 1)),
                 entry.get("index"),
+                doc,
             )
         )
     return claims
 
 
-def check_claim(claim: Claim, readme: str) -> str | None:
-    """None if the claim holds, else what is wrong."""
+def check_claim(claim: Claim, text: str) -> str | None:
+    """None if the claim holds against ``text`` (the contents of ``claim.doc``), else what
+    is wrong."""
     where = f"{claim.folder.name}: {claim.quote!r}"
-    if claim.quote not in readme:
-        return f"{where}: the quote is not in the README"
+    if claim.quote not in text:
+        return f"{where}: the quote is not in {claim.doc}"
     try:
         number, decimals = quoted_number(claim)
         raw = value_at(_load(claim.folder / claim.file), claim.key)
@@ -135,43 +149,72 @@ def check_claim(claim: Claim, readme: str) -> str | None:
     return None
 
 
-def results_subsections(readme: str) -> dict[str, str]:
-    """The ``###`` subsections of ``## Results``: title -> text."""
+def results_subsections(results: str) -> dict[str, str]:
+    """The ``###`` sections of the results page, under whichever ``##`` question: title ->
+    text."""
     out: dict[str, str] = {}
-    in_results, title = False, None
-    for line in readme.splitlines():
-        if line.startswith("## "):
-            in_results, title = line[3:].strip().startswith("Results"), None
-        elif in_results and line.startswith("### "):
+    title = None
+    for line in results.splitlines():
+        if line.startswith("### "):
             title = line[4:].strip()
             out[title] = ""
-        elif in_results and title is not None:
+        elif line.startswith("#"):
+            title = None
+        elif title is not None:
             out[title] += line + "\n"
     return out
 
 
-def sections_without_evidence(readme: str) -> list[str]:
-    """Titles of Results subsections that name no ``evidence/<name>`` folder."""
+def sections_without_evidence(results: str) -> list[str]:
+    """Titles of the results page's ``###`` sections that name no ``evidence/<name>``
+    folder."""
     return [
         title
-        for title, text in results_subsections(readme).items()
+        for title, text in results_subsections(results).items()
         if not _EVIDENCE_PATH.search(title + "\n" + text)
     ]
 
 
+def headline_rows(readme: str) -> list[str]:
+    """The body rows of the first table in the README's ``## Headline results`` section."""
+    rows: list[str] = []
+    in_section = False
+    for line in readme.splitlines():
+        if line.startswith("## "):
+            if rows:
+                break
+            in_section = line[3:].strip().startswith(HEADLINE)
+        elif in_section and line.startswith("|"):
+            rows.append(line)
+        elif rows:
+            break
+    return rows[2:]  # after the header and the rule
+
+
+def headline_rows_without_evidence(readme: str) -> list[str]:
+    """Rows of the README's headline table that name no ``evidence/<name>`` folder."""
+    return [row for row in headline_rows(readme) if not _EVIDENCE_PATH.search(row)]
+
+
 def check_evidence(root: str | Path = ".") -> list[str]:
-    """Every problem of the repository at ``root`` (README.md, evidence/), as messages."""
+    """Every problem of the repository at ``root`` (README.md, docs/results.md,
+    evidence/), as messages; a missing document is one of them."""
     root = Path(root)
-    readme = (root / "README.md").read_text()
-    problems = []
-    for name in sorted(set(_EVIDENCE_PATH.findall(readme))):
-        if not (root / name).exists():
-            problems.append(f"the README names {name}, which does not exist")
+    texts = {}
+    for doc in DOCUMENTS:
+        path = root / doc
+        texts[doc] = path.read_text() if path.is_file() else ""
+    problems = [f"{doc} is missing" for doc in DOCUMENTS if not (root / doc).is_file()]
+    for doc, text in texts.items():
+        for name in sorted(set(_EVIDENCE_PATH.findall(text))):
+            if not (root / name).exists():
+                problems.append(f"{doc} names {name}, which does not exist")
     evidence = root / "evidence"
     folders = sorted(p for p in evidence.iterdir() if p.is_dir()) if evidence.is_dir() else []
+    readme_quotes: list[str] = []
     for folder in folders:
-        if f"evidence/{folder.name}" not in readme:
-            problems.append(f"evidence/{folder.name} is not named in the README")
+        if f"evidence/{folder.name}" not in texts[RESULTS]:
+            problems.append(f"evidence/{folder.name} is not named in {RESULTS}")
         for path in folder.rglob("*"):
             if path.is_file() and path.stat().st_size > MAX_FILE_BYTES:
                 problems.append(f"{path.relative_to(root)} is over {MAX_FILE_BYTES:,} bytes")
@@ -185,9 +228,21 @@ def check_evidence(root: str | Path = ".") -> list[str]:
             continue
         if not claims:
             problems.append(f"evidence/{folder.name}/claims.yaml claims nothing")
-        problems += [p for c in claims if (p := check_claim(c, readme)) is not None]
+        problems += [p for c in claims if (p := check_claim(c, texts[c.doc])) is not None]
+        readme_quotes += [c.quote for c in claims if c.doc == README]
     problems += [
-        f"Results subsection {t!r} names no evidence folder"
-        for t in sections_without_evidence(readme)
+        f"{RESULTS} section {t!r} names no evidence folder"
+        for t in sections_without_evidence(texts[RESULTS])
+    ]
+    if not headline_rows(texts[README]):
+        problems.append(f"{README} has no table under '## {HEADLINE}'")
+    problems += [
+        f"{README} headline row names no evidence folder: {row}"
+        for row in headline_rows_without_evidence(texts[README])
+    ]
+    problems += [
+        f"{README} headline row quotes no claimed figure (add a claim with doc: {README}): {row}"
+        for row in headline_rows(texts[README])
+        if not any(quote in row for quote in readme_quotes)
     ]
     return problems

@@ -89,8 +89,8 @@ def test_says_which_run_its_outputs_are(notebook):
     intro = "".join(nb["cells"][0]["source"])
     assert nb["cells"][0]["cell_type"] == "markdown" and intro.startswith("# ")
     assert re.search(r"outputs (below )?(are|come from)", intro), (
-        f"{path.name}: the introduction must say whether the committed outputs are the README's "
-        "run or a small CI run (with the command for the full one)"
+        f"{path.name}: the introduction must say whether the committed outputs are the "
+        "docs/results.md run or a small CI run (with the command for the full one)"
     )
     assert "../shared" not in json.dumps(nb) and "DESIGN.md" not in json.dumps(nb)
 

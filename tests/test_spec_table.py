@@ -14,7 +14,7 @@ from kakeya_lab.bench.spec_table import (
     TABLE_COLUMNS,
     cost_models,
     long_table,
-    readme_table,
+    results_table,
     run_spec_table,
     table_records,
     targets_check,
@@ -122,9 +122,9 @@ def test_arm_lossless_names_the_arm_that_strayed():
     assert arm_lossless(turns) == {"plain": True, "x@2": True, "y@2": False}
 
 
-def test_the_readme_table_quotes_each_cell_with_a_claim_on_its_csv_row(table, tmp_path):
+def test_the_results_table_quotes_each_cell_with_a_claim_on_its_csv_row(table, tmp_path):
     long = long_table(table)
-    text, claims = readme_table(long)
+    text, claims = results_table(long)
     assert text.splitlines()[0] == "| arm | code | chitchat |"
     assert len(text.splitlines()) == 2 + 3  # header, rule, plain and two arms
     long.to_csv(tmp_path / "table.csv", index=False)

@@ -8,7 +8,7 @@ model is named, transformers' own assisted generation on that domain's first pro
 :func:`long_table` gives one row per domain and arm (speedup, tau, tokens/s, acceptance by
 draft position, zero-accept rate, whether the arm emitted the plain stream on every turn,
 and the speedups the run's cost model predicts: from a geometric acceptance model for
-chains, and from the steps the arm actually took for every arm); :func:`wide_table` the README's view, methods down
+chains, and from the steps the arm actually took for every arm); :func:`wide_table` the results page's view, methods down
 and domains across. Arms are ``SPEC@K`` keys (``ngram@8``, ``drafter-tree:NAME@8``): one
 method, one draft length or node budget.
 """
@@ -218,8 +218,8 @@ def targets_check(long: pd.DataFrame, targets: Mapping[str, float]) -> pd.DataFr
     return pd.DataFrame(rows)
 
 
-def readme_table(long: pd.DataFrame, csv_name: str = "table.csv") -> tuple[str, list[dict]]:
-    """The README's markdown table (methods down, domains across) and its evidence claims:
+def results_table(long: pd.DataFrame, csv_name: str = "table.csv") -> tuple[str, list[dict]]:
+    """The markdown table of docs/results.md (methods down, domains across) and its evidence claims:
     each cell quotes ``DOMAIN SPEEDUP× (τ TAU)`` (plain: ``DOMAIN TOKENS/S tok/s``), checked
     against row ``i`` of ``csv_name`` (this long table as CSV) by ``kakeya-lab evidence
     check``."""

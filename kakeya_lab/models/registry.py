@@ -31,7 +31,7 @@ class ModelSpec:
         dtype_note: why that dtype.
         default: whether this is :data:`DEFAULT_MODEL`.
         draft: the ``draft:MODEL[:KERNEL]`` proposer that drafts fastest for this model
-            among the draft models measured (README, "A quantised draft model"); "" when
+            among the draft models measured (docs/results.md, "A quantised draft model"); "" when
             none was measured. The chat panel offers it when its model is pulled.
     """
 
