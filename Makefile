@@ -22,7 +22,7 @@ TORCH ?= torch==2.13.0+cpu
 TORCH_INDEX ?=
 TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: install quickstart test test-fast lab lint notebooks clean-venv
+.PHONY: install quickstart test test-fast lab lint notebooks html clean-venv
 
 install: $(VENV)/.installed
 
@@ -61,6 +61,10 @@ lint: install
 notebooks: install
 	cd notebooks && for nb in *.ipynb; do ../$(BIN)/papermill "$$nb" "$$nb" --cwd . || exit 1; done
 	$(BIN)/python -m kakeya_lab.notebook_format notebooks/*.ipynb
+
+# The notebooks as offline HTML pages in build/html/, sharing one plotly.min.js (no CDN).
+html: install
+	$(BIN)/python -m kakeya_lab.notebook_html --out build/html notebooks/*.ipynb
 
 clean-venv:
 	rm -rf $(VENV)

@@ -7,7 +7,11 @@ nbclient write integral floats as ``12.0`` and no trailing newline, so a freshly
 notebook differs from its saved self. :func:`jupyterlab_text` gives the saved form, and
 every committed notebook names the project's kernel (:data:`KERNEL_NAME`), whose display
 name JupyterLab would otherwise rewrite. Widget state that nbclient saves in the metadata is
-dropped: it is a frozen snapshot no static view can use (JupyterLab leaves it absent).
+dropped: it is a frozen snapshot no static view can use (JupyterLab leaves it absent). So is
+an output that only embeds the plotly.js bundle (what plotly's ``notebook`` renderer emits
+before its first figure, 4.7 MB): figures carry plotly's mime type plus a light HTML
+fallback (:func:`kakeya_lab.plots.use_notebook_renderer`), and the HTML export adds
+plotly.js once per page (:mod:`kakeya_lab.notebook_html`).
 
 ``python -m kakeya_lab.notebook_format notebooks/*.ipynb`` rewrites notebooks in place;
 ``--check`` only reports the ones that differ (exit code 1).
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +31,8 @@ import nbformat
 KERNEL_NAME = "kakeya_lab"
 KERNELSPEC = {"display_name": KERNEL_NAME, "language": "python", "name": KERNEL_NAME}
 _JS_EXPONENT_FROM = 1e21  # JavaScript prints integral numbers below this without an exponent
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+_PLOTLY_JS_BUNDLE = re.compile(r"<script>/\*\*\s*\*\s*plotly\.js v\d")  # the bundle's banner
 
 
 def _as_javascript_number(value: Any) -> Any:
@@ -41,16 +48,38 @@ def _as_javascript_number(value: Any) -> Any:
     return value
 
 
+def is_plotly_js_bundle(output: dict) -> bool:
+    """Whether a notebook output only embeds the plotly.js bundle (no figure of its own)."""
+    data = output.get("data", {})
+    html = data.get("text/html", "")
+    html = "".join(html) if isinstance(html, list) else html
+    return PLOTLY_MIME not in data and bool(_PLOTLY_JS_BUNDLE.search(html))
+
+
+def drop_plotly_js_bundles(notebook: dict) -> int:
+    """Remove the outputs that only embed plotly.js from ``notebook`` (in place); return
+    how many there were."""
+    dropped = 0
+    for cell in notebook.get("cells", []):
+        outputs = cell.get("outputs")
+        if outputs:
+            kept = [output for output in outputs if not is_plotly_js_bundle(output)]
+            dropped += len(outputs) - len(kept)
+            cell["outputs"] = kept
+    return dropped
+
+
 def jupyterlab_text(notebook: dict | nbformat.NotebookNode, *, set_kernel: bool = True) -> str:
     """The exact text JupyterLab 4 writes for ``notebook`` (after a browser round trip).
 
     ``set_kernel`` names the project's kernel in the metadata and drops saved widget state
-    (what a committed notebook must carry).
+    and embedded plotly.js bundles (what a committed notebook must carry).
     """
     data = _as_javascript_number(json.loads(json.dumps(notebook)))
     if set_kernel:
         data.setdefault("metadata", {})["kernelspec"] = dict(KERNELSPEC)
         data["metadata"].pop("widgets", None)
+        drop_plotly_js_bundles(data)
     text = nbformat.writes(nbformat.from_dict(data), version=nbformat.NO_CONVERT)
     return text if text.endswith("\n") else text + "\n"
 

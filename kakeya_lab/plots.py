@@ -6,6 +6,7 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 import plotly.io as pio
+from plotly.io.base_renderers import HtmlRenderer
 from plotly.subplots import make_subplots
 
 ARM_COLORS = {
@@ -18,14 +19,24 @@ ARM_COLORS = {
 }
 
 
-NOTEBOOK_RENDERER = "plotly_mimetype+notebook"
+HTML_FALLBACK_RENDERER = "kakeya_lab_html"
+NOTEBOOK_RENDERER = f"plotly_mimetype+{HTML_FALLBACK_RENDERER}"
 
 
 def use_notebook_renderer() -> None:
     """Make ``fig.show()`` in a notebook carry two representations: plotly's mime type
-    (JupyterLab draws it, also before any cell has run) and an HTML fallback, with plotly.js
-    embedded once per notebook, so ``jupyter nbconvert --to html`` shows every figure
-    offline."""
+    (JupyterLab draws it, also before any cell has run) and a light HTML fallback, a div
+    and the ``Plotly.newPlot`` call that draws it, without plotly.js.
+
+    plotly's own ``notebook`` renderer embeds the 4.7 MB plotly.js bundle in the first
+    output of every notebook; here the page that shows the fallback provides plotly.js
+    instead: :mod:`kakeya_lab.notebook_html` (``make html``) adds it once per exported page.
+    """
+    if HTML_FALLBACK_RENDERER not in pio.renderers:
+        # plotly's NotebookRenderer without its global_init, the step that embeds plotly.js
+        pio.renderers[HTML_FALLBACK_RENDERER] = HtmlRenderer(
+            connected=False, full_html=False, global_init=False, include_plotlyjs=False
+        )
     pio.renderers.default = NOTEBOOK_RENDERER
 
 

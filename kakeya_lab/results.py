@@ -35,10 +35,12 @@ __all__ = [
     "SCHEMA_VERSION",
     "ResultSchemaError",
     "git_commit",
+    "ensure_plotlyjs",
     "hardware",
     "mark_results_root",
     "now_iso",
     "package_versions",
+    "results_root_of",
     "run_header",
     "save_figure",
     "validate_metrics",
@@ -260,14 +262,18 @@ def mark_results_root(results_root: str | Path) -> Path:
     return root
 
 
-def _results_root_of(run_dir: Path) -> Path:
+def results_root_of(run_dir: Path) -> Path:
+    """The results tree ``run_dir`` lies in (the nearest folder with the marker, see
+    :func:`mark_results_root`), or ``run_dir`` itself outside any tree."""
     for folder in (run_dir, *run_dir.parents):
         if (folder / RESULTS_MARKER).exists():
             return folder
     return run_dir
 
 
-def _ensure_plotlyjs(root: Path) -> Path:
+def ensure_plotlyjs(root: Path) -> Path:
+    """Write the installed plotly.js as ``root/plotly.min.js`` unless it is already there,
+    unchanged; return its path (the one copy pages and figures under ``root`` load)."""
     from plotly.offline import get_plotlyjs
 
     path = root / PLOTLY_JS
@@ -290,7 +296,7 @@ def save_figure(fig: Any, run_dir: str | Path, name: str) -> Path:
     """
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    script = _ensure_plotlyjs(_results_root_of(run_dir))
+    script = ensure_plotlyjs(results_root_of(run_dir))
     src = os.path.relpath(script, run_dir).replace(os.sep, "/")
     html = fig.to_html(include_plotlyjs=src, full_html=True)
     return write_text_atomic(run_dir / f"{name}.html", html)

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from kakeya_lab.notebook_format import KERNEL_NAME
+from kakeya_lab.notebook_format import KERNEL_NAME, PLOTLY_MIME
+from kakeya_lab.notebook_html import export_html
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -364,25 +365,21 @@ def test_open_and_save_leaves_the_notebook_unchanged(browser, lab, name):
         _close(page, lab)
 
 
+def _figure_count(notebook: Path) -> int:
+    cells = json.loads(notebook.read_text())["cells"]
+    return sum(PLOTLY_MIME in o.get("data", {}) for c in cells for o in c.get("outputs", []))
+
+
 def test_html_export_shows_the_figures_offline(browser, tmp_path):
-    """``jupyter nbconvert --to html`` of a committed notebook, opened with every network
-    request refused: the figures draw and the cache explorer's slider moves."""
-    jupyter = Path(sys.executable).parent / "jupyter"
-    subprocess.run(
-        [
-            str(jupyter),
-            "nbconvert",
-            "--to",
-            "html",
-            "--output-dir",
-            str(tmp_path),
-            str(REPO / "notebooks" / "10_sink_window_cache.ipynb"),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    html = tmp_path / "10_sink_window_cache.html"
+    """``make html`` of the committed notebooks (one plotly.min.js beside the pages), each
+    page opened with every network request refused: every figure draws, and the cache
+    explorer's slider moves."""
+    pages = {
+        path.stem: (export_html(path, tmp_path), _figure_count(path))
+        for path in sorted((REPO / "notebooks").glob("*.ipynb"))
+        if _figure_count(path)
+    }
+    assert "10_sink_window_cache" in pages and len(list(tmp_path.glob("*.js"))) == 1
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     try:
         page.route(
@@ -391,7 +388,15 @@ def test_html_export_shows_the_figures_offline(browser, tmp_path):
                 route.continue_() if route.request.url.startswith("file:") else route.abort()
             ),
         )
-        page.goto(html.as_uri())
+        for name, (html, figures) in pages.items():
+            page.goto(html.as_uri())
+            drawn = (
+                "[...document.querySelectorAll('.plotly-graph-div')]"
+                ".filter(d => d.querySelector('.main-svg')).length"
+            )
+            page.wait_for_function(f"{drawn} >= {figures}", timeout=30_000)
+            assert page.locator(".plotly-graph-div").count() == figures, name
+        page.goto(pages["10_sink_window_cache"][0].as_uri())
         plots = page.locator(".js-plotly-plot")
         plots.first.wait_for(timeout=30_000)
         assert plots.count() == 2  # the NLL curves and the cache explorer

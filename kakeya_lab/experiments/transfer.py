@@ -55,7 +55,7 @@ def unpack_run_folder(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     if any(target.glob("*.html")) and not (root / PLOTLY_JS).is_file():
-        from kakeya_lab.results import _ensure_plotlyjs
+        from kakeya_lab.results import ensure_plotlyjs
 
-        _ensure_plotlyjs(root)  # the figures load plotly.js from the results root
+        ensure_plotlyjs(root)  # the figures load plotly.js from the results root
     return target
