@@ -8,8 +8,6 @@ caller can look the models and drafters it names up before anything loads.
 
 from __future__ import annotations
 
-from kakeya_lab.linear import KERNELS
-
 USAGE = (
     "use none, ngram[:SIZES], suffix[:DEPTH], early-exit:LAYERS, draft:MODEL[:KERNEL], "
     "drafter:NAME, drafter-tree:NAME, ngram-tree[:SIZES], suffix-tree[:DEPTH], tree:SPEC "
@@ -26,6 +24,8 @@ def draft_model_spec(arg: str) -> tuple[str, str | None]:
     ``qwen2.5-coder-0.5b-instruct:int4`` → ``("qwen2.5-coder-0.5b-instruct", "int4")``; a
     last ``:`` part that is not a kernel name stays in the model (a folder may hold one).
     """
+    from kakeya_lab.linear import KERNELS  # torch: only for draft specs, so help stays cheap
+
     name, colon, kernel = arg.rpartition(":")
     if colon and kernel in KERNELS:
         return name, kernel
