@@ -9,7 +9,9 @@ so MLX's ``cblas_*`` calls go to it. A 32x576 by 576x576 product then runs at ab
 GFLOP/s. The arithmetic is the same fp32 GEMM; only the summation order differs, which the
 MLX oracle tests' tolerances already allow for.
 
-:func:`prefer_system_blas` runs when :mod:`kakeya_lab` is imported. Set
+Importing :mod:`kakeya_lab` calls :func:`prefer_system_blas_before_mlx`, which runs
+:func:`prefer_system_blas` just before the first ``import mlx`` of the process (an import
+hook), so the package import itself stays free of torch and mlx. Set
 ``KAKEYA_MLX_BLAS=bundled`` to keep the wheel's own library. :func:`mlx_blas` says which
 one this process uses, and MLX model descriptions record it.
 """
@@ -18,8 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.abc
 import os
 import sys
+from collections.abc import Sequence
+from importlib.machinery import ModuleSpec
+from types import ModuleType
 
 _SYSTEM_BLAS_NAMES = ("openblas",)
 _chosen: str | None = None
@@ -58,6 +64,34 @@ def prefer_system_blas() -> str | None:
         _chosen = path
         return path
     return None
+
+
+class _BeforeMlx(importlib.abc.MetaPathFinder):
+    """Calls :func:`prefer_system_blas` when ``mlx`` is first imported, then steps aside
+    (it finds nothing itself: the regular finders import mlx)."""
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None,
+        target: ModuleType | None = None,
+    ) -> ModuleSpec | None:
+        if fullname == "mlx":
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            prefer_system_blas()
+        return None
+
+
+def prefer_system_blas_before_mlx() -> None:
+    """Arrange for :func:`prefer_system_blas` to run just before ``mlx`` is first imported
+    (at once if ``mlx`` is already imported: then it is too late and does nothing). Cheap:
+    imports neither torch nor mlx now. Calling it again changes nothing."""
+    if "mlx" in sys.modules:
+        prefer_system_blas()
+        return
+    if not any(isinstance(finder, _BeforeMlx) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _BeforeMlx())
 
 
 def mlx_blas() -> str:

@@ -519,20 +519,20 @@ def test_sampled_tree_decoding_commits_what_it_delivers():
 
 
 def test_tree_specs_pass_the_cli_and_long_run_checks():
-    from kakeya_lab.cli import UserError, _check_proposer
-    from kakeya_lab.proposers.registry import check_proposer_spec
+    from kakeya_lab.cli_args import UserError, check_proposer
+    from kakeya_lab.proposers import check_proposer_spec
 
     specs = ("ngram-tree", "ngram-tree:3,2", "suffix-tree", "suffix-tree:6", "tree:ngram")
     for spec in specs:
         check_proposer_spec(spec)
-        _check_proposer(spec)
+        check_proposer(spec)
     check_proposer_spec("drafter-tree:mine")  # the CLI also looks the name up (test_named_drafters)
     bad_specs = ("tree:suffix-tree", "draft-tree:x", "tree:", "ngram-tree:x", "suffix-tree:x")
     for bad in (*bad_specs, "drafter-tree:", "tree:drafter-tree:mine"):
         with pytest.raises(ValueError):
             check_proposer_spec(bad)
         with pytest.raises(UserError):
-            _check_proposer(bad)
+            check_proposer(bad)
 
 
 def test_mlx_bad_trees_and_paths_lose_nothing(verifier_models):

@@ -76,3 +76,14 @@ def build_index(results_root: str | Path = "results") -> pd.DataFrame:
                 )
     write_parquet_atomic(results_root / INDEX_NAME, index)
     return index
+
+
+def index_results_root(run_dir: str | Path) -> None:
+    """Refresh ``index.parquet`` of the results tree holding ``run_dir`` (a folder with the
+    ``.kakeya-results`` marker, or one named ``results``), so the run is listed at once;
+    a run folder elsewhere changes nothing."""
+    from kakeya_lab.results import RESULTS_MARKER
+
+    parent = Path(run_dir).resolve().parent
+    if (parent / RESULTS_MARKER).exists() or parent.name == "results":
+        build_index(parent)

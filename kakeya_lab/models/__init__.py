@@ -12,6 +12,11 @@ One concept per module:
 * :mod:`~kakeya_lab.models.errors` — :class:`ModelStoreError` and its subclasses.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kakeya_lab.models.dims import ModelDims, config_dims, model_dims
 from kakeya_lab.models.errors import (
     ChecksumMismatchError,
@@ -22,9 +27,7 @@ from kakeya_lab.models.errors import (
     UnknownModelError,
     UnsupportedModelError,
 )
-from kakeya_lab.models.load import LoadedModel, ModelDescription, load_model
-from kakeya_lab.models.pull import pull, store_problem
-from kakeya_lab.models.random import tiny_random_model
+from kakeya_lab.models.pull import pull, store_problem  # torch only once it converts
 from kakeya_lab.models.registry import DEFAULT_MODEL, REGISTRY, ModelSpec, get_spec
 from kakeya_lab.models.store import (
     MANIFEST_NAME,
@@ -37,6 +40,19 @@ from kakeya_lab.models.store import (
     weight_sha256,
 )
 from kakeya_lab.models.verify import Verification, verify_folder, verify_model
+
+if TYPE_CHECKING:
+    from kakeya_lab.models.load import LoadedModel, ModelDescription, load_model
+    from kakeya_lab.models.random import tiny_random_model
+
+# The torch-heavy names, imported on first use (PEP 562) so the registry and the store
+# (and ``kakeya-lab --help``) do not pay for torch.
+_LAZY = {
+    "LoadedModel": "kakeya_lab.models.load",
+    "ModelDescription": "kakeya_lab.models.load",
+    "load_model": "kakeya_lab.models.load",
+    "tiny_random_model": "kakeya_lab.models.random",
+}
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -71,3 +87,15 @@ __all__ = [
     "verify_model",
     "weight_sha256",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kakeya_lab.models' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -35,8 +35,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from kakeya_lab.models.errors import (
     ChecksumMismatchError,
     CorruptModelError,
@@ -162,6 +160,7 @@ def _download_and_assemble(spec: ModelSpec, work: Path, progress: bool) -> tuple
 
 def _convert_gguf(spec: ModelSpec, gguf_path: Path, out: Path, progress: bool) -> None:
     """Dequantise ``gguf_path`` with transformers and save a safetensors folder in ``out``."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     dtype = getattr(torch, spec.store_dtype)
@@ -209,6 +208,7 @@ def _convert_gguf(spec: ModelSpec, gguf_path: Path, out: Path, progress: bool) -
 def _write_manifest(spec: ModelSpec, folder: Path, gguf_sha: str) -> dict[str, Any]:
     """List every file of the converted ``folder`` (size, sha256) in ``manifest.json`` and
     stamp them (see :mod:`kakeya_lab.models.verify`)."""
+    import torch
     import transformers
 
     present = content_files(folder)

@@ -29,17 +29,45 @@ checkpoint only with the same settings, and loses no completed turn. Summaries
 :mod:`.summary` and :mod:`kakeya_lab.bench.aggregate`.
 """
 
-from kakeya_lab.bench.long_run.arms import ARM_NAMES, Arm, standard_arms
-from kakeya_lab.bench.long_run.checkpoint import CHECKPOINT, ArmState, run_settings
-from kakeya_lab.bench.long_run.driver import LongRun, check_run_arguments, run_long
-from kakeya_lab.bench.long_run.probe import FactProbe, probe_recall
-from kakeya_lab.bench.long_run.records import (
-    DegenerateRun,
-    TurnRecord,
-    refuse_all_failed,
-    refuse_degenerate,
-)
-from kakeya_lab.bench.long_run.summary import long_run_headline, summarize_long_run
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kakeya_lab.bench.long_run.arms import ARM_NAMES, Arm, standard_arms
+    from kakeya_lab.bench.long_run.checkpoint import CHECKPOINT, ArmState, run_settings
+    from kakeya_lab.bench.long_run.driver import LongRun, check_run_arguments, run_long
+    from kakeya_lab.bench.long_run.probe import FactProbe, probe_recall
+    from kakeya_lab.bench.long_run.records import (
+        DegenerateRun,
+        TurnRecord,
+        refuse_all_failed,
+        refuse_degenerate,
+    )
+    from kakeya_lab.bench.long_run.summary import long_run_headline, summarize_long_run
+
+# Imported on first use (PEP 562): ``kakeya_lab.bench.long_run.command`` (the CLI) must
+# not pay for torch before its arguments are checked.
+_LAZY = {
+    "ARM_NAMES": "arms",
+    "Arm": "arms",
+    "standard_arms": "arms",
+    "CHECKPOINT": "checkpoint",
+    "ArmState": "checkpoint",
+    "run_settings": "checkpoint",
+    "LongRun": "driver",
+    "check_run_arguments": "driver",
+    "run_long": "driver",
+    "FactProbe": "probe",
+    "probe_recall": "probe",
+    "DegenerateRun": "records",
+    "TurnRecord": "records",
+    "refuse_all_failed": "records",
+    "refuse_degenerate": "records",
+    "long_run_headline": "summary",
+    "summarize_long_run": "summary",
+}
 
 __all__ = [
     "ARM_NAMES",
@@ -60,3 +88,15 @@ __all__ = [
     "standard_arms",
     "summarize_long_run",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,0 +1,375 @@
+"""``kakeya-lab long-run OUT_DIR``: the long-run session benchmark from the command line.
+
+In-process arms (:func:`kakeya_lab.bench.long_run.run_long`), or with ``--endpoint`` the
+served arms against a running ``kakeya-lab serve``. Every argument is checked before a
+model loads or anything is written; the run folder's life (``run.json``, reports, the
+index) is :mod:`kakeya_lab.experiments.long_run`'s.
+
+Exit status: 0; 1 when the run failed (degenerate, or an arm stopped on failing turns); 2
+for user errors; 128 + the signal number when SIGTERM or SIGINT stopped it (a partial
+report is written and running the same command resumes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kakeya_lab.cli_args import (
+    EXIT_RUN_FAILED,
+    PROG,
+    Parser,
+    UserError,
+    add_backend,
+    add_cache,
+    add_linear,
+    add_model,
+    add_proposer,
+    check_cache,
+    check_int,
+    check_linear,
+    check_model,
+    check_out_dir,
+    check_positive,
+    check_proposer,
+    parameters,
+    run_parser,
+)
+
+if TYPE_CHECKING:
+    from kakeya_lab.experiments.long_run import Invocation
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kakeya-lab long-run`` parser."""
+    p = Parser(
+        prog=f"{PROG} long-run",
+        description="A long multi-turn session benchmark into OUT_DIR: cache arms side by side "
+        "over the same chat turns, checkpointed (running it again resumes), or the served arms "
+        "against a running `kakeya-lab serve` (--endpoint).",
+    )
+    p.add_argument("out_dir")
+    add_model(p)
+    p.add_argument("--turns", type=int, default=100)
+    p.add_argument(
+        "--duration-s", type=float, default=None, help="stop after this wall time instead"
+    )
+    p.add_argument(
+        "--arms",
+        default=None,
+        help="comma-separated: sink_window, full_cache, reprefill, speculative (default: the "
+        "first three); with --endpoint: grpc_session, http_reuse, http_stateless (default: all)",
+    )
+    p.add_argument(
+        "--endpoint",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="drive a running `kakeya-lab serve` instead of an in-process model: give both "
+        "--endpoint grpc://HOST:PORT and --endpoint http://HOST:PORT",
+    )
+    add_proposer(p, None, "the speculative arm's proposer")
+    p.add_argument(
+        "--draft-length", type=int, default=4, help="draft tokens per step of the speculative arm"
+    )
+    add_backend(p, None, "runtime of the in-process arms (default torch; mlx runs them on mlx-lm)")
+    add_linear(p)
+    add_cache(p, window=1020)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--probe-every", type=int, default=25, help="0: no recall probes")
+    p.add_argument("--reprefill-cap-s", type=float, default=30.0)
+    p.add_argument("--turns-per-bucket", type=int, default=50)
+    p.add_argument(
+        "--seconds-per-bucket",
+        type=float,
+        default=600.0,
+        help="wall-clock bucket length of the time-bucket table and verdicts",
+    )
+    p.add_argument(
+        "--turn-spacing-s",
+        type=float,
+        default=None,
+        help="start turns this many seconds apart in wall-clock time (default: back to back)",
+    )
+    p.add_argument(
+        "--report-every-s",
+        type=float,
+        default=600.0,
+        help="also checkpoint and write a partial report this often (0: by turns only)",
+    )
+    p.add_argument(
+        "--force-new",
+        action="store_true",
+        help="start over in OUT_DIR instead of resuming its checkpoint",
+    )
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=run_command)
+    return p
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """A long multi-turn run into OUT_DIR (checkpointed; re-running resumes)."""
+    if args.endpoint:
+        if args.backend is not None:
+            raise UserError(
+                "--backend is for in-process arms; with --endpoint the server's own --backend "
+                "decides (drop --backend here)"
+            )
+        return run_served(args)
+    if args.arms is None:
+        args.arms = "sink_window,full_cache,reprefill"
+    check_cache(args)
+    for flag, value in (
+        ("--turns", args.turns),
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--checkpoint-every", args.checkpoint_every),
+        ("--turns-per-bucket", args.turns_per_bucket),
+    ):
+        check_int(flag, value, 1)
+    check_int("--probe-every", args.probe_every, 0)
+    check_positive("--duration-s", args.duration_s)
+    check_positive("--reprefill-cap-s", args.reprefill_cap_s)
+    check_positive("--turn-spacing-s", args.turn_spacing_s)
+    check_positive("--report-every-s", args.report_every_s, allow_zero=True)
+    check_positive("--seconds-per-bucket", args.seconds_per_bucket)
+    report_every_s = args.report_every_s or None  # 0: by turns only
+    names = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if args.proposer is not None and "speculative" not in names:
+        raise UserError(
+            "--proposer is for the speculative arm: add it, e.g. --arms sink_window,speculative"
+        )
+    if "speculative" in names and args.proposer is None:
+        raise UserError("the speculative arm needs --proposer, e.g. --proposer ngram")
+    if args.proposer is not None:
+        check_proposer(args.proposer)  # an unknown model or drafter before a model loads
+    check_int("--draft-length", args.draft_length, 1)
+    check_linear(args)
+    out = check_out_dir(args.out_dir)
+    check_model(args.model)
+
+    from kakeya_lab.bench.long_run import (  # torch: once the cheap checks passed
+        DegenerateRun,
+        FactProbe,
+        check_run_arguments,
+        standard_arms,
+    )
+    from kakeya_lab.data import chained_user_turns, chitchat_conversations
+    from kakeya_lab.experiments.long_run import failed_arms, outcome, record_long_run
+    from kakeya_lab.models import load_model
+
+    try:
+        arms = standard_arms(
+            args.sink,
+            args.window,
+            args.positions,
+            names=names,
+            proposer=args.proposer,
+            draft_length=args.draft_length,
+        )
+        check_run_arguments(
+            turns=args.turns,
+            max_new_tokens=args.max_new_tokens,
+            checkpoint_every=args.checkpoint_every,
+            duration_s=args.duration_s,
+            reprefill_cap_s=args.reprefill_cap_s,
+            turns_per_bucket=args.turns_per_bucket,
+            turn_spacing_s=args.turn_spacing_s,
+            report_every_s=report_every_s,
+            seconds_per_bucket=args.seconds_per_bucket,
+        )
+        probe = FactProbe(every=args.probe_every) if args.probe_every else None
+    except ValueError as exc:
+        raise UserError(f"--arms: {exc}") from exc
+    loaded = load_model(
+        args.model, backend=args.backend or "torch", linear=args.linear, progress=not args.quiet
+    )
+    turns = chained_user_turns(chitchat_conversations("dev"), args.turns)
+    try:
+        run = record_long_run(
+            loaded,
+            arms,
+            turns,
+            out,
+            _invocation(args),
+            max_new_tokens=args.max_new_tokens,
+            checkpoint_every=args.checkpoint_every,
+            duration_s=args.duration_s,
+            probe=probe,
+            reprefill_cap_s=args.reprefill_cap_s,
+            turns_per_bucket=args.turns_per_bucket,
+            seconds_per_bucket=args.seconds_per_bucket,
+            turn_spacing_s=args.turn_spacing_s,
+            report_every_s=report_every_s,
+            force_new=args.force_new,
+            progress=not args.quiet,
+        )
+    except DegenerateRun as exc:
+        message = " ".join(str(exc).split())
+        print(f"{PROG}: run failed: {message} (checkpoint in {out})", file=sys.stderr)
+        return EXIT_RUN_FAILED
+    print_summary(run.summary)
+    if run.abort_reason is not None:
+        rounds = int(run.turns["turn"].max()) + 1 if len(run.turns) else 0
+        print(
+            f"{PROG}: stopped by {run.abort_reason} after {rounds} round(s); partial report in "
+            f"{out / 'metrics.json'}; run again to resume",
+            file=sys.stderr,
+        )
+        return 128 + int(getattr(signal, run.abort_reason))
+    if failed_arms(run.summary):
+        print(f"{PROG}: {outcome(run)[1]}", file=sys.stderr)
+        return EXIT_RUN_FAILED
+    return 0
+
+
+def print_summary(summary: dict[str, dict]) -> None:
+    """One line per arm (turns, errors, latency, both verdicts, drift), then how often
+    each arm compared with a plain one replied the same."""
+    for arm, s in summary.items():
+        drift = s.get("latency_drift_p50_by_turns", {}).get("append_latency_s", {})
+        shown = (
+            f"{drift['drift_pct']:.1f}%" if drift.get("drift_pct") is not None else "not measured"
+        )
+        lat = (s.get("latency") or {}).get("turn_latency_s") or {}
+        p50 = f"{lat['p50']:.3f}s" if lat.get("p50") is not None else "-"
+        p95 = f"{lat['p95']:.3f}s" if lat.get("p95") is not None else "-"
+        v = s.get("verdicts") or {}
+        print(
+            f"{arm:12s} turns {s['turns']:5d}  errors {s['errors']}  turn p50 {p50} p95 {p95}  "
+            f"kv_bounded turns/time {(v.get('kv_bounded') or {}).get('by_turns')}/"
+            f"{(v.get('kv_bounded') or {}).get('by_time')}  "
+            f"prefill_bounded turns/time {(v.get('prefill_bounded') or {}).get('by_turns')}/"
+            f"{(v.get('prefill_bounded') or {}).get('by_time')}  append p50 drift {shown}"
+            + (f"  stopped: {s['stopped']}" if s.get("stopped") else "")
+        )
+    for arm, s in summary.items():
+        if "matches_plain" in s:
+            m = s["matches_plain"]
+            first = m["first_mismatch_turn"]
+            print(
+                f"{arm}: replies equal to {m['plain_arm']}'s on {m['turns_equal']} of "
+                f"{m['turns_compared']} turns"
+                + (f" (first mismatch: turn {first})" if first is not None else "")
+            )
+
+
+def _invocation(args: argparse.Namespace) -> Invocation:
+    """This command line and its options, for the run folder's ``run.json``."""
+    from kakeya_lab.experiments.long_run import Invocation
+
+    return Invocation(
+        command=[PROG, "long-run", *args.argv], parameters=parameters(args, "out_dir", "argv")
+    )
+
+
+def run_served(args: argparse.Namespace) -> int:
+    """``long-run --endpoint ...``: the served arms against a running ``kakeya-lab serve``
+    (not checkpointed: a served run is written once, at its end)."""
+    from kakeya_lab.bench.long_run.served import (
+        SERVED_ARMS,
+        check_served_arms,
+        parse_endpoints,
+        server_cache,
+    )
+
+    try:
+        endpoints = parse_endpoints(args.endpoint)
+    except ValueError as exc:
+        raise UserError(f"--endpoint: {exc}") from exc
+    for flag, value in (
+        ("--turns", args.turns),
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--turns-per-bucket", args.turns_per_bucket),
+    ):
+        check_int(flag, value, 1)
+    check_positive("--seconds-per-bucket", args.seconds_per_bucket)
+    for flag, value in (
+        ("--duration-s", args.duration_s),
+        ("--turn-spacing-s", args.turn_spacing_s),
+        ("--reprefill-cap-s", args.reprefill_cap_s),
+    ):
+        if value is not None:
+            check_positive(flag, value)
+    if args.proposer is not None:
+        raise UserError(
+            "--proposer is not supported with --endpoint (the served arms decode plainly)"
+        )
+    try:
+        names = check_served_arms(
+            [a.strip() for a in (args.arms or ",".join(SERVED_ARMS)).split(",") if a.strip()]
+        )
+    except ValueError as exc:
+        raise UserError(f"--arms: {exc}") from exc
+    out = check_out_dir(args.out_dir)
+    if not args.force_new and any(
+        (out / n).exists() for n in ("turns.csv", "metrics.json", "checkpoint.json")
+    ):
+        raise UserError(
+            f"{out} already holds a run; a served run does not resume: use another folder or --force-new"
+        )
+    check_model(args.model)
+    from kakeya_lab.data import chained_user_turns, chitchat_conversations
+    from kakeya_lab.experiments.long_run import record_served_long_run
+    from kakeya_lab.models.load import resolve
+
+    found = resolve(args.model, pull_if_missing=False, progress=False)  # identity, no weights
+    try:
+        served_model = _served_model_name(endpoints.http_base)
+        cache = server_cache(endpoints.grpc_target)
+    except Exception as exc:  # an unreachable server is the user's to fix
+        raise UserError(
+            f"--endpoint: cannot reach the server ({type(exc).__name__}: {exc}); "
+            "is `kakeya-lab serve` running there?"
+        ) from exc
+    if served_model != found.name:
+        raise UserError(
+            f"the server runs {served_model!r}, not --model {found.name!r}: pass --model {served_model}"
+        )
+    turns = chained_user_turns(chitchat_conversations("dev"), args.turns)
+    summary = record_served_long_run(
+        endpoints.grpc_target,
+        endpoints.http_base,
+        turns,
+        out,
+        _invocation(args),
+        model={
+            "name": found.name,
+            "weight_sha256": found.weight_sha256,
+            "architecture": None,
+            "random": False,
+        },
+        served_model=served_model,
+        server_cache=cache,
+        arms=names,
+        max_new_tokens=args.max_new_tokens,
+        turn_spacing_s=args.turn_spacing_s,
+        duration_s=args.duration_s,
+        stateless_cap_s=args.reprefill_cap_s,
+        turns_per_bucket=args.turns_per_bucket,
+        seconds_per_bucket=args.seconds_per_bucket,
+        log=None if args.quiet else (lambda line: print(line, flush=True)),
+    )
+    for arm, s in summary.items():
+        lat = (s.get("latency") or {}).get("turn_latency_s") or {}
+        print(
+            f"{arm:14s} turns {s['turns']:5d}  errors {s['errors']}  turn p50 {lat.get('p50')}  "
+            f"p95 {lat.get('p95')}  kv_bounded {s.get('kv_bounded')}  prefill_bounded {s.get('prefill_bounded')}"
+        )
+    return 0
+
+
+def _served_model_name(http_base: str) -> str:
+    import httpx
+
+    return str(httpx.get(f"{http_base}/v1/models", timeout=30).json()["data"][0]["id"])
+
+
+def main(argv: Sequence[str]) -> int:
+    """``kakeya-lab long-run ARGV``; returns the exit status."""
+    parser = build_parser()
+    parser.set_defaults(argv=list(argv))  # recorded in run.json
+    return run_parser(parser, argv)

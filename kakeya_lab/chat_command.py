@@ -1,0 +1,147 @@
+"""``kakeya-lab chat``: interactive multi-turn chat on one session, with a live
+cache/latency line after every reply (``/info`` prints the session, ``/quit`` ends)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kakeya_lab.cli_args import (
+    PROG,
+    Parser,
+    UserError,
+    add_cache,
+    add_draft_options,
+    add_linear,
+    add_model,
+    add_proposer,
+    cache_config,
+    check_cache,
+    check_int,
+    check_linear,
+    check_model,
+    check_positive,
+    check_proposer,
+    run_parser,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kakeya-lab chat`` parser."""
+    p = Parser(prog=f"{PROG} chat", description="Interactive multi-turn chat on one session.")
+    add_model(p)
+    add_cache(p, window=1020)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--system", default=None, help="system prompt")
+    add_proposer(
+        p,
+        "none",
+        "speculative decoding (drafter:NAME: a named drafter, see `kakeya-lab align list`; a "
+        "draft model's KERNEL int8 or int4 gives it quantised weights, cheaper steps that change "
+        "only how many drafts are accepted, never the output)",
+    )
+    p.add_argument(
+        "--draft-length",
+        type=int,
+        default=4,
+        help="tokens drafted per verifier forward (speculative decoding)",
+    )
+    add_linear(p)
+    add_draft_options(p)
+    p.set_defaults(func=run_chat)
+    return p
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    """Interactive multi-turn chat on one session, with a live cache/latency line."""
+    check_cache(args)
+    check_int("--max-new-tokens", args.max_new_tokens, 1)
+    check_int("--draft-length", args.draft_length, 1)
+    check_positive("--temperature", args.temperature, allow_zero=True)
+    check_proposer(args.proposer)
+    check_linear(args)
+    check_model(args.model)
+    config = cache_config(args)
+
+    from kakeya_lab.chat import ChatTemplate  # the heavy imports, once every argument is fine
+    from kakeya_lab.models import load_model
+    from kakeya_lab.proposers import make_proposer
+    from kakeya_lab.sampling import SamplingConfig
+    from kakeya_lab.session import Done, HistoryTruncated, SessionStore, Token
+
+    loaded = load_model(args.model, linear=args.linear)
+    tok = loaded.tokenizer
+    store = SessionStore(loaded.model, config, capacity=1)
+    sid = store.create()
+    chat = ChatTemplate(tok, system=args.system)
+    try:
+        proposer = make_proposer(
+            args.proposer,
+            loaded.model,
+            config,
+            tok,
+            verifier_sha256=loaded.description.weight_sha256,
+            draft_window=args.draft_window,
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+    interactive = sys.stdin.isatty()
+    print(
+        f"{loaded.description.name}: sink {config.sink}, window {config.window}, "
+        f"{config.positions} positions, proposer {args.proposer}. /info, /quit.",
+        file=sys.stderr,
+    )
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except EOFError:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/quit", "/exit"):
+            break
+        if text == "/info":
+            print(store.info(sid), file=sys.stderr)
+            continue
+        appended = store.append(sid, chat.user(text))
+        reply: list[int] = []
+        shown = ""
+        truncated = appended.dropped > 0
+        print("bot> " if interactive else "", end="", flush=True)
+        sampling = SamplingConfig(temperature=args.temperature, seed=args.seed)
+        for event in store.generate(
+            sid, args.max_new_tokens, sampling, proposer=proposer, draft_length=args.draft_length
+        ):
+            if isinstance(event, Token):
+                reply.append(event.id)
+                text_now = tok.decode(reply, skip_special_tokens=True)
+                print(text_now[len(shown) :], end="", flush=True)
+                shown = text_now
+            elif isinstance(event, HistoryTruncated):
+                truncated = True
+            elif isinstance(event, Done):
+                done = event
+        print()
+        chat.generated(reply, eos_token_ids=store.eos_token_ids)
+        info = store.info(sid)
+        tps = done.timings.tokens_per_s or 0.0
+        extra = ""
+        if proposer is not None and done.counts.tau:
+            extra = f" | tau {done.counts.tau:.2f}"
+        budget = config.budget if config.budget is not None else "inf"
+        print(
+            f"[history {info.history_len} | cached {info.cache_len}/{budget} | "
+            f"kv {info.kv_live_bytes / 2**20:.1f} MiB | prefill {appended.latency_s * 1e3:.0f} ms | "
+            f"{tps:.1f} tok/s{extra}{' | history truncated' if truncated else ''}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    """``kakeya-lab chat ARGV``; returns the exit status."""
+    return run_parser(build_parser(), argv)

@@ -1,0 +1,148 @@
+"""``kakeya-lab serve``: one model's sessions over gRPC and an OpenAI-compatible HTTP
+endpoint in one process, until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kakeya_lab.cli_args import (
+    PROG,
+    Parser,
+    UserError,
+    add_backend,
+    add_cache,
+    add_linear,
+    add_model,
+    cache_config,
+    check_cache,
+    check_linear,
+    run_parser,
+)
+
+if TYPE_CHECKING:
+    from kakeya_lab.cache import SinkWindowConfig
+    from kakeya_lab.serve.server import ServeOptions
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kakeya-lab serve`` parser."""
+    p = Parser(
+        prog=f"{PROG} serve",
+        description="Serve one model's sessions over gRPC (CreateSession, AppendTokens, Generate, "
+        "GetSessionInfo, CloseSession) and an OpenAI-compatible HTTP endpoint (/v1/chat/completions, "
+        "/v1/models, /health, /metrics) in one process. Port 0 picks a free port; the ready line "
+        "names both. SIGTERM ends active streams with a clear status and exits 0.",
+    )
+    add_model(p)
+    add_backend(p, "torch")
+    add_linear(p)
+    add_cache(p, window=1020)
+    p.add_argument("--capacity", type=int, default=8, help="open sessions at most")
+    p.add_argument(
+        "--admission",
+        choices=["reject", "queue", "evict_lru"],
+        default="reject",
+        help="when full: reject (RESOURCE_EXHAUSTED / 429), queue up to --max-wait-s, "
+        "or close the least recently used session",
+    )
+    p.add_argument("--max-wait-s", type=float, default=10.0, help="queue admission: longest wait")
+    p.add_argument("--idle-ttl-s", type=float, default=None, help="close sessions idle this long")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--max-append-tokens", type=int, default=8192, help="largest single append")
+    p.add_argument("--max-new-tokens-limit", type=int, default=2048, help="largest max_new_tokens")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def check_serve_arguments(args: argparse.Namespace) -> None:
+    """Check every ``serve`` argument, cheaply (nothing heavy is imported)."""
+    import ipaddress
+
+    for name in ("grpc_port", "http_port"):
+        port = getattr(args, name)
+        if not 0 <= port <= 65535:
+            raise UserError(
+                f"--{name.replace('_', '-')} must be in 0..65535 (0: a free port), got {port}"
+            )
+    if args.grpc_port and args.grpc_port == args.http_port:
+        raise UserError(
+            f"--grpc-port and --http-port are both {args.grpc_port}: give two different ports"
+        )
+    try:
+        ipaddress.ip_address(args.host)
+    except ValueError:
+        raise UserError(
+            f"--host must be an IP address such as 127.0.0.1, got {args.host!r}"
+        ) from None
+    checks = [
+        (args.capacity >= 1, f"--capacity must be >= 1, got {args.capacity}"),
+        (args.max_wait_s >= 0, f"--max-wait-s must be >= 0, got {args.max_wait_s}"),
+        (
+            args.idle_ttl_s is None or args.idle_ttl_s > 0,
+            f"--idle-ttl-s must be > 0, got {args.idle_ttl_s}",
+        ),
+        (
+            args.max_append_tokens >= 1,
+            f"--max-append-tokens must be >= 1, got {args.max_append_tokens}",
+        ),
+        (
+            args.max_new_tokens_limit >= 1,
+            f"--max-new-tokens-limit must be >= 1, got {args.max_new_tokens_limit}",
+        ),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
+    check_cache(args)
+    check_linear(args)
+
+
+def serve_options(args: argparse.Namespace) -> tuple[SinkWindowConfig, ServeOptions]:
+    """The cache and server options of checked arguments."""
+    cache = cache_config(args)
+    try:
+        from kakeya_lab.serve.server import ServeOptions
+        from kakeya_lab.serve.sessions import ServeLimits
+    except ImportError as exc:
+        raise UserError(
+            f"`serve` needs the serve extra ({exc.name} is missing): pip install -e .[serve]"
+        ) from exc
+    options = ServeOptions(
+        host=args.host,
+        grpc_port=args.grpc_port,
+        http_port=args.http_port,
+        capacity=args.capacity,
+        admission=args.admission,
+        max_wait_s=args.max_wait_s,
+        idle_ttl_s=args.idle_ttl_s,
+        limits=ServeLimits(
+            max_append_tokens=args.max_append_tokens, max_new_tokens=args.max_new_tokens_limit
+        ),
+    )
+    return cache, options
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve sessions over gRPC and an OpenAI-compatible HTTP endpoint until SIGTERM."""
+    check_serve_arguments(args)
+    cache, options = serve_options(args)
+    from kakeya_lab.models import load_model
+
+    print(f"{PROG} serve: loading {args.model} ({args.backend})", file=sys.stderr, flush=True)
+    loaded = load_model(args.model, backend=args.backend, linear=args.linear, progress=False)
+    from kakeya_lab.serve.server import run_server
+
+    try:
+        return run_server(loaded, cache, options, prog=f"{PROG} serve")
+    except OSError as exc:
+        raise UserError(str(exc)) from exc
+
+
+def main(argv: Sequence[str]) -> int:
+    """``kakeya-lab serve ARGV``; returns the exit status."""
+    return run_parser(build_parser(), argv)
