@@ -2,8 +2,10 @@
 
 * :mod:`~kakeya_lab.experiments.runner` — :func:`run_notebook` (papermill into
   ``results/<experiment>/<run-id>/``);
-* :mod:`~kakeya_lab.experiments.sweeps` — :class:`Sweep`, :func:`load_sweep`,
-  :func:`run_sweep` (strict resume, recorded failures);
+* :mod:`~kakeya_lab.experiments.sweep_runs` — :class:`Sweep`, :func:`load_sweep`, one run
+  of a sweep (:func:`execute_run`);
+* :mod:`~kakeya_lab.experiments.sweeps` — :func:`run_sweep` (strict resume, recorded
+  failures, local or Ray);
 * :mod:`~kakeya_lab.experiments.ray_executor` — the same sweep on a Ray cluster (run folders
   come back to the driver packed, :mod:`~kakeya_lab.experiments.transfer`);
 * :mod:`~kakeya_lab.experiments.run_record` — ``run.json`` of CLI runs (``long-run``);
@@ -27,7 +29,8 @@ if TYPE_CHECKING:
         params_digest,
         run_notebook,
     )
-    from kakeya_lab.experiments.sweeps import Sweep, load_sweep, run_id_for, run_sweep
+    from kakeya_lab.experiments.sweep_runs import Sweep, load_sweep, run_id_for
+    from kakeya_lab.experiments.sweeps import run_sweep
     from kakeya_lab.resume import ResumeMismatch
 
 # Imported on first use (PEP 562): the ``run``/``sweep`` commands' ``--help`` need no pandas.
@@ -39,9 +42,9 @@ _LAZY = {
     "notebook_sha256": "kakeya_lab.experiments.runner",
     "params_digest": "kakeya_lab.experiments.runner",
     "run_notebook": "kakeya_lab.experiments.runner",
-    "Sweep": "kakeya_lab.experiments.sweeps",
-    "load_sweep": "kakeya_lab.experiments.sweeps",
-    "run_id_for": "kakeya_lab.experiments.sweeps",
+    "Sweep": "kakeya_lab.experiments.sweep_runs",
+    "load_sweep": "kakeya_lab.experiments.sweep_runs",
+    "run_id_for": "kakeya_lab.experiments.sweep_runs",
     "run_sweep": "kakeya_lab.experiments.sweeps",
     "ResumeMismatch": "kakeya_lab.resume",
 }

@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from kakeya_lab.experiments.sweeps import Sweep, execute_run
+from kakeya_lab.experiments.sweep_runs import Sweep, execute_run
 from kakeya_lab.experiments.transfer import pack_run_folder, unpack_run_folder
 
 
