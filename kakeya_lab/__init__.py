@@ -9,7 +9,8 @@ from kakeya_lab.blas import prefer_system_blas
 prefer_system_blas()  # before anything imports mlx: see kakeya_lab/blas.py
 
 from kakeya_lab import reference  # noqa: E402
-from kakeya_lab.cache import SinkWindowCache, SinkWindowConfig  # noqa: E402
+from kakeya_lab.backends.config import SinkWindowConfig  # noqa: E402
+from kakeya_lab.backends.torch_cache import SinkWindowCache  # noqa: E402
 from kakeya_lab.models import DEFAULT_MODEL, load_model, tiny_random_model  # noqa: E402
 from kakeya_lab.session import SessionStore  # noqa: E402
 from kakeya_lab.tree import DraftTree  # noqa: E402

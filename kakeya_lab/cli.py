@@ -87,8 +87,8 @@ def _check_positive(name: str, value: float | None, *, allow_zero: bool = False)
 
 
 def _check_cache(args: argparse.Namespace):
-    """The :class:`~kakeya_lab.cache.SinkWindowConfig` of ``--sink/--window/--positions``."""
-    from kakeya_lab.cache import SinkWindowConfig
+    """The :class:`~kakeya_lab.backends.config.SinkWindowConfig` of ``--sink/--window/--positions``."""
+    from kakeya_lab.backends.config import SinkWindowConfig
 
     _check_int("--sink", args.sink, 0, MAX_CACHE_TOKENS)
     _check_int("--window", args.window, 1, MAX_CACHE_TOKENS)
@@ -1016,7 +1016,7 @@ def _serve_options(args: argparse.Namespace):
     """Check every ``serve`` argument (before the model loads) and build the options."""
     import ipaddress
 
-    from kakeya_lab.cache import SinkWindowConfig
+    from kakeya_lab.backends.config import SinkWindowConfig
 
     for name in ("grpc_port", "http_port"):
         port = getattr(args, name)

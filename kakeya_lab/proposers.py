@@ -35,9 +35,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from kakeya_lab import inputs
-from kakeya_lab.backend import backend_name_of
-from kakeya_lab.cache import SinkWindowConfig
-from kakeya_lab.draft_step import LeanForward
+from kakeya_lab.backends import registry
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.inputs import InputTypeError
 from kakeya_lab.linear import linear_kernel_of
 from kakeya_lab.proposer_spec import USAGE, check_proposer_spec, draft_model_spec
@@ -48,6 +47,7 @@ from kakeya_lab.verifier import Verifier
 if TYPE_CHECKING:
     from kakeya_lab.align.drafters import Drafter, FeatureDrafter
     from kakeya_lab.align.lora import LoraDrafter
+    from kakeya_lab.backends.torch_lean import LeanForward
 
 
 @dataclass
@@ -352,7 +352,7 @@ class DraftModelProposer:
     Drafts ``draft_length`` tokens autoregressively (greedy when ``sampling`` is greedy,
     else sampled from the same filtered distribution the verifier samples from). After ``accept(n)`` its
     cache keeps the accepted drafts and drops the rest. With ``lean`` (the default) a model
-    :class:`~kakeya_lab.draft_step.LeanForward` supports runs its one-token steps through it
+    :class:`~kakeya_lab.backends.torch_lean.LeanForward` supports runs its one-token steps through it
     (cheaper on CPU, rounded differently; ``describe()["forward"]`` says which ran).
     """
 
@@ -376,17 +376,18 @@ class DraftModelProposer:
             or getattr(getattr(model, "config", None), "name_or_path", "")
             or type(model).__name__
         )
-        self.lean_forward = (
-            LeanForward.of(model)
-            if lean and backend_name_of(model) == "torch" and LeanForward.supports(model)
-            else None
-        )
+        self.lean = lean
         self.verifier = self._new_cache()
         self._next_logits: torch.Tensor | None = None
         self._rows: list[torch.Tensor] = []
 
     def _new_cache(self) -> Verifier:
-        return Verifier(self.model, self.config, lean_forward=self.lean_forward)
+        return Verifier(self.model, self.config, lean=self.lean)
+
+    @property
+    def lean_forward(self) -> LeanForward | None:
+        """The draft cache's lean forward, if its backend runs one (else None)."""
+        return getattr(self.verifier.backend, "lean_forward", None)
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Bring the draft cache to exactly ``context`` (all committed); the next logits."""
@@ -482,8 +483,8 @@ class EarlyExitProposer(DraftModelProposer):
 
     def __init__(self, model: PreTrainedModel, config: SinkWindowConfig, num_layers: int):
         self.num_layers = num_layers
-        if backend_name_of(model) == "mlx":
-            from kakeya_lab.mlx_backend import mlx_early_exit_model
+        if registry.name_of(model) == "mlx":
+            from kakeya_lab.backends.mlx_backend import mlx_early_exit_model
 
             draft = mlx_early_exit_model(model, num_layers)
         else:
@@ -600,7 +601,7 @@ def make_proposer(
     from kakeya_lab.align.drafters import DrafterProposer, DrafterTreeProposer
     from kakeya_lab.align.named import load_named_drafter
 
-    if backend_name_of(model) == "mlx":
+    if not registry.entry_of(model).hidden_states:
         raise ValueError(
             f"{spec!r}: named drafters read the verifier's hidden states, which only the "
             "torch backend traces; load the model with backend='torch'"

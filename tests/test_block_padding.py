@@ -123,7 +123,7 @@ def test_bad_padding_plans_are_refused(tiny_model, tmp_path):
         with pytest.raises(ValueError, match="block_padding"):
             Verifier(tiny_model.model, config, block_padding=bad)
     pytest.importorskip("mlx.core")
-    from kakeya_lab.mlx_backend import load_mlx_model
+    from kakeya_lab.backends.mlx_backend import load_mlx_model
 
     tiny_model.model.save_pretrained(tmp_path, safe_serialization=True)
     with pytest.raises(ValueError, match="torch backend only"):

@@ -25,7 +25,7 @@ from oracle_cases import (  # noqa: E402
 )
 
 from kakeya_lab import SinkWindowConfig, Verifier, reference  # noqa: E402
-from kakeya_lab.mlx_backend import load_mlx_model, mlx_dense_logits, mlx_early_exit_model  # noqa: E402
+from kakeya_lab.backends.mlx_backend import load_mlx_model, mlx_dense_logits, mlx_early_exit_model  # noqa: E402
 from kakeya_lab.models import DEFAULT_MODEL, model_dir, tiny_random_model  # noqa: E402
 from kakeya_lab.proposers import DraftModelProposer, NgramProposer, make_proposer  # noqa: E402
 from kakeya_lab.session import SessionStore, Token  # noqa: E402
@@ -140,7 +140,7 @@ def test_mlx_rollback_after_wrap_keeps_every_committed_entry(tiny):
     v.append([rng.randrange(v.vocab_size) for _ in range(50)])
 
     def committed_keys():
-        pos = v.cache.table.positions
+        pos = v.cache.plan.positions
         slots = np.nonzero(pos >= 0)[0]
         order = slots[np.argsort(pos[slots])]
         return [np.array(layer.keys)[:, :, order] for layer in v.cache.layers]

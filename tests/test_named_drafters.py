@@ -23,8 +23,8 @@ from kakeya_lab.align.named import (
     list_drafters,
     load_named_drafter,
 )
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
-from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.cli import main
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.proposers import make_proposer

@@ -18,7 +18,7 @@ from kakeya_lab.align.rollouts import (
     load_rollouts,
 )
 from kakeya_lab.align.train import RolloutData, TrainConfig, train_drafter
-from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.resume import ResumeMismatch, differences
 from kakeya_lab.session import model_eos_ids

@@ -69,7 +69,7 @@ def verifier_models(tiny_model, tmp_path_factory):
     """The tiny model on each backend the trees are verified on: {backend: model}."""
     models = {"torch": tiny_model.model}
     try:
-        from kakeya_lab.mlx_backend import load_mlx_model
+        from kakeya_lab.backends.mlx_backend import load_mlx_model
     except ImportError:  # pragma: no cover - mlx is installed with the dev extras
         return models
     folder = tmp_path_factory.mktemp("tiny-mlx")

@@ -25,7 +25,7 @@ from kakeya_lab.align.checkpoint import save_drafter
 from kakeya_lab.align.drafters import build_drafter, drafter_config_for
 from kakeya_lab.align.rollouts import CaptureOptions, capture_rollouts
 from kakeya_lab.align.train import RolloutData, TrainConfig, train_drafter
-from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.data import Split, domain_conversations
 
 if TYPE_CHECKING:

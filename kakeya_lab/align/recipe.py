@@ -31,7 +31,7 @@ from kakeya_lab.align.rollouts import (
     read_manifest,
 )
 from kakeya_lab.align.train import RolloutData, TrainingResumeMismatch, train_drafter
-from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.results import now_iso
 from kakeya_lab.session import model_eos_ids

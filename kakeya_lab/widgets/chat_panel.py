@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import html
 
-from kakeya_lab.backend import backend_name_of
-from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.backends import registry
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.widgets.live_chat import STOPPED_BY_USER, CacheSnapshot, LiveChat, ReplyRecord
 
 KIND_STYLE = {"draft": "background:#c7e9c0", "verifier": "background:#fdd0a2"}
@@ -209,7 +209,8 @@ class ChatPanel:
             verifier_sha256=verifier_sha256,
         )
         if proposers is None:
-            torch_backend = backend_name_of(self.chat.store.model) != "mlx"  # drafters: torch
+            # trained drafters read hidden states
+            torch_backend = registry.entry_of(self.chat.store.model).hidden_states
             name = getattr(getattr(source, "description", None), "name", None)
             proposers = (
                 "none",
