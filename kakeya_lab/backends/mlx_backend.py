@@ -111,6 +111,11 @@ def load_mlx_model(folder: Path, dtype: str = "float32") -> Any:
     return model
 
 
+def load_folder(folder: Path, dtype: str = "float32") -> Any:
+    """The registry's loader: :func:`load_mlx_model`."""
+    return load_mlx_model(folder, dtype)
+
+
 def _declared_eos_ids(folder: Path, config: dict) -> frozenset[int]:
     """EOS ids from generation_config.json (as transformers reads them), else config.json."""
     generation = folder / "generation_config.json"

@@ -10,7 +10,9 @@ A backend module provides (see :class:`BackendModule`):
 * ``make_backend(model, config, *, block_padding=None, lean=False)`` — the
   :class:`~kakeya_lab.backends.seam.Backend` for one sequence;
 * ``vocab_size_of(model)``, ``kv_bytes_per_token(model)`` — read from a loaded model;
-* ``check_tree_support(model)`` — NotImplementedError if draft trees cannot run on it.
+* ``check_tree_support(model)`` — NotImplementedError if draft trees cannot run on it;
+* ``load_folder(folder, dtype)`` — a model from a transformers-written folder (safetensors
+  + ``config.json``), no network (``kakeya_lab.load_model`` adds the store's checks).
 
 Built in: ``"torch"`` (:mod:`kakeya_lab.backends.torch_backend`) and ``"mlx"``
 (:mod:`kakeya_lab.backends.mlx_backend`).
@@ -22,6 +24,7 @@ import importlib
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -47,6 +50,8 @@ class BackendModule(Protocol):
     def kv_bytes_per_token(self, model: Any) -> int: ...
 
     def check_tree_support(self, model: Any) -> None: ...
+
+    def load_folder(self, folder: Path, dtype: str = "float32") -> Any: ...
 
 
 @dataclass(frozen=True)

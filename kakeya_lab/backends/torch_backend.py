@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -50,6 +51,17 @@ def kv_bytes_per_token(model: Any) -> int:
 
 def check_tree_support(model: Any) -> None:
     """Draft trees run on every torch model (positions by depth go in as position ids)."""
+
+
+def load_folder(folder: Path, dtype: str = "float32") -> PreTrainedModel:
+    """The transformers model in ``folder`` (no network, no remote code) in ``dtype``, in
+    eval mode with the sink-window attention."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=getattr(torch, dtype), use_safetensors=True, local_files_only=True
+    )
+    return enable_sink_window_attention(model.eval())
 
 
 def final_norm(model: torch.nn.Module) -> torch.nn.Module:
