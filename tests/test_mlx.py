@@ -1,8 +1,9 @@
 """The MLX backend against the oracles (MLX dense masked forward and the torch references).
 
-Same matrix as tests/test_oracle.py and tests/test_rollback.py, on mlx[cpu]: token by token,
-chunked appends, blocks + rollback, random interleavings across many wraps, both position
-modes; speculative decoding through the unchanged SessionStore; torch vs MLX greedy streams.
+MLX-specific checks on mlx[cpu] (the tiny-model oracle paths and greedy losslessness run on
+every registered backend in tests/test_oracle.py and tests/test_backends.py): the MLX dense
+oracle, SmolLM2's paths, random interleavings across many wraps, both position modes;
+rollback after a wrap; torch vs MLX greedy streams.
 Tolerances (fp32): tiny random models 1e-4, SmolLM2 1e-3.
 """
 
