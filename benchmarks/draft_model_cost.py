@@ -7,7 +7,7 @@ context (``--window``), and times one-token steps (a provisional block of one to
 back) and a prefill of ``--prefill`` tokens (a new user turn; rolled back) with its linear layers on each kernel of ``kakeya_lab/linear.py`` — PyTorch's default,
 oneDNN's, and int8 weights — switched between calls on the same loaded weights, interleaved
 round by round after one untimed round; each one-token step is timed twice, through
-transformers' forward and through the lean forward of ``kakeya_lab/draft_step.py`` (what a
+transformers' forward and through the lean forward of ``kakeya_lab/backends/torch_lean.py`` (what a
 draft model runs by default). Then it feeds ``--positions`` tokens of held-out
 code one at a time on each kernel and reports how often the greedy next token equals
 the default kernel's, through either forward: int8, int4 and the lean forward's rounding
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from kakeya_lab import SinkWindowConfig, Verifier, load_model
+from kakeya_lab.backends.torch_lean import LeanForward
 from kakeya_lab.data import domain_conversations
-from kakeya_lab.draft_step import LeanForward
 from kakeya_lab.durable import write_json_atomic
 from kakeya_lab.linear import KERNELS, set_linear_kernel
 from kakeya_lab.results import now_iso
@@ -61,11 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     verifier.append(context[: config.budget])
     turn = context[config.budget :]
 
-    leans, lean_verifiers = {}, {}
+    lean_verifiers = {}
     for kernel in KERNELS:  # the fused projections are packed with the kernel
         set_linear_kernel(loaded.model, kernel)
-        leans[kernel] = LeanForward(loaded.model)
-        lean_verifiers[kernel] = Verifier(loaded.model, config, lean_forward=leans[kernel])
+        lean_verifiers[kernel] = Verifier(loaded.model, config, lean=True)
+        assert isinstance(lean_verifiers[kernel].backend.lean_forward, LeanForward)
         lean_verifiers[kernel].append(context[: config.budget])
     times: dict[str, list[float]] = {k: [] for k in KERNELS}
     lean_times: dict[str, list[float]] = {k: [] for k in KERNELS}
@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     greedy: dict[str, torch.Tensor] = {}
     for kernel in KERNELS:  # one token at a time, as a draft model runs (not a prefill)
         set_linear_kernel(loaded.model, kernel)
-        for name, lean in ((kernel, None), (f"{kernel} lean", leans[kernel])):
-            scorer = Verifier(loaded.model, config, lean_forward=lean)
+        for name, lean in ((kernel, False), (f"{kernel} lean", True)):
+            scorer = Verifier(loaded.model, config, lean=lean)
             greedy[name] = torch.tensor([int(scorer.append([t]).argmax()) for t in held_out])
     set_linear_kernel(loaded.model, "aten")
     agree = {k: float((g == greedy["aten"]).float().mean()) for k, g in greedy.items()}

@@ -36,7 +36,7 @@ import httpx
 import psutil
 import torch
 
-from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.models import DEFAULT_MODEL, load_model
 from kakeya_lab.serve.client import SessionClient
 from kakeya_lab.serve.process import start_server

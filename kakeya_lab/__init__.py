@@ -18,7 +18,8 @@ prefer_system_blas_before_mlx()  # whoever imports mlx later: see kakeya_lab/bla
 
 if TYPE_CHECKING:
     from kakeya_lab import reference
-    from kakeya_lab.cache import SinkWindowCache, SinkWindowConfig
+    from kakeya_lab.backends.config import SinkWindowConfig
+    from kakeya_lab.backends.torch_cache import SinkWindowCache
     from kakeya_lab.models import DEFAULT_MODEL, load_model, tiny_random_model
     from kakeya_lab.session import SessionStore
     from kakeya_lab.tree import DraftTree
@@ -31,8 +32,8 @@ _LAZY = {
     "DEFAULT_MODEL": "kakeya_lab.models",
     "DraftTree": "kakeya_lab.tree",
     "SessionStore": "kakeya_lab.session",
-    "SinkWindowCache": "kakeya_lab.cache",
-    "SinkWindowConfig": "kakeya_lab.cache",
+    "SinkWindowCache": "kakeya_lab.backends.torch_cache",
+    "SinkWindowConfig": "kakeya_lab.backends.config",
     "Verifier": "kakeya_lab.verifier",
     "load_model": "kakeya_lab.models",
     "tiny_random_model": "kakeya_lab.models",

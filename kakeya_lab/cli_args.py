@@ -22,14 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kakeya_lab.cache import SinkWindowConfig
+    from kakeya_lab.backends.config import SinkWindowConfig
 
 PROG = "kakeya-lab"
 EXIT_RUN_FAILED = 1
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 MAX_CACHE_TOKENS = 1 << 24  # a sink or window beyond this cannot be held on any machine we target
-BACKENDS = ("torch", "mlx")
 VERIFIER_KERNELS = ("aten", "onednn")  # --linear: the quantised kernels are for draft models
 POSITIONS = ("global", "rolling")
 
@@ -109,7 +108,9 @@ def add_model(p: argparse.ArgumentParser, flag: str = "--model", help: str | Non
 
 def add_backend(p: argparse.ArgumentParser, default: str | None, help: str | None = None) -> None:
     """``--backend torch|mlx``."""
-    p.add_argument("--backend", choices=list(BACKENDS), default=default, help=help)
+    from kakeya_lab.backends import registry
+
+    p.add_argument("--backend", choices=list(registry.names()), default=default, help=help)
 
 
 def add_cache(p: argparse.ArgumentParser, *, window: int, positions: bool = True) -> None:
@@ -177,8 +178,8 @@ def check_cache(args: argparse.Namespace) -> None:
 
 
 def cache_config(args: argparse.Namespace) -> SinkWindowConfig:
-    """The :class:`~kakeya_lab.cache.SinkWindowConfig` of checked ``--sink/--window/--positions``."""
-    from kakeya_lab.cache import SinkWindowConfig
+    """The :class:`~kakeya_lab.backends.config.SinkWindowConfig` of checked ``--sink/--window/--positions``."""
+    from kakeya_lab.backends.config import SinkWindowConfig
 
     check_cache(args)
     try:
@@ -260,8 +261,10 @@ def check_linear(args: argparse.Namespace) -> None:
     from kakeya_lab.proposers.registry import check_proposer_spec, proposer_kind
 
     backend = getattr(args, "backend", None)
-    if backend == "mlx" and args.linear != "aten":
-        raise UserError(f"--linear {args.linear} is a torch kernel; the MLX backend has its own")
+    if backend not in (None, "torch") and args.linear != "aten":
+        raise UserError(
+            f"--linear {args.linear} is a torch kernel; the {backend} backend has its own"
+        )
     try:
         drafts = [
             draft_model_spec(arg)
@@ -270,10 +273,10 @@ def check_linear(args: argparse.Namespace) -> None:
         ]
     except ValueError:
         return
-    if backend == "mlx" and any(kernel for _, kernel in drafts):
+    if backend not in (None, "torch") and any(kernel for _, kernel in drafts):
         raise UserError(
             f"--proposer {args.proposer}: a draft model's kernel is a torch kernel; "
-            "the MLX backend has its own"
+            f"the {backend} backend has its own"
         )
     if getattr(args, "draft_window", None) is not None:
         if not drafts:

@@ -1,6 +1,6 @@
 """Reference oracles for the sink-window semantics (docs/design.md, "The sink-window cache").
 
-These never use :class:`~kakeya_lab.cache.SinkWindowCache` nor the sink-window attention
+These never use :class:`~kakeya_lab.backends.torch_cache.SinkWindowCache` nor the sink-window attention
 path: they run transformers' own SDPA attention, so a test that compares an incremental
 path against them compares two independent implementations.
 
@@ -20,8 +20,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import CacheLayerMixin
 
-from kakeya_lab.attention import rotate, visibility
-from kakeya_lab.cache import SinkWindowConfig, cache_kwarg, rope_inv_freq
+from kakeya_lab.backends.config import SinkWindowConfig
+from kakeya_lab.backends.torch_attention import rotate, visibility
+from kakeya_lab.backends.torch_cache import cache_kwarg, rope_inv_freq
 
 
 def _ids(token_ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -42,12 +42,13 @@ import torch
 from transformers import PreTrainedModel
 
 from kakeya_lab import inputs
-from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.backends.config import SinkWindowConfig
+from kakeya_lab.backends.registry import vocab_size_of
 from kakeya_lab.inputs import InputTypeError
 from kakeya_lab.proposers import check_proposer
 from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.speculative import Decoder, SpeculativeStep
-from kakeya_lab.verifier import Verifier, vocab_size_of
+from kakeya_lab.verifier import Verifier
 
 if TYPE_CHECKING:
     from kakeya_lab.cost_model import CostModel

@@ -5,7 +5,7 @@ provisional block (logits for every position) that ``commit(n)`` keeps in part a
 ``rollback()`` drops; ``forward_tree`` scores a draft tree (positions by depth, each
 node seeing its ancestors only) whose accepted root-to-node path ``commit_path`` keeps.
 Every forward gives each position the oracle's context (the attention mask is built from
-positions, see :mod:`kakeya_lab.attention`), so a block, a chunked append, a tree and
+positions, see :mod:`kakeya_lab.backends.plan`), so a block, a chunked append, a tree and
 token-by-token decoding agree.
 """
 
@@ -17,14 +17,9 @@ from typing import Any
 import torch
 
 from kakeya_lab import inputs
-from kakeya_lab.backend import (  # noqa: F401 (final_norm, vocab_size_of: re-exports)
-    check_same_backend,
-    final_norm,
-    make_backend,
-    vocab_size_of,
-)
-from kakeya_lab.cache import SinkWindowConfig, interrupts_deferred
-from kakeya_lab.draft_step import LeanForward
+from kakeya_lab.backends import registry
+from kakeya_lab.backends.config import SinkWindowConfig
+from kakeya_lab.backends.seam import check_same_backend, interrupts_deferred
 from kakeya_lab.tree import DraftTree
 
 
@@ -119,20 +114,20 @@ class TokenHistory(Sequence[int]):
 
 
 class Verifier:
-    """Scores tokens for one sequence through a sink-window cache on a :mod:`backend <kakeya_lab.backend>`.
+    """Scores tokens for one sequence through a sink-window cache on a
+    :mod:`backend <kakeya_lab.backends>`.
 
-    ``model`` is a transformers ``PreTrainedModel`` (PyTorch backend) or an mlx-lm model
-    (MLX backend, :func:`kakeya_lab.mlx_backend.load_mlx_model`); everything here is the
-    same on both. ``prefill_chunk`` bounds how many tokens go through one forward in
+    ``model`` is a model of any registered backend (:mod:`kakeya_lab.backends.registry`):
+    a transformers ``PreTrainedModel`` (torch) or an mlx-lm model (MLX,
+    ``load_model(..., backend="mlx")``); everything here is the same on all. ``prefill_chunk`` bounds how many tokens go through one forward in
     :meth:`append` (chunking does not change the result). ``block_padding`` (PyTorch
     backend; see :func:`kakeya_lab.cost_model.block_padding`) maps a block size ``n`` to a
     larger size this machine scores faster: :meth:`forward_block` then runs ``n`` tokens
     plus copies of the last up to that size and drops the copies, so its logits, the cache
     and the hidden trace are those of the ``n`` tokens (up to float rounding of the other
-    matrix shape). ``lean_forward`` (PyTorch backend, draft models only: a
-    :class:`~kakeya_lab.draft_step.LeanForward` of ``model``) runs blocks of up to
-    :data:`~kakeya_lab.draft_step.MAX_TOKENS` tokens that need no hidden states, with
-    different rounding (never for a verifier whose output is delivered).
+    matrix shape). ``lean`` (a draft model's verifier, never one whose output is delivered)
+    lets the backend run short blocks through a cheaper forward rounded differently (torch:
+    :class:`~kakeya_lab.backends.torch_lean.LeanForward`, when it supports the model).
     """
 
     def __init__(
@@ -142,7 +137,7 @@ class Verifier:
         *,
         prefill_chunk: int = 512,
         block_padding: Mapping[int, int] | None = None,
-        lean_forward: LeanForward | None = None,
+        lean: bool = False,
     ):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -151,7 +146,7 @@ class Verifier:
                 raise ValueError(
                     f"block_padding maps a block size to a size at least as large, got {n} -> {m}"
                 )
-        self.backend = make_backend(model, config, block_padding, lean_forward)
+        self.backend = registry.make_backend(model, config, block_padding=block_padding, lean=lean)
         self.model = model
         self.config = config
         self.prefill_chunk = prefill_chunk
@@ -164,7 +159,7 @@ class Verifier:
 
     @property
     def backend_name(self) -> str:
-        """``"torch"`` or ``"mlx"``."""
+        """The registered backend's name (``"torch"``, ``"mlx"``)."""
         return self.backend.name
 
     @property
@@ -185,9 +180,9 @@ class Verifier:
     def trace_hidden(self, capacity: int | None = 64) -> HiddenTrace:
         """Start recording final hidden states (kept if already on with enough capacity).
 
-        PyTorch backend only: the MLX backend raises NotImplementedError (a hidden-state
-        drafter cannot be bound to an MLX verifier)."""
-        if self.backend_name != "torch":
+        Only on a backend with ``hidden_states`` (torch); others raise NotImplementedError
+        (a hidden-state drafter cannot be bound to an MLX verifier)."""
+        if not self.backend.hidden_states:
             raise NotImplementedError(
                 f"hidden-state traces are only implemented on the torch backend (this verifier runs "
                 f"on {self.backend_name}): use an n-gram or draft-model proposer, or a torch verifier"

@@ -1,5 +1,7 @@
 """Shared fixtures: the default real model (from the offline store) and a tiny random model.
 
+``backend`` runs a test once per registered backend (:mod:`kakeya_lab.backends.registry`),
+so registering a backend tests it; ``tiny_backends`` holds the tiny random models on each.
 ``serve`` starts real ``kakeya-lab serve`` subprocesses on free loopback ports (always
 stopped). Observed oracle differences are collected by ``record_tolerance`` and printed at the end of
 the run, so every CI log states the tolerances actually reached (and written as JSON to
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kakeya_lab.backends import registry
 from kakeya_lab.models import DEFAULT_MODEL, load_model, tiny_random_model
 from kakeya_lab.serve.process import ServerProcess
 from kakeya_lab.serve.process import start_server as start_process
@@ -43,6 +46,49 @@ def default_model():
 def tiny_model():
     """A deterministic 2-layer random Qwen3 with the default model's real tokenizer."""
     return tiny_random_model("qwen3", seed=0)
+
+
+TINY_ARCHITECTURES = ("llama", "qwen3")
+
+
+@pytest.fixture(params=registry.names())
+def backend(request) -> str:
+    """Each registered backend's name in turn."""
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def tiny_backends(tiny_model, tmp_path_factory) -> dict[str, dict[str, object]]:
+    """Tiny random models (2 layers, seed 0; qwen3's is ``tiny_model``) loaded from the same
+    safetensors on every registered backend whose runtime is installed: ``{architecture:
+    {backend: model}}``. The torch entry is the one the oracles run on."""
+    models: dict[str, dict[str, object]] = {}
+    for arch in TINY_ARCHITECTURES:
+        loaded = tiny_model if arch == "qwen3" else tiny_random_model(arch, seed=0)
+        folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+        loaded.model.save_pretrained(folder, safe_serialization=True)
+        models[arch] = {"torch": loaded.model}
+        for name in registry.names():
+            if name == "torch":
+                continue
+            try:
+                models[arch][name] = registry.entry(name).load().load_folder(folder, "float32")
+            except ImportError:  # this backend's runtime is not installed here
+                pass
+    return models
+
+
+@pytest.fixture(scope="session")
+def tiny_on(tiny_backends):
+    """``tiny_on(arch, backend)``: the tiny ``arch`` model on ``backend`` (the test is
+    skipped when that backend's runtime is not installed)."""
+
+    def pick(arch: str, backend: str):
+        if backend not in tiny_backends[arch]:
+            pytest.skip(f"the {backend} backend is not installed")
+        return tiny_backends[arch][backend]
+
+    return pick
 
 
 @pytest.fixture(scope="session")

@@ -136,7 +136,7 @@ def small_vocab_model(seed: int):
     rejection sampling (chains and trees) need, where every token gets many draws."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from kakeya_lab.attention import enable_sink_window_attention
+    from kakeya_lab.backends.torch_attention import enable_sink_window_attention
 
     torch.manual_seed(seed)
     cfg = Qwen3Config(

@@ -23,8 +23,8 @@ from kakeya_lab.align.rollouts import (
     load_rollouts,
 )
 from kakeya_lab.align.train import RolloutData, TrainConfig, evaluate_offline, train_drafter
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
-from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.proposers.drafters.checkpoint import CheckpointError, load_drafter, save_drafter
 from kakeya_lab.proposers.drafters.network import (

@@ -18,7 +18,7 @@ import json, sys
 import kakeya_lab
 from kakeya_lab.blas import mlx_blas
 from kakeya_lab import SinkWindowConfig, Verifier
-from kakeya_lab.mlx_backend import load_mlx_model
+from kakeya_lab.backends.mlx_backend import load_mlx_model
 from kakeya_lab.models import model_dir
 import numpy as np
 model = load_mlx_model(model_dir("smollm2-135m-instruct"))

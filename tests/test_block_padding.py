@@ -117,14 +117,10 @@ def test_padded_greedy_speculative_decoding_equals_plain_past_eviction(tiny_mode
         )
 
 
-def test_bad_padding_plans_are_refused(tiny_model, tmp_path):
+def test_bad_padding_plans_are_refused(tiny_model, tiny_on):
     config = SinkWindowConfig(sink=2, window=6)
     for bad in ({3: 2}, {0: 4}, {2: 4.5}):
         with pytest.raises(ValueError, match="block_padding"):
             Verifier(tiny_model.model, config, block_padding=bad)
-    pytest.importorskip("mlx.core")
-    from kakeya_lab.mlx_backend import load_mlx_model
-
-    tiny_model.model.save_pretrained(tmp_path, safe_serialization=True)
     with pytest.raises(ValueError, match="torch backend only"):
-        Verifier(load_mlx_model(tmp_path), config, block_padding={2: 4})
+        Verifier(tiny_on("qwen3", "mlx"), config, block_padding={2: 4})

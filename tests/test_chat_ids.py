@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.data import chained_user_turns, chitchat_conversations
 from kakeya_lab.models import load_model

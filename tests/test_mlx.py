@@ -1,8 +1,9 @@
 """The MLX backend against the oracles (MLX dense masked forward and the torch references).
 
-Same matrix as tests/test_oracle.py and tests/test_rollback.py, on mlx[cpu]: token by token,
-chunked appends, blocks + rollback, random interleavings across many wraps, both position
-modes; speculative decoding through the unchanged SessionStore; torch vs MLX greedy streams.
+MLX-specific checks on mlx[cpu] (the tiny-model oracle paths and greedy losslessness run on
+every registered backend in tests/test_oracle.py and tests/test_backends.py): the MLX dense
+oracle, SmolLM2's paths, random interleavings across many wraps, both position modes;
+rollback after a wrap; torch vs MLX greedy streams.
 Tolerances (fp32): tiny random models 1e-4, SmolLM2 1e-3.
 """
 
@@ -25,10 +26,10 @@ from oracle_cases import (  # noqa: E402
 )
 
 from kakeya_lab import SinkWindowConfig, Verifier, reference  # noqa: E402
-from kakeya_lab.mlx_backend import load_mlx_model, mlx_dense_logits, mlx_early_exit_model  # noqa: E402
-from kakeya_lab.models import DEFAULT_MODEL, model_dir, tiny_random_model  # noqa: E402
-from kakeya_lab.proposers import DraftModelProposer, NgramProposer, make_proposer  # noqa: E402
-from kakeya_lab.session import SessionStore, Token  # noqa: E402
+from kakeya_lab.backends.mlx_backend import load_mlx_model, mlx_dense_logits  # noqa: E402
+from kakeya_lab.models import DEFAULT_MODEL, model_dir  # noqa: E402
+from kakeya_lab.proposers import DraftModelProposer  # noqa: E402
+from kakeya_lab.session import SessionStore  # noqa: E402
 
 TINY_TOL = 1e-4
 REAL_TOL = 1e-3
@@ -36,15 +37,9 @@ CONFIG = dict(sink=4, window=28)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_backends):
     """Tiny random models, each on both backends: {arch: (torch_model, mlx_model)}."""
-    pairs = {}
-    for arch in ("llama", "qwen3"):
-        loaded = tiny_random_model(arch, seed=0)
-        folder = tmp_path_factory.mktemp(f"tiny-{arch}")
-        loaded.model.save_pretrained(folder, safe_serialization=True)
-        pairs[arch] = (loaded.model, load_mlx_model(folder))
-    return pairs
+    return {arch: (models["torch"], models["mlx"]) for arch, models in tiny_backends.items()}
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +77,16 @@ def _matrix(name, torch_model, mlx_model, ids, config, tol, record_tolerance):
 
 @pytest.mark.parametrize("mode", ["global", "rolling"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tiny_mlx_paths_match_oracles(tiny, arch, mode, record_tolerance):
+def test_tiny_mlx_dense_oracle_equals_the_torch_oracle(tiny, arch, mode, record_tolerance):
+    """The MLX oracle itself (the incremental paths of every backend are in test_oracle.py)."""
     torch_model, mlx_model = tiny[arch]
     config = SinkWindowConfig(**CONFIG, positions=mode)
-    ids = [random.Random(3).randrange(1000, 40000) for _ in range(4 * config.budget)]
-    _matrix(f"tiny-{arch}/{mode}", torch_model, mlx_model, ids, config, TINY_TOL, record_tolerance)
+    ids = [random.Random(3).randrange(1000, 40000) for _ in range(config.budget)]
+    want = reference.oracle_logits(torch_model, ids, config)
+    got = mlx_dense_logits(mlx_model, ids, config)
+    check_close(
+        f"tiny-{arch}/{mode}/mlx dense vs torch oracle", got, want, TINY_TOL, record_tolerance
+    )
 
 
 @pytest.mark.slow
@@ -140,7 +140,7 @@ def test_mlx_rollback_after_wrap_keeps_every_committed_entry(tiny):
     v.append([rng.randrange(v.vocab_size) for _ in range(50)])
 
     def committed_keys():
-        pos = v.cache.table.positions
+        pos = v.cache.plan.positions
         slots = np.nonzero(pos >= 0)[0]
         order = slots[np.argsort(pos[slots])]
         return [np.array(layer.keys)[:, :, order] for layer in v.cache.layers]
@@ -173,63 +173,6 @@ def test_mlx_kv_live_bytes_grows_then_equals_the_analytic_budget(tiny):
     assert all(0 < a < b for a, b in zip(grow, grow[1:])) and grow[-1] < budget
     assert full and all(b == budget for b in full), (full, budget)
     assert v.kv_budget_bytes() == budget
-
-
-def _plain(store, prompt, n):
-    sid = store.create()
-    store.append(sid, prompt)
-    return [e.id for e in store.generate(sid, n) if isinstance(e, Token)]
-
-
-@pytest.mark.parametrize("mode", ["global", "rolling"])
-@pytest.mark.parametrize(
-    "proposer_kind",
-    [
-        "ngram",
-        "suffix-tree",
-        "ngram-tree",
-        pytest.param("draft_model", marks=pytest.mark.slow),
-        pytest.param("early_exit", marks=pytest.mark.slow),
-    ],
-)
-def test_mlx_greedy_speculative_equals_plain_past_eviction(tiny, proposer_kind, mode):
-    """Through the unchanged SessionStore / speculative_decode on MLX, chains and draft
-    trees. The prompt holds the verifier's own earlier continuation (P + plain(P) + P), so
-    the model-free proposers have real matches to draft (a random model rarely repeats
-    itself otherwise)."""
-    _, verifier_model = tiny["llama"]
-    _, draft_model = tiny["qwen3"]
-    config = SinkWindowConfig(sink=4, window=20, positions=mode)
-    rng = random.Random(11)
-    first = [rng.randrange(1000, 5000) for _ in range(40)]
-    store = SessionStore(verifier_model, config, capacity=8, eos_token_ids=[])
-    prompt = first + _plain(store, first, 30) + first
-    plain = _plain(store, prompt, 40)
-    for k in (1, 4, 8):
-        if proposer_kind == "ngram":
-            proposer = NgramProposer()
-        elif proposer_kind.endswith("-tree"):  # a draft tree verified in one MLX forward
-            proposer = make_proposer(proposer_kind, verifier_model, config)
-        elif proposer_kind == "draft_model":
-            proposer = DraftModelProposer(draft_model, config, label="tiny-random-qwen3 (mlx)")
-        else:  # self-speculation: the verifier's first layer drafts (MLX early exit)
-            proposer = DraftModelProposer(
-                mlx_early_exit_model(verifier_model, 1), config, label="early-exit-1"
-            )
-        sid = store.create()
-        store.append(sid, prompt)
-        got = [
-            e.id
-            for e in store.generate(sid, 40, proposer=proposer, draft_length=k)
-            if isinstance(e, Token)
-        ]
-        assert got == plain, (
-            f"{proposer_kind} k={k}: speculative stream differs from plain decoding"
-        )
-        info = store.info(sid)
-        assert info.history_len > config.budget == info.cache_len
-        assert info.speculative.proposed > 0
-        store.close(sid)
 
 
 @pytest.mark.slow

@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
+from kakeya_lab.backends.mlx_backend import load_mlx_model  # noqa: E402
 from kakeya_lab.bench.rotating_anchor import run_rotating_anchor  # noqa: E402
-from kakeya_lab.mlx_backend import load_mlx_model  # noqa: E402
 from kakeya_lab.models import tiny_random_model  # noqa: E402
 
 

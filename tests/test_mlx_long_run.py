@@ -16,8 +16,8 @@ import torch
 pytest.importorskip("mlx_lm")
 
 from kakeya_lab import SinkWindowConfig, Verifier  # noqa: E402
+from kakeya_lab.backends.config import analytic_kv_budget_bytes  # noqa: E402
 from kakeya_lab.bench.long_run import run_long, standard_arms  # noqa: E402
-from kakeya_lab.cache import analytic_kv_budget_bytes  # noqa: E402
 from kakeya_lab.data import chained_user_turns, chitchat_conversations  # noqa: E402
 from kakeya_lab.models import DEFAULT_MODEL, load_model  # noqa: E402
 

@@ -223,7 +223,7 @@ def test_description_of_default_model(loaded: M.LoadedModel, pulled: Path) -> No
     assert d.source.startswith(f"registry:{DEFAULT}")
     assert json.loads(json.dumps(d.to_dict()))["weight_sha256"] == d.weight_sha256
     assert not loaded.model.training
-    from kakeya_lab.attention import ATTN_IMPLEMENTATION
+    from kakeya_lab.backends.torch_attention import ATTN_IMPLEMENTATION
 
     assert loaded.model.config._attn_implementation == ATTN_IMPLEMENTATION
 

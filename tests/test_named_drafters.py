@@ -14,8 +14,8 @@ import shutil
 
 import pytest
 
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
-from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.cli import main
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.proposers import make_proposer

@@ -2,7 +2,8 @@
 
 Every path (token-by-token, chunked appends of random sizes, provisional blocks with
 rollback) must give each position the oracle's context: max-abs logit difference <= 1e-4
-in fp32, on the default real model and on a tiny random model of another architecture.
+in fp32, on the default real model (torch) and on tiny random models of two architectures
+on every registered backend (the torch oracle is the reference for all of them).
 """
 
 from __future__ import annotations
@@ -18,32 +19,44 @@ TOL = 1e-4
 MODES = ["global", "rolling"]
 
 
-@pytest.fixture(params=["default", "tiny-qwen3"])
-def model_and_ids(request, default_model, tiny_model, text_ids):
-    loaded = default_model if request.param == "default" else tiny_model
-    return request.param, loaded.model, text_ids
-
-
-# The fast loop keeps the global-mode cases (one on the real model); rolling runs in the full suite.
-@pytest.mark.parametrize("mode", ["global", pytest.param("rolling", marks=pytest.mark.slow)])
-def test_paths_match_oracle_past_the_window(model_and_ids, mode, record_tolerance):
-    name, model, text = model_and_ids
-    config = SinkWindowConfig(sink=4, window=28, positions=mode)
-    ids = text[: 4 * config.budget]  # several times longer than sink + window
-    want = reference.oracle_logits(model, ids, config)
+def _paths_match_oracle(name, model, ids, config, want, record_tolerance):
     rng = random.Random(0)
 
     got, v = token_by_token(model, ids, config)
-    check_close(f"{name}/{mode}/token-by-token", got, want, TOL, record_tolerance)
+    check_close(f"{name}/token-by-token", got, want, TOL, record_tolerance)
     assert v.cache_len == config.budget and v.history_len == len(ids)
+    assert v.kv_live_bytes == v.kv_budget_bytes() > 0
 
     got, last, _ = chunked(model, ids, config, rng)
-    check_close(f"{name}/{mode}/chunked", got, want, TOL, record_tolerance)
-    check_close(f"{name}/{mode}/chunked append", last, want[-1], TOL, record_tolerance)
+    check_close(f"{name}/chunked", got, want, TOL, record_tolerance)
+    check_close(f"{name}/chunked append", last, want[-1], TOL, record_tolerance)
 
     got, v = blocks_with_rollback(model, ids, config, rng)
     assert v.history_token_ids == ids
-    check_close(f"{name}/{mode}/blocks+rollback", got, want, TOL, record_tolerance)
+    check_close(f"{name}/blocks+rollback", got, want, TOL, record_tolerance)
+
+
+# The fast loop keeps the global-mode case on the real model; rolling runs in the full suite.
+@pytest.mark.parametrize("mode", ["global", pytest.param("rolling", marks=pytest.mark.slow)])
+def test_paths_match_oracle_past_the_window(default_model, text_ids, mode, record_tolerance):
+    config = SinkWindowConfig(sink=4, window=28, positions=mode)
+    ids = text_ids[: 4 * config.budget]  # several times longer than sink + window
+    want = reference.oracle_logits(default_model.model, ids, config)
+    _paths_match_oracle(f"default/{mode}", default_model.model, ids, config, want, record_tolerance)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_every_backend_matches_the_oracle_past_the_window(
+    backend, tiny_backends, tiny_on, arch, mode, record_tolerance
+):
+    """The same paths on each registered backend's copy of a tiny random model."""
+    model = tiny_on(arch, backend)
+    config = SinkWindowConfig(sink=4, window=28, positions=mode)
+    ids = [random.Random(3).randrange(1000, 40000) for _ in range(4 * config.budget)]
+    want = reference.oracle_logits(tiny_backends[arch]["torch"], ids, config)
+    name = f"tiny-{arch}/{mode}/{backend}"
+    _paths_match_oracle(name, model, ids, config, want, record_tolerance)
 
 
 def test_rolling_oracle_equals_dense_before_the_cache_fills(default_model, text_ids):

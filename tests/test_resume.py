@@ -16,7 +16,7 @@ from kakeya_lab.align.rollouts import (
     load_rollouts,
 )
 from kakeya_lab.align.train import RolloutData, TrainConfig, train_drafter
-from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.proposers.drafters.checkpoint import CheckpointError
 from kakeya_lab.proposers.drafters.network import build_drafter, drafter_config_for

@@ -25,7 +25,7 @@ httpx = pytest.importorskip("httpx", reason="needs the serve extra")
 
 from conftest import Server, start_server  # noqa: E402
 
-from kakeya_lab.cache import SinkWindowConfig  # noqa: E402
+from kakeya_lab.backends.config import SinkWindowConfig  # noqa: E402
 from kakeya_lab.chat import ChatTemplate  # noqa: E402
 from kakeya_lab.models import DEFAULT_MODEL  # noqa: E402
 from kakeya_lab.serve.proto import session_pb2 as pb  # noqa: E402

@@ -27,7 +27,7 @@ grpc = pytest.importorskip("grpc", reason="needs the serve extra")
 openai = pytest.importorskip("openai", reason="needs the serve extra")
 httpx = pytest.importorskip("httpx", reason="needs the serve extra")
 
-from kakeya_lab.cache import SinkWindowConfig  # noqa: E402
+from kakeya_lab.backends.config import SinkWindowConfig  # noqa: E402
 from kakeya_lab.models import DEFAULT_MODEL  # noqa: E402
 from kakeya_lab.session import SessionStore, Token  # noqa: E402
 

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("grpc", reason="needs the serve extra")
 
-from kakeya_lab.cache import SinkWindowConfig  # noqa: E402
+from kakeya_lab.backends.config import SinkWindowConfig  # noqa: E402
 from kakeya_lab.serve.load import latency_summary, load_conversations, run_load  # noqa: E402
 from kakeya_lab.session import SessionStore, Token  # noqa: E402
 

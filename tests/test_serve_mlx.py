@@ -11,7 +11,7 @@ pytest.importorskip("mlx.core", reason="needs the mlx extra")
 pytest.importorskip("grpc", reason="needs the serve extra")
 pytest.importorskip("openai", reason="needs the serve extra")
 
-from kakeya_lab.cache import SinkWindowConfig  # noqa: E402
+from kakeya_lab.backends.config import SinkWindowConfig  # noqa: E402
 from kakeya_lab.models import DEFAULT_MODEL, load_model  # noqa: E402
 from kakeya_lab.session import SessionStore, Token  # noqa: E402
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kakeya_lab import SinkWindowCache, SinkWindowConfig, Verifier
-from kakeya_lab.cache import cache_kwarg
+from kakeya_lab.backends.torch_cache import cache_kwarg
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.session import (

@@ -10,6 +10,7 @@ import re
 import pandas as pd
 import pytest
 
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.bench.spec_table import (
     TABLE_COLUMNS,
     cost_models,
@@ -21,7 +22,6 @@ from kakeya_lab.bench.spec_table import (
     wide_table,
 )
 from kakeya_lab.bench.speculative import arm_draft_lengths, arm_lossless, run_speculative
-from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.plots import spec_table_figure
 from kakeya_lab.proposers import make_proposer

@@ -9,9 +9,9 @@ import json
 import pandas as pd
 import pytest
 
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
 from kakeya_lab.bench.speculative_cost import ARM_COLUMNS, arm_costs
-from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.cost_model import BlockCost
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.plots import cost_model_figure

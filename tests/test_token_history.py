@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.verifier import TokenHistory, Verifier
 
 

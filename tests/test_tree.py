@@ -64,34 +64,10 @@ def _tree_against_oracle(model, v: Verifier, tree: DraftTree) -> float:
     return worst
 
 
-@pytest.fixture(scope="module")
-def verifier_models(tiny_model, tmp_path_factory):
-    """The tiny model on each backend the trees are verified on: {backend: model}."""
-    models = {"torch": tiny_model.model}
-    try:
-        from kakeya_lab.mlx_backend import load_mlx_model
-    except ImportError:  # pragma: no cover - mlx is installed with the dev extras
-        return models
-    folder = tmp_path_factory.mktemp("tiny-mlx")
-    tiny_model.model.save_pretrained(folder, safe_serialization=True)
-    models["mlx"] = load_mlx_model(folder)
-    return models
-
-
-BACKENDS = ["torch", "mlx"]
-
-
-def _verifier_model(verifier_models, backend):
-    if backend not in verifier_models:
-        pytest.skip(f"{backend} is not installed")
-    return verifier_models[backend]
-
-
 # ------------------------------------------------------------ (a) + (b): mechanics
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["global", "rolling"])
 def test_tree_rows_and_non_prefix_commits_match_the_oracle(
-    tiny_model, verifier_models, backend, mode, record_tolerance
+    tiny_model, tiny_on, backend, mode, record_tolerance
 ):
     """Random trees (some deeper than the window) over a history that wraps the window
     many times: every node's row equals the (torch) oracle of its root path; a random
@@ -100,7 +76,7 @@ def test_tree_rows_and_non_prefix_commits_match_the_oracle(
     model = tiny_model.model
     config = SinkWindowConfig(sink=2, window=6, positions=mode)
     rng = random.Random(11 if mode == "global" else 12)
-    v = Verifier(_verifier_model(verifier_models, backend), config)
+    v = Verifier(tiny_on("qwen3", backend), config)
     vocab = v.vocab_size
     v.append([rng.randrange(vocab) for _ in range(3)])
     worst, non_prefix = 0.0, 0
@@ -117,7 +93,7 @@ def test_tree_rows_and_non_prefix_commits_match_the_oracle(
     assert non_prefix >= 10
     record_tolerance(f"tiny-qwen3/{backend}/{mode}/tree rows and non-prefix commits", worst)
     assert worst <= 1e-4
-    fresh = Verifier(_verifier_model(verifier_models, backend), config)
+    fresh = Verifier(tiny_on("qwen3", backend), config)
     fresh.append(v.history_token_ids)
     assert fresh.cached_token_ids == v.cached_token_ids
     assert fresh.cached_positions() == v.cached_positions()
@@ -126,11 +102,8 @@ def test_tree_rows_and_non_prefix_commits_match_the_oracle(
     assert diff <= 1e-4
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["global", "rolling"])
-def test_a_deep_tree_over_an_empty_history_matches_the_oracle(
-    tiny_model, verifier_models, backend, mode
-):
+def test_a_deep_tree_over_an_empty_history_matches_the_oracle(tiny_model, tiny_on, backend, mode):
     """The block holds the sinks itself and is far deeper than sink + window, so in
     rolling mode its deep nodes need rotated copies of sink *block* columns, each query
     seeing only the copies of its own ancestors."""
@@ -139,7 +112,7 @@ def test_a_deep_tree_over_an_empty_history_matches_the_oracle(
     rng = random.Random(1)
     worst = 0.0
     for _ in range(4):
-        v = Verifier(_verifier_model(verifier_models, backend), config)
+        v = Verifier(tiny_on("qwen3", backend), config)
         n = 14
         parents = [-1, 0, 0] + [
             i - 1 if rng.random() < 0.7 else rng.randrange(1, i) for i in range(3, n)
@@ -535,10 +508,10 @@ def test_tree_specs_pass_the_cli_and_long_run_checks():
             check_proposer(bad)
 
 
-def test_mlx_bad_trees_and_paths_lose_nothing(verifier_models):
+def test_mlx_bad_trees_and_paths_lose_nothing(tiny_on):
     """On MLX too: a refused tree or path changes nothing, and a tree forward that fails
     midway leaves no block behind (the next forward is plain)."""
-    v = Verifier(_verifier_model(verifier_models, "mlx"), SinkWindowConfig(sink=2, window=6))
+    v = Verifier(tiny_on("qwen3", "mlx"), SinkWindowConfig(sink=2, window=6))
     v.append([1, 2, 3])
     with pytest.raises(ValueError):
         v.forward_tree(DraftTree([4, v.vocab_size], [-1, 0]))

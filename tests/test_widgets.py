@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.notebook_format import KERNEL_NAME, jupyterlab_text
 from kakeya_lab.verifier import Verifier
 from kakeya_lab.widgets import (

@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import pandas as pd
 
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
-from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.data import DOMAINS, Split, domain_conversations
 from kakeya_lab.proposers import DraftModelProposer, Proposer
 from kakeya_lab.proposers.drafters.proposer import DrafterProposer

@@ -23,7 +23,7 @@ import torch
 
 from kakeya_lab.align.rollouts import CaptureOptions, capture_rollouts
 from kakeya_lab.align.train import RolloutData, TrainConfig, train_drafter
-from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.data import Split, domain_conversations
 from kakeya_lab.proposers.drafters.checkpoint import save_drafter
 from kakeya_lab.proposers.drafters.network import build_drafter, drafter_config_for

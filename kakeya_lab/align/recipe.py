@@ -29,7 +29,7 @@ from kakeya_lab.align.rollouts import (
     read_manifest,
 )
 from kakeya_lab.align.train import RolloutData, TrainingResumeMismatch, train_drafter
-from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.proposers.drafters.named import check_name, drafters_home, save_named_drafter
 from kakeya_lab.proposers.drafters.network import build_drafter, drafter_config_for

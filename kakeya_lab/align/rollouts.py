@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.bench.aggregate import repetition_rate
-from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.data import Conversation
 from kakeya_lab.results import now_iso, write_json_atomic

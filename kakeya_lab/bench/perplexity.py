@@ -2,7 +2,7 @@
 (the attention-sink experiment of Xiao et al. 2023, "StreamingLLM").
 
 * :func:`streaming_nll` — the text streamed through a :class:`~kakeya_lab.verifier.Verifier`
-  with a given :class:`~kakeya_lab.cache.SinkWindowConfig` (dense = ``window=None``,
+  with a given :class:`~kakeya_lab.backends.config.SinkWindowConfig` (dense = ``window=None``,
   window-only = ``sink=0``, sink + window in either position mode). Each token is scored
   with exactly the oracle's context.
 * :func:`sliding_recompute_nll` — sliding window with re-computation: every block of
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.verifier import Verifier
 
 
@@ -55,7 +55,7 @@ def sliding_recompute_nll(
 ) -> np.ndarray:
     """NLL of ``token_ids[1:]`` where target ``t`` sees at most the ``window`` tokens
     before it, recomputed from scratch for every ``stride`` targets (positions from 0)."""
-    from kakeya_lab.attention import standard_attention
+    from kakeya_lab.backends.torch_attention import standard_attention
 
     ids = list(token_ids)
     out = np.zeros(len(ids) - 1)

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from typing import Any
 
-from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.backends.config import SinkWindowConfig
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def run_rotating_anchor(
     num_draft_tokens: int = 4,
     draft_layers: int | None = None,
 ) -> RotatingAnchorResult:
-    """Run the anchor on an mlx-lm ``model`` (e.g. :func:`kakeya_lab.mlx_backend.load_mlx_model`).
+    """Run the anchor on an mlx-lm ``model`` (e.g. :func:`kakeya_lab.backends.mlx_backend.load_mlx_model`).
 
     ``prompt`` should be longer than ``sink + window`` so decoding starts past the wrap.
     The draft is the model's first ``draft_layers`` layers (default: a third).
@@ -121,7 +121,7 @@ def run_rotating_anchor(
     from mlx_lm.generate import generate_step, speculative_generate_step
     from mlx_lm.models.cache import RotatingKVCache
 
-    from kakeya_lab.mlx_backend import mlx_early_exit_model
+    from kakeya_lab.backends.mlx_backend import mlx_early_exit_model
     from kakeya_lab.proposers import DraftModelProposer
     from kakeya_lab.session import SessionStore, Token
 
@@ -223,7 +223,7 @@ def time_decode_step(
     import mlx.core as mx
     from mlx_lm.models.cache import RotatingKVCache
 
-    from kakeya_lab.mlx_backend import MLXSinkWindowCache
+    from kakeya_lab.backends.mlx_backend import MLXSinkWindowCache
     from kakeya_lab.verifier import Verifier
 
     budget = sink + window
@@ -297,12 +297,12 @@ def oracle_agreement(
 ) -> OracleAgreement:
     """Decode ``token_ids`` one at a time through :class:`~kakeya_lab.verifier.Verifier` on
     ``mlx_model`` and compare every position's logits with
-    :func:`~kakeya_lab.mlx_backend.mlx_dense_logits` and
+    :func:`~kakeya_lab.backends.mlx_backend.mlx_dense_logits` and
     :func:`kakeya_lab.reference.dense_logits` on ``torch_model`` (the same weights).
     Global positions only (the dense mask is the rolling oracle only up to the budget)."""
     import torch
 
-    from kakeya_lab.mlx_backend import mlx_dense_logits
+    from kakeya_lab.backends.mlx_backend import mlx_dense_logits
     from kakeya_lab.reference import dense_logits
     from kakeya_lab.verifier import Verifier
 

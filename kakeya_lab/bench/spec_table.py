@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 from tqdm.auto import tqdm
 
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.bench.speculative import (
     AssistedGeneration,
     SpeculativeRun,
@@ -29,7 +30,6 @@ from kakeya_lab.bench.speculative import (
     hf_assisted_generation,
     run_speculative,
 )
-from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.data import prompt_set_conversations
 from kakeya_lab.proposers import Proposer

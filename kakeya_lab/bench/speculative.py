@@ -45,12 +45,12 @@ from dataclasses import asdict, dataclass
 import pandas as pd
 from tqdm.auto import tqdm
 
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.bench.speculative_cost import (
     BlockCostProbe,
     RunCostModel,
     run_cost_model,
 )
-from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.cost_model import CostModel, block_padding, fit_block_cost
 from kakeya_lab.data import Conversation
@@ -374,7 +374,7 @@ def hf_assisted_generation(
     """
     import torch
 
-    from kakeya_lab.attention import standard_attention
+    from kakeya_lab.backends.torch_attention import standard_attention
 
     plain_tokens = assisted_tokens = 0
     plain_s = assisted_s = 0.0

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.cost_model import BlockCost, CostModel, fit_block_cost, measure_block_cost
 from kakeya_lab.data import Conversation

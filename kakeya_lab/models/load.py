@@ -211,7 +211,7 @@ def resolve(
 
 
 def enable_sink_window(model: Any) -> None:
-    from kakeya_lab.attention import enable_sink_window_attention
+    from kakeya_lab.backends.torch_attention import enable_sink_window_attention
 
     enable_sink_window_attention(model)
 
@@ -249,19 +249,19 @@ def _require_mlx() -> None:
 
 
 def _load_mlx(found: ResolvedFolder, tokenizer: Any, dtype: torch.dtype | str) -> LoadedModel:
-    """Load the verified folder ``found`` with :mod:`kakeya_lab.mlx_backend`."""
+    """Load the verified folder ``found`` with :mod:`kakeya_lab.backends.mlx_backend`."""
     from transformers import AutoConfig
 
     from kakeya_lab.blas import mlx_blas
 
     dtype_name = str(as_torch_dtype(dtype, found.folder)).removeprefix("torch.")
     try:
-        mlx_backend = importlib.import_module("kakeya_lab.mlx_backend")
+        mlx_backend = importlib.import_module("kakeya_lab.backends.mlx_backend")
     except ModuleNotFoundError as exc:
-        if exc.name != "kakeya_lab.mlx_backend":
+        if exc.name != "kakeya_lab.backends.mlx_backend":
             raise
         raise ModelStoreError(
-            "backend='mlx' needs kakeya_lab.mlx_backend, which this kakeya_lab does not have; "
+            "backend='mlx' needs kakeya_lab.backends.mlx_backend, which this kakeya_lab does not have; "
             "use backend='torch'"
         ) from None
     try:
@@ -317,7 +317,7 @@ def load_model(
     Weights load with ``use_safetensors=True``; ``trust_remote_code`` is never set. ``dtype``
     is a torch dtype or a name (``"float32"``, ``"bf16"``, ..., ``"auto"`` for the stored
     dtype). The model is put in eval mode and switched to the sink-window attention
-    (:func:`kakeya_lab.attention.enable_sink_window_attention`). ``linear`` is the kernel its
+    (:func:`kakeya_lab.backends.torch_attention.enable_sink_window_attention`). ``linear`` is the kernel its
     linear layers run (torch only): ``"aten"`` (PyTorch's default), ``"onednn"`` (oneDNN's,
     cheaper for blocks of a few rows on CPU) or ``"int8"``/``"int4"`` (quantised copies of
     the weights for a draft model: cheaper steps, changed numbers; :mod:`kakeya_lab.linear`);
@@ -338,14 +338,18 @@ def load_model(
 
     ``backend="mlx"`` resolves and verifies the same folder in the same way (no second
     download or conversion), loads the tokenizer with transformers and the weights with
-    :func:`kakeya_lab.mlx_backend.load_mlx_model` in ``dtype`` (same names; ``"auto"`` is
+    :func:`kakeya_lab.backends.mlx_backend.load_mlx_model` in ``dtype`` (same names; ``"auto"`` is
     the stored dtype). The description has ``backend="mlx"`` and the same ``weight_sha256``.
     Without ``mlx``/``mlx-lm`` installed: :class:`ModelStoreError` naming the extra
     (``pip install 'kakeya_lab[mlx]'``); an architecture the MLX backend does not implement:
     :class:`UnsupportedModelError`.
     """
-    if backend not in ("torch", "mlx"):
-        raise ModelStoreError(f"unknown backend {backend!r}; use 'torch' or 'mlx'")
+    from kakeya_lab.backends import registry
+
+    if backend not in registry.names():
+        raise ModelStoreError(
+            f"unknown backend {backend!r}; use one of {', '.join(registry.names())}"
+        )
     check_linear_kernel(linear)
     if backend == "mlx":
         if linear != "aten":

@@ -6,19 +6,21 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
 
-from kakeya_lab.backend import backend_name_of
-from kakeya_lab.cache import SinkWindowConfig
-from kakeya_lab.draft_step import LeanForward
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.linear import linear_kernel_of
 from kakeya_lab.proposers.base import Draft, check_same_tokenizer
 from kakeya_lab.proposers.builtin import draft_model_spec
 from kakeya_lab.proposers.registry import ProposerRequest
 from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.verifier import Verifier
+
+if TYPE_CHECKING:
+    from kakeya_lab.backends.torch_lean import LeanForward
 
 
 class DraftModelProposer:
@@ -27,7 +29,7 @@ class DraftModelProposer:
     Drafts ``draft_length`` tokens autoregressively (greedy when ``sampling`` is greedy,
     else sampled from the same filtered distribution the verifier samples from). After ``accept(n)`` its
     cache keeps the accepted drafts and drops the rest. With ``lean`` (the default) a model
-    :class:`~kakeya_lab.draft_step.LeanForward` supports runs its one-token steps through it
+    :class:`~kakeya_lab.backends.torch_lean.LeanForward` supports runs its one-token steps through it
     (cheaper on CPU, rounded differently; ``describe()["forward"]`` says which ran).
     """
 
@@ -51,17 +53,18 @@ class DraftModelProposer:
             or getattr(getattr(model, "config", None), "name_or_path", "")
             or type(model).__name__
         )
-        self.lean_forward = (
-            LeanForward.of(model)
-            if lean and backend_name_of(model) == "torch" and LeanForward.supports(model)
-            else None
-        )
+        self.lean = lean
         self.verifier = self._new_cache()
         self._next_logits: torch.Tensor | None = None
         self._rows: list[torch.Tensor] = []
 
     def _new_cache(self) -> Verifier:
-        return Verifier(self.model, self.config, lean_forward=self.lean_forward)
+        return Verifier(self.model, self.config, lean=self.lean)
+
+    @property
+    def lean_forward(self) -> LeanForward | None:
+        """The draft cache's lean forward, if its backend runs one (else None)."""
+        return getattr(self.verifier.backend, "lean_forward", None)
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Bring the draft cache to exactly ``context`` (all committed); the next logits."""

@@ -11,8 +11,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from kakeya_lab import inputs
-from kakeya_lab.backend import backend_name_of
-from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.backends import registry
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.proposers.draft_model import DraftModelProposer
 from kakeya_lab.proposers.registry import ProposerRequest
 
@@ -54,8 +54,8 @@ class EarlyExitProposer(DraftModelProposer):
 
     def __init__(self, model: PreTrainedModel, config: SinkWindowConfig, num_layers: int):
         self.num_layers = num_layers
-        if backend_name_of(model) == "mlx":
-            from kakeya_lab.mlx_backend import mlx_early_exit_model
+        if registry.name_of(model) == "mlx":
+            from kakeya_lab.backends.mlx_backend import mlx_early_exit_model
 
             draft = mlx_early_exit_model(model, num_layers)
         else:

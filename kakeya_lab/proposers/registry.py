@@ -268,6 +268,6 @@ def make_proposer(
 
 
 def _backend_name(model: Any) -> str:
-    from kakeya_lab.backend import backend_name_of
+    from kakeya_lab.backends import registry
 
-    return backend_name_of(model)
+    return registry.name_of(model)

@@ -23,7 +23,7 @@ from kakeya_lab.cli_args import (
 )
 
 if TYPE_CHECKING:
-    from kakeya_lab.cache import SinkWindowConfig
+    from kakeya_lab.backends.config import SinkWindowConfig
     from kakeya_lab.serve.server import ServeOptions
 
 

@@ -19,7 +19,7 @@ from typing import Literal
 
 import uvicorn
 
-from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.serve.admission import Admission
 from kakeya_lab.serve.grpc_service import start_grpc_server
 from kakeya_lab.serve.http_app import create_app

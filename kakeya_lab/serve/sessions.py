@@ -22,7 +22,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 from kakeya_lab import inputs
-from kakeya_lab.backend import backend_name_of
+from kakeya_lab.backends import registry
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.proposers import make_proposer
 from kakeya_lab.sampling import SamplingConfig
@@ -377,11 +377,9 @@ class ServedSessions:
                 "suffix[:DEPTH], ngram-tree[:SIZES] or suffix-tree[:DEPTH] (model-free "
                 "proposers; model drafters run in-process)"
             )
-        if kind.endswith("-tree") and backend_name_of(self.store.model) == "mlx":
-            from kakeya_lab.mlx_backend import check_tree_support
-
+        if kind.endswith("-tree"):
             try:
-                check_tree_support(self.store.model)
+                registry.check_tree_support(self.store.model)
             except NotImplementedError as exc:
                 raise ValueError(f"proposer {options.proposer!r}: {exc}") from None
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import html
 
-from kakeya_lab.backend import backend_name_of
-from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.backends import registry
+from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.widgets.live_chat import STOPPED_BY_USER, CacheSnapshot, LiveChat, ReplyRecord
 
 KIND_STYLE = {"draft": "background:#c7e9c0", "verifier": "background:#fdd0a2"}
@@ -234,7 +234,7 @@ class ChatPanel:
             proposers = offered_proposer_specs(
                 getattr(getattr(source, "description", None), "name", None),
                 self.chat.verifier_sha256,
-                backend_name_of(self.chat.store.model),
+                registry.name_of(self.chat.store.model),
             )
         self.keep_turns = keep_turns
         self.message = w.Text(placeholder="type a message", layout=w.Layout(width="60%"))

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kakeya_lab.cache import SinkWindowConfig, analytic_kv_budget_bytes
+from kakeya_lab.backends.config import SinkWindowConfig, analytic_kv_budget_bytes
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.proposers import make_proposer
 from kakeya_lab.session import Done, HistoryTruncated, SessionStore, Token

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from kakeya_lab.cache import PositionMode, SinkWindowConfig
+from kakeya_lab.backends.config import PositionMode, SinkWindowConfig
 from kakeya_lab.proposers import check_proposer_spec, usage
 
 ARM_NAMES = ("sink_window", "full_cache", "reprefill", "speculative")

@@ -15,6 +15,7 @@ from typing import Any
 import pandas as pd
 from tqdm.auto import tqdm
 
+from kakeya_lab.backends.config import analytic_kv_budget_bytes
 from kakeya_lab.bench.long_run.arms import Arm
 from kakeya_lab.bench.long_run.checkpoint import (
     CHECKPOINT,
@@ -30,7 +31,6 @@ from kakeya_lab.bench.long_run.probe import FactProbe
 from kakeya_lab.bench.long_run.records import refuse_all_failed, refuse_degenerate
 from kakeya_lab.bench.long_run.summary import summarize_long_run
 from kakeya_lab.bench.long_run.turn import run_turn
-from kakeya_lab.cache import analytic_kv_budget_bytes
 from kakeya_lab.durable import write_csv_atomic
 from kakeya_lab.session import SessionStore, model_eos_ids
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kakeya_lab.attention import rotate
+from kakeya_lab.backends.torch_attention import rotate
 from kakeya_lab.sampling import GREEDY, SamplingConfig
 from kakeya_lab.tree import DraftTree
 
@@ -89,7 +89,7 @@ class RMSNorm(nn.Module):
 
 def rope(x: torch.Tensor, theta: float, start: int = 0) -> torch.Tensor:
     """Rotary position embedding over the sequence axis of ``x`` ``[B, heads, L, d]``
-    (positions ``start..start+L-1``; the rotation is :func:`kakeya_lab.attention.rotate`)."""
+    (positions ``start..start+L-1``; the rotation is :func:`kakeya_lab.backends.torch_attention.rotate`)."""
     L, d = x.shape[-2], x.shape[-1]
     inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
     return rotate(x, torch.arange(start, start + L, device=x.device), inv_freq)

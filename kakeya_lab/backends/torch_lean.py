@@ -5,7 +5,7 @@ quantised (:mod:`kakeya_lab.linear`), a small model's token costs more in the Py
 the products than in the products: transformers' forward calls about twenty modules per
 layer, converts dtypes at each linear layer and builds the mask and rotary tables every time.
 :class:`LeanForward` computes the same forward of the same weights as one straight sequence
-of tensor operations over the model's own :class:`~kakeya_lab.cache.SinkWindowCache`: the
+of tensor operations over the model's own :class:`~kakeya_lab.backends.torch_cache.SinkWindowCache`: the
 q, k and v projections fused into one product and the gate and up projections into another
 (copies of the weights packed with the model's kernel), the cache's own key layout as the
 attention mask (so eviction, rolling positions and pending blocks mean what they mean for
@@ -17,7 +17,9 @@ rounding, as the tests check against the dense oracle), which can change which d
 draft model proposes, never what speculative decoding emits. With a quantised kernel the
 fused projections hold only their packed copies; with a full-precision kernel they are the
 model's own layers, so a lean forward adds no full-precision weights. The
-verifier always runs transformers' forward. Supported: Llama, Qwen2 and Qwen3 layer stacks
+torch backend builds it for a verifier created with ``lean=True`` (a draft model's cache;
+:class:`~kakeya_lab.backends.torch_backend.TorchBackend`); a verifier whose output is
+delivered always runs transformers' forward. Supported: Llama, Qwen2 and Qwen3 layer stacks
 with plain (or this package's) linear layers and no sliding-window layers
 (:meth:`LeanForward.supports`); anything else keeps transformers' forward.
 """
@@ -33,7 +35,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kakeya_lab.cache import SinkWindowCache
+from kakeya_lab.backends.torch_cache import SinkWindowCache
 from kakeya_lab.linear import FEW_ROWS, QuantizedLinear, linear_kernel_of, set_linear_kernel
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")

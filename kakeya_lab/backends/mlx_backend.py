@@ -8,12 +8,15 @@
   list: they call ``cache.update_and_fetch(keys, values)``, rotate with ``cache.offset``
   and build the mask with ``create_attention_mask(h, cache[0])``, which calls
   ``cache.make_mask(N, ...)``. Each layer's state is in plain attributes (``keys``,
-  ``values``, ``offset``); the layers of one model share a :class:`MLXSlotTable` (which
-  absolute position each slot holds). Same storage rule as the torch cache: committed
-  entries in slots ``[0, used)``, a provisional block after them (never overwriting a
-  committed entry, so rollback works after the window has wrapped), eviction only in
-  :meth:`MLXSinkWindowCache.commit`, ``kv_live_bytes`` from the arrays held.
-* :class:`MLXBackend` — the :class:`~kakeya_lab.backend.Backend` the verifier sits on.
+  ``values``, ``offset``); the layers of one model share a non-compact
+  :class:`~kakeya_lab.backends.plan.SlotPlan` (which absolute position each slot holds,
+  where a block goes, its key layout and sink copies, eviction) — the same plan as the
+  torch cache, except that eviction only frees slots (moving entries would copy whole MLX
+  arrays) and a new block fills free slots, lowest first. A provisional entry never takes
+  a committed entry's slot, so rollback works after the window has wrapped; eviction only
+  in :meth:`MLXSinkWindowCache.commit`, ``kv_live_bytes`` from the arrays held.
+* :class:`MLXBackend` — the :class:`~kakeya_lab.backends.seam.Backend` the verifier sits
+  on (registered as ``"mlx"``).
 * :func:`mlx_dense_logits` — the dense masked forward on MLX (the oracle).
 
 Draft trees (docs/design.md, "Draft trees"), as on torch: in a tree forward each node is
@@ -21,22 +24,18 @@ stored at ``next_position + depth`` (nodes of one depth share a position), the m
 tree's ancestor mask on the block's own columns, and RoPE rotates each node at its depth:
 mlx-lm rotates a block at consecutive positions, so every attention's ``rope`` is wrapped
 once (``TreeRope``) to rotate a tree block on by ``depth - index`` (a context variable
-holds the shifts, so other threads' forwards are untouched). Committing a root-to-node path
+holds the plan's shifts, so other threads' forwards are untouched). Committing a root-to-node path
 (:meth:`MLXSinkWindowCache.select`) only relabels slots: the path's entries already sit at
 their final positions and slots need not be contiguous, so no data moves.
 
-Rolling positions, multi-token blocks: as on torch (:mod:`kakeya_lab.attention`), each query
-past ``sink + window - 1`` gets its own copies of the sink keys rotated forward by
-``p - (sink + window - 1)`` (rotate-half RoPE, default frequencies), appended as extra key
-columns in scratch slots after the block; the boolean mask shows query ``p`` only its own
-copies and hides the original sink columns from it. Exact in one forward; the cost is
-``sink`` extra key columns per such query (``sink`` for single-token decoding).
+Rolling positions: the plan's sink copies (:mod:`kakeya_lab.backends.plan`), rotated here
+with rotate-half RoPE at the model's default frequencies.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from functools import lru_cache
@@ -46,8 +45,9 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from kakeya_lab.backend import CacheBackend, Forward
-from kakeya_lab.cache import SinkWindowConfig
+from kakeya_lab.backends.config import SinkWindowConfig
+from kakeya_lab.backends.plan import Block, SlotPlan, visibility
+from kakeya_lab.backends.seam import CacheBackend, Forward, interrupts_deferred
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _DTYPES = {
@@ -109,6 +109,11 @@ def load_mlx_model(folder: Path, dtype: str = "float32") -> Any:
         folder, config
     )  # mlx-lm models carry no generation config
     return model
+
+
+def load_folder(folder: Path, dtype: str = "float32") -> Any:
+    """The registry's loader: :func:`load_mlx_model`."""
+    return load_mlx_model(folder, dtype)
 
 
 def _declared_eos_ids(folder: Path, config: dict) -> frozenset[int]:
@@ -197,7 +202,7 @@ def _tree_rope_type() -> type:
     return TreeRope
 
 
-def check_tree_support(model: Any) -> np.ndarray:
+def tree_inv_freq(model: Any) -> np.ndarray:
     """The RoPE frequencies a tree forward rotates with; NotImplementedError for a RoPE
     variant the depth rotation cannot reproduce (traditional, partial or scaled)."""
     try:
@@ -209,206 +214,63 @@ def check_tree_support(model: Any) -> np.ndarray:
 
 
 def _install_tree_rope(model: Any) -> None:
-    """Wrap every attention's ``rope`` once (idempotent; see :func:`check_tree_support`)."""
-    inv_freq = check_tree_support(model)
+    """Wrap every attention's ``rope`` once (idempotent; see :func:`tree_inv_freq`)."""
+    inv_freq = tree_inv_freq(model)
     wrapper = _tree_rope_type()
     for layer in model.layers:
         if not isinstance(layer.self_attn.rope, wrapper):
             layer.self_attn.rope = wrapper(layer.self_attn.rope, inv_freq)
 
 
-def visibility(
-    query_positions: np.ndarray, key_positions: np.ndarray, sink: int, window: int | None
-) -> np.ndarray:
-    """The oracle mask ``[q, k]`` (True = attend) from absolute positions."""
-    q = query_positions[:, None]
-    k = key_positions[None, :]
-    visible = (k >= 0) & (k <= q)
-    if window is not None:
-        visible &= (k < sink) | (q - k < window)
-    return visible
-
-
-class MLXSlotTable:
-    """Which absolute position each slot holds (``-1``: free), shared by one model's layer caches.
-
-    Unlike the torch table, committed entries need not be a dense prefix: eviction only
-    frees slots (no data moves, which would copy whole MLX arrays), and a new block is
-    written into free slots, lowest first. A provisional entry never takes a committed
-    entry's slot, so rollback works after the window has wrapped. ``used`` committed
-    entries; ``pending_slots`` the open block's slots in position order; ``block`` the
-    open forward's ``(slots, columns, copy_columns, copy_shifts)`` once layer 0 stored it.
-    """
-
-    def __init__(self, config: SinkWindowConfig, num_layers: int, inv_freq: np.ndarray | None):
-        self.config = config
-        self.num_layers = num_layers
-        self.inv_freq = inv_freq
-        self.reset()
-
-    def reset(self) -> None:
-        self.positions = np.full(0, -1, dtype=np.int64)
-        self.used = self.history_len = 0
-        self.pending_slots = np.zeros(0, dtype=np.int64)
-        self.block: tuple[np.ndarray, int, np.ndarray | None, np.ndarray | None] | None = None
-        self.layers_done = 0
-        self.tree: tuple[np.ndarray, np.ndarray] | None = None  # (depths, ancestor mask)
-
-    @property
-    def pending_len(self) -> int:
-        return self.pending_slots.size
-
-    @property
-    def next_position(self) -> int:
-        return self.history_len + self.pending_len
-
-    def _block_positions(self, n: int) -> np.ndarray:
-        """Positions of the next ``n`` entries: consecutive, or by depth for a tree."""
-        if self.tree is not None:
-            return self.next_position + self.tree[0]
-        return np.arange(self.next_position, self.next_position + n, dtype=np.int64)
-
-    def _plan(self, n: int) -> tuple[np.ndarray, int, np.ndarray]:
-        """Slots for the next n entries, the key columns ``[0, columns)`` the forward returns,
-        and the position of every column."""
-        free = np.nonzero(self.positions == -1)[0][:n]
-        if free.size < n:
-            free = np.concatenate(
-                [free, np.arange(self.positions.size, self.positions.size + n - free.size)]
-            )
-        occupied = np.nonzero(self.positions >= 0)[0]
-        columns = int(max(free.max(), occupied.max() if occupied.size else -1)) + 1
-        keys = np.full(columns, -1, dtype=np.int64)
-        held = min(columns, self.positions.size)
-        keys[:held] = self.positions[:held]
-        keys[free] = self._block_positions(n)
-        return free, columns, keys
-
-    def layout(self, n: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-        """``(visible [n, columns], copy source columns, copy shifts)`` of the next n-token forward."""
-        c = self.config
-        free, _, keys = self._plan(n)
-        queries = self._block_positions(n)
-        visible = visibility(queries, keys, c.sink, c.window)
-        if self.tree is not None:  # inside the block, a node sees only its own path
-            visible[:, free] &= self.tree[1]
-        if c.positions != "rolling" or c.window is None:
-            return visible, None, None
-        shift = np.maximum(queries - (c.sink + c.window - 1), 0)
-        rows = np.nonzero(shift > 0)[0]
-        cols = np.nonzero((keys >= 0) & (keys < c.sink))[0]
-        if not rows.size or not cols.size:
-            return visible, None, None
-        s, m = cols.size, rows.size
-        copies = np.zeros((n, m * s), dtype=bool)
-        copies[np.repeat(rows, s), np.arange(m * s)] = visible[np.ix_(rows, cols)].reshape(-1)
-        visible[np.ix_(rows, cols)] = False
-        return np.concatenate([visible, copies], axis=1), cols, shift[rows]
-
-    def open(self, n: int) -> tuple[np.ndarray, int, np.ndarray | None, np.ndarray | None]:
-        _, cols, shifts = self.layout(n)
-        slots, columns, _ = self._plan(n)
-        needed = columns + (0 if cols is None or shifts is None else cols.size * shifts.size)
-        if needed > self.positions.size:
-            grown = np.full(max(needed, 2 * self.positions.size, 16), -1, dtype=np.int64)
-            grown[: self.positions.size] = self.positions
-            self.positions = grown
-        self.positions[slots] = self._block_positions(n)
-        self.pending_slots = np.concatenate([self.pending_slots, slots])
-        self.block = (slots, columns, cols, shifts)
-        self.layers_done = 0
-        return self.block
-
-    def commit(self, n: int) -> None:
-        self.positions[self.pending_slots[n:]] = -1
-        self.pending_slots = np.zeros(0, dtype=np.int64)
-        self.history_len += n
-        self.block = None
-        window = self.config.window
-        if window is not None:  # a full cache never evicts
-            pos = self.positions
-            evicted = (pos >= self.config.sink) & (pos < self.history_len - window)
-            pos[evicted] = -1
-        self.used = int((self.positions >= 0).sum())
-
-    def drop_provisional(self, keep: int = 0) -> None:
-        self.positions[self.pending_slots[keep:]] = -1
-        self.pending_slots = self.pending_slots[:keep]
-        self.block = None
-
-    def select(self, indices: Sequence[int]) -> None:
-        """Keep provisional entries ``indices`` (a draft tree's root-to-node path: they
-        must hold consecutive positions from ``history_len``) as the open block, dropping
-        the others; ValueError, nothing changed, else."""
-        idx = np.asarray(list(indices), dtype=np.int64)
-        if idx.size and (idx.min() < 0 or idx.max() >= self.pending_len):
-            raise ValueError(
-                f"provisional entries {list(indices)} outside 0..{self.pending_len - 1}"
-            )
-        want = np.arange(self.history_len, self.history_len + idx.size)
-        if not np.array_equal(self.positions[self.pending_slots[idx]], want):
-            raise ValueError(
-                f"provisional entries {list(indices)} are not a path of consecutive positions "
-                f"from {self.history_len}"
-            )
-        dropped = np.setdiff1d(np.arange(self.pending_len), idx)
-        self.positions[self.pending_slots[dropped]] = -1
-        self.pending_slots = self.pending_slots[idx]
-
-
 class SinkWindowKVCache:
     """One layer's sink-window cache in mlx-lm's cache protocol (``update_and_fetch``,
-    ``offset``, ``make_mask``, ``state``, ``nbytes``)."""
+    ``offset``, ``make_mask``, ``state``, ``nbytes``); its owner holds the shared plan and
+    the open forward's block."""
 
     step = 256  # slots added at a time
 
-    def __init__(self, table: MLXSlotTable, index: int):
-        self.table = table
+    def __init__(self, owner: MLXSinkWindowCache, index: int):
+        self.owner = owner
         self.index = index
         self.keys: Any = None  # mx.array [1, kv_heads, capacity, head_dim] once written
         self.values: Any = None
         self.offset = 0  # position of this layer's next token (RoPE offset)
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-        import mlx.core as mx
 
-        t = self.table
+        owner, plan = self.owner, self.owner.plan
         n = keys.shape[2]
         if keys.shape[0] != 1:
             raise ValueError("the sink-window cache holds one sequence (batch size 1)")
         if self.index == 0:
-            if t.block is not None and t.layers_done != t.num_layers:
-                raise RuntimeError("the previous forward stopped midway; roll back first")
-            block = t.open(n)
-        elif t.block is None or t.layers_done != self.index or t.block[0].size != n:
+            owner.check_forward_complete("roll back first")
+            owner.block = plan.open(n)
+            owner.layers_done = 0
+        elif owner.block is None or owner.layers_done != self.index or owner.block.slots.size != n:
             raise RuntimeError(f"layer {self.index} updated out of order")
+        block = owner.block
+        if self.keys is None or self.keys.shape[2] < plan.capacity:
+            self._grow(keys, values, plan.capacity)
+        span = block.span
+        if span is not None:  # contiguous: a slice write
+            self.keys[..., span[0] : span[1], :] = keys
+            self.values[..., span[0] : span[1], :] = values
         else:
-            block = t.block
-        slots, end, cols, shifts = block
-        if self.keys is None or self.keys.shape[2] < t.positions.size:
-            self._grow(keys, values, t.positions.size)
-        first = int(slots[0])
-        if n == 1 or int(slots[-1]) - first == n - 1:  # contiguous: a slice write
-            self.keys[..., first : first + n, :] = keys
-            self.values[..., first : first + n, :] = values
-        else:
-            idx = mx_index(slots)
+            idx = mx_index(block.slots)
             self.keys[:, :, idx] = keys
             self.values[:, :, idx] = values
-        if cols is not None and shifts is not None:
-            if t.inv_freq is None:  # the cache sets it whenever rolling positions evict
+        copies = block.layout.copies
+        if copies is not None:
+            if owner.inv_freq is None:  # the cache sets it whenever rolling positions evict
                 raise RuntimeError("rolling sink copies need the model's rotary frequencies")
-            m, s = shifts.size, cols.size
-            idx = mx_index(cols)
-            sink_keys = mx.tile(self.keys[:, :, idx], (1, 1, m, 1))
-            self.keys[..., end : end + m * s, :] = _rotate(
-                sink_keys, np.repeat(shifts, s), t.inv_freq
+            idx = mx_index(copies.column_sources)
+            self.keys[..., block.columns : block.stop, :] = _rotate(
+                self.keys[:, :, idx], copies.column_shifts, owner.inv_freq
             )
-            self.values[..., end : end + m * s, :] = mx.tile(self.values[:, :, idx], (1, 1, m, 1))
-            end += m * s
+            self.values[..., block.columns : block.stop, :] = self.values[:, :, idx]
         self.offset += n
-        t.layers_done = self.index + 1
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        owner.layers_done = self.index + 1
+        return self.keys[..., : block.stop, :], self.values[..., : block.stop, :]
 
     def _grow(self, keys: Any, values: Any, capacity: int) -> None:
         import mlx.core as mx
@@ -428,15 +290,14 @@ class SinkWindowKVCache:
 
         if window_size is not None:
             raise ValueError("sliding-window layers are not supported by the sink-window cache")
-        visible, _, _ = self.table.layout(N)
-        return mx.array(visible)
+        return mx.array(self.owner.plan.plan(N).layout.visible)
 
     def live_nbytes(self) -> int:
         """Bytes of this layer's committed K and V entries (slot size read from the arrays)."""
         if self.keys is None:
             return 0
         slots = self.keys.shape[2]
-        return (self.keys.nbytes // slots + self.values.nbytes // slots) * self.table.used
+        return (self.keys.nbytes // slots + self.values.nbytes // slots) * self.owner.plan.used
 
     @property
     def state(self) -> tuple[Any, Any]:
@@ -460,48 +321,55 @@ def mx_index(indices: np.ndarray) -> Any:
 
 
 class MLXSinkWindowCache:
-    """The layer caches of one mlx-lm model (``layers``, passed as the model's cache list)
-    and the commit / rollback verbs over them."""
+    """The layer caches of one mlx-lm model (``layers``, passed as the model's cache list),
+    their shared :class:`~kakeya_lab.backends.plan.SlotPlan` (``plan``) and the commit /
+    rollback verbs over them. ``block``: the open forward's block once layer 0 stored it;
+    ``layers_done``: how many layers stored it."""
 
     def __init__(self, model: Any, config: SinkWindowConfig):
         n_layers, self.num_kv_heads, self.head_dim, _ = _dims(model)
-        inv_freq = None
+        self.inv_freq: np.ndarray | None = None
         if config.positions == "rolling" and config.evicts:
             try:
-                inv_freq = _rope_inv_freq(model, self.head_dim)
+                self.inv_freq = _rope_inv_freq(model, self.head_dim)
             except ValueError as exc:
                 raise ValueError(
                     f"rolling positions on MLX re-rotate sink keys: {exc}; use positions='global'"
                 ) from None
         self.config = config
-        self.table = MLXSlotTable(config, n_layers, inv_freq)
-        self.layers = [SinkWindowKVCache(self.table, i) for i in range(n_layers)]
+        self.plan = SlotPlan(config, compact=False)
+        self.block: Block | None = None
+        self.layers_done = 0
+        self.layers = [SinkWindowKVCache(self, i) for i in range(n_layers)]
 
     @property
     def cache_len(self) -> int:
-        return self.table.used
+        return self.plan.used
 
     @property
     def pending_len(self) -> int:
-        return self.table.pending_len
+        return self.plan.pending_len
 
     @property
     def next_position(self) -> int:
-        return self.table.next_position
+        return self.plan.next_position
+
+    def check_forward_complete(self, only: str = "only rollback() is possible") -> None:
+        """RuntimeError if the last forward stopped midway (not every layer stored its block)."""
+        if self.block is not None and self.layers_done != len(self.layers):
+            raise RuntimeError(f"the last forward stopped midway; {only}")
 
     def _sync_offsets(self) -> None:
+        self.block = None
         for layer in self.layers:
-            layer.offset = self.table.next_position
+            layer.offset = self.plan.next_position
 
     def commit(self, n: int) -> None:
-        from kakeya_lab.cache import interrupts_deferred
-
-        if not 0 <= n <= self.table.pending_len:
-            raise ValueError(f"commit({n}) with {self.table.pending_len} provisional entries")
-        if self.table.block is not None and self.table.layers_done != self.table.num_layers:
-            raise RuntimeError("the last forward stopped midway; only rollback() is possible")
+        if not 0 <= n <= self.plan.pending_len:
+            raise ValueError(f"commit({n}) with {self.plan.pending_len} provisional entries")
+        self.check_forward_complete()
         with interrupts_deferred():
-            self.table.commit(n)  # eviction frees slots; no data moves
+            self.plan.commit(n)  # eviction frees slots; no data moves
             self._sync_offsets()
 
     def select(self, indices: Sequence[int]) -> None:
@@ -509,41 +377,37 @@ class MLXSinkWindowCache:
         open block and drop the rest; then ``commit(len(indices))`` commits the path. Only
         slot labels change (see the module doc); ValueError, nothing changed, if
         ``indices`` is not such a path."""
-        if self.table.block is not None and self.table.layers_done != self.table.num_layers:
-            raise RuntimeError("the last forward stopped midway; only rollback() is possible")
-        self.table.select(indices)
+        self.check_forward_complete()
+        self.plan.select(indices)
 
     @contextmanager
     def tree_forward(self, tree: Any, model: Any) -> Iterator[None]:
         """Within the block, the next forward is the :class:`~kakeya_lab.tree.DraftTree`
         ``tree``: entries at ``next_position + depth`` under its ancestor mask, RoPE by depth."""
-        if self.table.pending_len:
+        if self.plan.pending_len:
             raise RuntimeError("a draft tree is verified on its own: commit or roll back first")
         _install_tree_rope(model)
-        depths = np.asarray(tree.depths(), dtype=np.int64)
-        self.table.tree = (depths, tree.ancestor_mask().numpy())
-        token = _TREE_SHIFTS.set(depths - np.arange(depths.size))
+        self.plan.set_tree(tree.depths(), tree.ancestor_mask().numpy())
+        token = _TREE_SHIFTS.set(self.plan.tree_rope_shifts())
         try:
             yield
         finally:
             _TREE_SHIFTS.reset(token)
-            self.table.tree = None
+            self.plan.set_tree(None)
 
     def rollback(self, keep: int = 0) -> None:
         """Drop provisional entries (all, or all but the first ``keep``)."""
-        self.table.drop_provisional(keep)
+        self.plan.drop_provisional(keep)
         self._sync_offsets()
 
     def reset(self) -> None:
         for layer in self.layers:
             layer.keys = layer.values = None
-        self.table.reset()
+        self.plan.reset()
         self._sync_offsets()
 
     def cached_positions(self) -> list[int]:
-        pos = self.table.positions
-        committed = pos[(pos >= 0) & ~np.isin(np.arange(pos.size), self.table.pending_slots)]
-        return sorted(committed.tolist())
+        return self.plan.cached_positions()
 
     def kv_live_bytes(self) -> int:
         return sum(layer.live_nbytes() for layer in self.layers)
@@ -564,8 +428,33 @@ def _to_torch(x: Any) -> torch.Tensor:
     return torch.from_numpy(np.array(x.astype(mx.float32)))
 
 
+def make_backend(
+    model: Any,
+    config: SinkWindowConfig,
+    *,
+    block_padding: Mapping[int, int] | None = None,
+    lean: bool = False,
+) -> MLXBackend:
+    """The registry's constructor: an :class:`MLXBackend` (no block padding; ``lean``
+    changes nothing: MLX has one forward)."""
+    if block_padding and any(n != m for n, m in block_padding.items()):
+        raise ValueError("block padding is implemented on the torch backend only")
+    return MLXBackend(model, config)
+
+
+def vocab_size_of(model: Any) -> int:
+    """The model's ``args.vocab_size``."""
+    return int(_dims(model)[3])
+
+
+def check_tree_support(model: Any) -> None:
+    """NotImplementedError for a RoPE variant the depth rotation cannot reproduce."""
+    tree_inv_freq(model)
+
+
 class MLXBackend(CacheBackend):
-    """An mlx-lm causal LM over an :class:`MLXSinkWindowCache` (see :class:`kakeya_lab.backend.Backend`)."""
+    """An mlx-lm causal LM over an :class:`MLXSinkWindowCache` (see
+    :class:`kakeya_lab.backends.seam.Backend`)."""
 
     name = "mlx"
 
@@ -601,9 +490,6 @@ class MLXBackend(CacheBackend):
             self.cache.rollback(keep=before)  # drop this forward's partial block only
             raise
         return Forward(_to_torch(logits))
-
-    def cached_positions(self) -> list[int]:
-        return self.cache.cached_positions()
 
 
 class _DenseMask:

@@ -1,4 +1,4 @@
-"""The lean draft forward (kakeya_lab/draft_step.py) against the dense masked oracle: blocks
+"""The lean draft forward (kakeya_lab/backends/torch_lean.py) against the dense masked oracle: blocks
 with wrong tails, partial commits and rollbacks, and chunked appends that mix lean blocks
 (up to 8 tokens) with transformers' forward (longer ones), over histories that wrap a small
 window many times, in global and rolling positions; then what a draft model does with it.
@@ -14,9 +14,9 @@ import torch
 from oracle_cases import blocks_with_rollback, check_close, chunked
 
 from kakeya_lab import SinkWindowConfig, load_model
+from kakeya_lab.backends.torch_lean import MAX_TOKENS, LeanForward
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
 from kakeya_lab.data import domain_conversations
-from kakeya_lab.draft_step import MAX_TOKENS, LeanForward
 from kakeya_lab.models import DEFAULT_MODEL, tiny_random_model
 from kakeya_lab.proposers import DraftModelProposer
 from kakeya_lab.reference import oracle_logits
@@ -29,17 +29,17 @@ TOL = 2e-4
 def test_lean_forward_gives_the_oracle_logits_past_eviction(architecture, mode, record_tolerance):
     loaded = tiny_random_model(architecture, seed=1)
     model = loaded.model
-    lean = LeanForward(model)
+    lean = LeanForward.of(model)  # what a verifier with lean=True runs
     config = SinkWindowConfig(sink=3, window=17, positions=mode)
     ids = [random.Random(2).randrange(loaded.model.config.vocab_size) for _ in range(120)]
     want = oracle_logits(model, ids, config)
-    got, v = blocks_with_rollback(model, ids, config, random.Random(3), lean_forward=lean)
+    got, v = blocks_with_rollback(model, ids, config, random.Random(3), lean=True)
     assert v.history_len == len(ids) > 4 * config.budget
     assert lean.forwards > len(ids) // 8  # every block of this path is lean-sized
     name = f"tiny {architecture} lean/{mode}"
     check_close(f"{name}/blocks+rollback", got, want, TOL, record_tolerance)
     before = lean.forwards
-    rows, last, _ = chunked(model, ids, config, random.Random(4), lean_forward=lean)
+    rows, last, _ = chunked(model, ids, config, random.Random(4), lean=True)
     assert lean.forwards > before  # blocks of up to 8 lean, longer ones transformers'
     check_close(f"{name}/chunked", rows, want, TOL, record_tolerance)
     check_close(f"{name}/chunked append", last, want[-1], TOL, record_tolerance)
@@ -50,10 +50,8 @@ def test_lean_forward_of_the_default_model_gives_the_oracle_logits(
 ):
     config = SinkWindowConfig(sink=4, window=28)
     ids = text_ids[:120]
-    lean = LeanForward(default_model.model)
-    got, v = blocks_with_rollback(
-        default_model.model, ids, config, random.Random(5), lean_forward=lean
-    )
+    lean = LeanForward.of(default_model.model)
+    got, v = blocks_with_rollback(default_model.model, ids, config, random.Random(5), lean=True)
     assert v.history_len == len(ids) > 3 * config.budget and lean.forwards > len(ids) // 8
     want = oracle_logits(default_model.model, ids, config)
     check_close("smollm2 lean/global/blocks+rollback", got, want, TOL, record_tolerance)
@@ -109,7 +107,7 @@ def test_models_the_lean_forward_cannot_run_keep_transformers_forward(tiny_model
     v_cache = DraftModelProposer(tiny_model.model, config).verifier.backend.cache
     with pytest.raises(ValueError, match=f"1 to {MAX_TOKENS} tokens"):
         lean(v_cache, list(range(MAX_TOKENS + 1)), all_rows=True)
-    with pytest.raises(ValueError, match="same model"):
-        from kakeya_lab import Verifier
+    from kakeya_lab import Verifier
 
-        Verifier(wrapped, config, lean_forward=lean)
+    assert Verifier(wrapped, config, lean=True).backend.lean_forward is None
+    assert Verifier(tiny_model.model, config, lean=True).backend.lean_forward is not None
