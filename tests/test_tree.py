@@ -15,8 +15,8 @@ from scipy.stats import chisquare
 from kakeya_lab import SinkWindowConfig, Verifier, reference
 from kakeya_lab.proposers import ChainTree, DraftModelProposer, NgramProposer, make_proposer
 from kakeya_lab.sampling import SamplingConfig, sampling_probs
+from kakeya_lab.session import SpeculativeStep
 from kakeya_lab.speculative import (
-    SpeculativeStep,
     accept_greedy_tree,
     accept_sampled_tree,
     plain_decode,

@@ -42,10 +42,10 @@ from kakeya_lab.session import (
     SessionBusy,
     SessionClosed,
     SessionError,
+    SpeculativeStep,
     Token,
     UnknownSession,
 )
-from kakeya_lab.speculative import SpeculativeStep
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode:

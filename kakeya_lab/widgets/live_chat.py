@@ -27,8 +27,7 @@ from dataclasses import dataclass, field
 from kakeya_lab.cache import SinkWindowConfig, analytic_kv_budget_bytes
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.proposers import make_proposer
-from kakeya_lab.session import Done, HistoryTruncated, SessionStore, Token
-from kakeya_lab.speculative import SpeculativeStep
+from kakeya_lab.session import Done, HistoryTruncated, SessionStore, SpeculativeStep, Token
 
 STOPPED_BY_USER = "stopped"
 
