@@ -363,7 +363,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from kakeya_lab.models import load_model
     from kakeya_lab.proposers import make_proposer
     from kakeya_lab.sampling import SamplingConfig
-    from kakeya_lab.session import Done, HistoryTruncated, SessionStore, Token
+    from kakeya_lab.session import (
+        HistoryTruncated,
+        SessionStore,
+        StreamingDetokenizer,
+        Token,
+        chat_turn,
+    )
 
     config = _check_cache(args)
     _check_int("--max-new-tokens", args.max_new_tokens, 1)
@@ -407,26 +413,30 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if text == "/info":
             print(store.info(sid), file=sys.stderr)
             continue
-        appended = store.append(sid, chat.user(text))
-        reply: list[int] = []
-        shown = ""
-        truncated = appended.dropped > 0
-        print("bot> " if interactive else "", end="", flush=True)
         sampling = SamplingConfig(temperature=args.temperature, seed=args.seed)
-        for event in store.generate(
-            sid, args.max_new_tokens, sampling, proposer=proposer, draft_length=args.draft_length
-        ):
+        turn = chat_turn(
+            store,
+            sid,
+            chat,
+            text,
+            args.max_new_tokens,
+            sampling=sampling,
+            proposer=proposer,
+            draft_length=args.draft_length,
+        )
+        appended = turn.appended
+        assert appended is not None  # chat_turn always appends the user turn
+        truncated = appended.dropped > 0
+        detok = StreamingDetokenizer.for_tokenizer(tok)
+        print("bot> " if interactive else "", end="", flush=True)
+        for event in turn:
             if isinstance(event, Token):
-                reply.append(event.id)
-                text_now = tok.decode(reply, skip_special_tokens=True)
-                print(text_now[len(shown) :], end="", flush=True)
-                shown = text_now
+                print(detok.add(event.id), end="", flush=True)
             elif isinstance(event, HistoryTruncated):
                 truncated = True
-            elif isinstance(event, Done):
-                done = event
         print()
-        chat.generated(reply, eos_token_ids=store.eos_token_ids)
+        done = turn.done
+        assert done is not None  # the turn ran to its end
         info = store.info(sid)
         tps = done.timings.tokens_per_s or 0.0
         extra = ""

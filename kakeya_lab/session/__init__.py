@@ -9,7 +9,8 @@ and :mod:`~kakeya_lab.session.detokenizer` (the one streaming detokenizer). The 
 are the package's public API.
 """
 
-# events first: kakeya_lab.speculative (imported by the store) imports them
+# (isort keeps events before store: kakeya_lab.speculative, which the store uses, imports them)
+from kakeya_lab.session.detokenizer import StreamingDetokenizer, text_pieces
 from kakeya_lab.session.errors import (
     CapacityExceeded,
     SessionBusy,
@@ -29,20 +30,16 @@ from kakeya_lab.session.events import (
     Token,
     collect_reply,
 )
-from kakeya_lab.session.store import (
-    AppendResult,
-    CapacityPolicy,
-    SessionInfo,
-    SessionStore,
-    SpeculativeSummary,
-    model_eos_ids,
-)
+from kakeya_lab.session.records import AppendResult, SessionInfo, SpeculativeSummary
+from kakeya_lab.session.store import CapacityPolicy, SessionStore, model_eos_ids
 from kakeya_lab.session.stream import GenerationStream
+from kakeya_lab.session.turn import ChatTurn, append_message, chat_turn
 
 __all__ = [
     "AppendResult",
     "CapacityExceeded",
     "CapacityPolicy",
+    "ChatTurn",
     "Done",
     "Event",
     "GenerationCounts",
@@ -58,8 +55,12 @@ __all__ = [
     "SessionStore",
     "SpeculativeStep",
     "SpeculativeSummary",
+    "StreamingDetokenizer",
     "Token",
     "UnknownSession",
+    "append_message",
+    "chat_turn",
     "collect_reply",
     "model_eos_ids",
+    "text_pieces",
 ]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kakeya_lab.cache import SinkWindowConfig
 from kakeya_lab.verifier import Verifier
 
 if TYPE_CHECKING:
@@ -42,3 +43,28 @@ class SessionState:
 
     def open_stream(self) -> GenerationStream | None:
         return self.stream() if self.stream is not None else None
+
+    def check_cache_mirror(self, config: SinkWindowConfig, expected_history: int | None) -> None:
+        """Raise ``AssertionError`` unless the cache holds exactly the positions the
+        sink-window rule keeps (and ``expected_history`` tokens of history, if given)."""
+        v = self.verifier
+        positions = v.cached_positions()
+        history = v.history_len
+        if expected_history is not None and history != expected_history:
+            raise AssertionError(f"history length {history}, expected {expected_history}")
+        if len(positions) != v.cache_len or len(set(positions)) != len(positions):
+            raise AssertionError("cache slots do not mirror distinct positions")
+        cfg = config
+        if cfg.window is None:
+            expected = list(range(history))
+        else:
+            expected = sorted(
+                set(range(min(cfg.sink, history)))
+                | set(range(max(0, history - cfg.window), history))
+            )
+        if positions != expected:
+            raise AssertionError(
+                f"cached positions {positions[:8]}... differ from the sink-window rule"
+            )
+        if history and v.kv_live_bytes <= 0:
+            raise AssertionError("kv_live_bytes is 0 after an append")

@@ -39,7 +39,6 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -67,6 +66,11 @@ from kakeya_lab.session.events import (
     HistoryTruncated,
     Token,
 )
+from kakeya_lab.session.records import (
+    AppendResult,
+    SessionInfo,
+    speculative_summary,
+)
 from kakeya_lab.session.state import SessionState
 from kakeya_lab.session.stream import GenerationStream
 from kakeya_lab.verifier import Verifier, vocab_size_of
@@ -76,48 +80,6 @@ if TYPE_CHECKING:
     from kakeya_lab.proposers import Proposer
 
 CapacityPolicy = Literal["reject", "evict_lru"]
-
-
-@dataclass(frozen=True)
-class AppendResult:
-    appended: int
-    dropped: int
-    latency_s: float
-    history_len: int
-    cache_len: int
-
-
-@dataclass(frozen=True)
-class SessionInfo:
-    id: str
-    history_len: int
-    cache_len: int
-    kv_live_bytes: int
-    turns: int
-    generated_tokens: int
-    created_s: float
-    last_used_s: float
-    config: dict
-    speculative: SpeculativeSummary
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class SpeculativeSummary:
-    """Cumulative speculative figures of a session (docs/design.md, "Metrics"):
-    ``acceptance_rate`` = accepted / proposed, ``tau`` = tokens per verifier forward of its
-    speculative generations (None when not measured)."""
-
-    steps: int
-    proposed: int
-    accepted: int
-    acceptance_rate: float | None
-    tau: float | None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def model_eos_ids(model: PreTrainedModel) -> frozenset[int]:
@@ -186,9 +148,11 @@ class SessionStore:
         self.evicted: list[tuple[str, str]] = []  # (id, reason), most recent last
 
     # --------------------------------------------------------------- lifecycle
-    def create(self, *, metadata: object = None) -> str:
+    def create(self, *, metadata: object = None, claimed: bool = False) -> str:
         """Open a session and return its server-issued id. ``metadata`` is kept with the
-        session for its creator (:meth:`metadata`, :meth:`claim_where`, :meth:`evict_lru`)."""
+        session for its creator (:meth:`metadata`, :meth:`claim_where`, :meth:`evict_lru`);
+        ``claimed`` opens it already claimed (:meth:`claim`), so no other caller takes it
+        before its creator does."""
         dropped: list[SessionState] = []
         try:
             with self._lock:
@@ -209,7 +173,12 @@ class SessionStore:
                     block_padding=self.block_padding,
                 )
                 self._sessions[sid] = SessionState(
-                    sid, verifier, created_s=now, last_used_s=now, metadata=metadata
+                    sid,
+                    verifier,
+                    created_s=now,
+                    last_used_s=now,
+                    metadata=metadata,
+                    claimed=claimed,
                 )
                 return sid
         finally:
@@ -593,7 +562,7 @@ class SessionStore:
                 created_s=s.created_s,
                 last_used_s=s.last_used_s,
                 config=self.config.to_dict(),
-                speculative=_speculative_summary(s.stats),
+                speculative=speculative_summary(s.stats),
             )
 
     def next_token_logits(self, session_id: str) -> torch.Tensor | None:
@@ -611,38 +580,5 @@ class SessionStore:
 
     # -------------------------------------------------------------- invariants
     def _check(self, session: SessionState, expected_history: int | None) -> None:
-        if not self.check_invariants:
-            return
-        v = session.verifier
-        positions = v.cached_positions()
-        history = v.history_len
-        if expected_history is not None and history != expected_history:
-            raise AssertionError(f"history length {history}, expected {expected_history}")
-        if len(positions) != v.cache_len or len(set(positions)) != len(positions):
-            raise AssertionError("cache slots do not mirror distinct positions")
-        cfg = self.config
-        if cfg.window is None:
-            expected = list(range(history))
-        else:
-            expected = sorted(
-                set(range(min(cfg.sink, history)))
-                | set(range(max(0, history - cfg.window), history))
-            )
-        if positions != expected:
-            raise AssertionError(
-                f"cached positions {positions[:8]}... differ from the sink-window rule"
-            )
-        if history and v.kv_live_bytes <= 0:
-            raise AssertionError("kv_live_bytes is 0 after an append")
-
-
-def _speculative_summary(stats: dict) -> SpeculativeSummary:
-    """Cumulative speculative figures of a session (docs/design.md, "Metrics")."""
-    proposed, accepted = stats.get("proposed", 0), stats.get("accepted", 0)
-    return SpeculativeSummary(
-        steps=stats.get("steps", 0),
-        proposed=proposed,
-        accepted=accepted,
-        acceptance_rate=accepted / proposed if proposed else None,
-        tau=stats["emitted"] / stats["forwards"] if stats.get("forwards") else None,
-    )
+        if self.check_invariants:
+            session.check_cache_mirror(self.config, expected_history)
