@@ -16,6 +16,7 @@ from kakeya_lab.cli_args import (
     add_linear,
     add_model,
     add_proposer,
+    add_proposer_modules,
     cache_config,
     check_cache,
     check_int,
@@ -23,6 +24,7 @@ from kakeya_lab.cli_args import (
     check_model,
     check_positive,
     check_proposer,
+    load_proposer_modules,
     run_parser,
 )
 
@@ -36,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--system", default=None, help="system prompt")
+    add_proposer_modules(p)
     add_proposer(
         p,
         "none",
@@ -61,6 +64,7 @@ def run_chat(args: argparse.Namespace) -> int:
     check_int("--max-new-tokens", args.max_new_tokens, 1)
     check_int("--draft-length", args.draft_length, 1)
     check_positive("--temperature", args.temperature, allow_zero=True)
+    load_proposer_modules(args)
     check_proposer(args.proposer)
     check_linear(args)
     check_model(args.model)
@@ -70,7 +74,13 @@ def run_chat(args: argparse.Namespace) -> int:
     from kakeya_lab.models import load_model
     from kakeya_lab.proposers import make_proposer
     from kakeya_lab.sampling import SamplingConfig
-    from kakeya_lab.session import Done, HistoryTruncated, SessionStore, Token
+    from kakeya_lab.session import (
+        HistoryTruncated,
+        SessionStore,
+        StreamingDetokenizer,
+        Token,
+        chat_turn,
+    )
 
     loaded = load_model(args.model, linear=args.linear)
     tok = loaded.tokenizer
@@ -107,26 +117,30 @@ def run_chat(args: argparse.Namespace) -> int:
         if text == "/info":
             print(store.info(sid), file=sys.stderr)
             continue
-        appended = store.append(sid, chat.user(text))
-        reply: list[int] = []
-        shown = ""
-        truncated = appended.dropped > 0
-        print("bot> " if interactive else "", end="", flush=True)
         sampling = SamplingConfig(temperature=args.temperature, seed=args.seed)
-        for event in store.generate(
-            sid, args.max_new_tokens, sampling, proposer=proposer, draft_length=args.draft_length
-        ):
+        turn = chat_turn(
+            store,
+            sid,
+            chat,
+            text,
+            args.max_new_tokens,
+            sampling=sampling,
+            proposer=proposer,
+            draft_length=args.draft_length,
+        )
+        appended = turn.appended
+        assert appended is not None  # chat_turn always appends the user turn
+        truncated = appended.dropped > 0
+        detok = StreamingDetokenizer.for_tokenizer(tok)
+        print("bot> " if interactive else "", end="", flush=True)
+        for event in turn:
             if isinstance(event, Token):
-                reply.append(event.id)
-                text_now = tok.decode(reply, skip_special_tokens=True)
-                print(text_now[len(shown) :], end="", flush=True)
-                shown = text_now
+                print(detok.add(event.id), end="", flush=True)
             elif isinstance(event, HistoryTruncated):
                 truncated = True
-            elif isinstance(event, Done):
-                done = event
         print()
-        chat.generated(reply, eos_token_ids=store.eos_token_ids)
+        done = turn.done
+        assert done is not None  # the turn ran to its end
         info = store.info(sid)
         tps = done.timings.tokens_per_s or 0.0
         extra = ""

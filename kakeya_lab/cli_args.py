@@ -132,6 +132,33 @@ def add_linear(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_proposer_modules(p: argparse.ArgumentParser) -> None:
+    """``--proposer-module FILE_OR_MODULE`` (repeatable): imported first, for the proposer
+    kinds it registers (docs/extending.md)."""
+    p.add_argument(
+        "--proposer-module",
+        action="append",
+        default=[],
+        metavar="FILE_OR_MODULE",
+        help="a Python file or module that registers proposer kinds (register_proposer); "
+        "imported before the proposer spec is checked; repeatable",
+    )
+
+
+def load_proposer_modules(args: argparse.Namespace) -> None:
+    """Import every ``--proposer-module`` (a clear error for one that fails)."""
+    sources = getattr(args, "proposer_module", None) or []
+    if not sources:
+        return
+    from kakeya_lab.proposers.registry import load_proposer_module
+
+    for source in sources:
+        try:
+            load_proposer_module(source)
+        except ValueError as exc:
+            raise UserError(f"--proposer-module: {exc}") from None
+
+
 def add_proposer(p: argparse.ArgumentParser, default: str | None, help: str) -> None:
     """``--proposer SPEC``; ``help`` says what it is for, the spec grammar is appended."""
     from kakeya_lab.proposers.registry import usage

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -38,23 +37,9 @@ from kakeya_lab.cost_model import CostAwareDraftLength, CostAwareTreeSize, CostM
 from kakeya_lab.inputs import InputTypeError
 from kakeya_lab.proposers import Draft, Proposer, TreeProposer, check_proposer, is_tree_proposer
 from kakeya_lab.sampling import GREEDY, SamplingConfig
+from kakeya_lab.session.events import SpeculativeStep
 from kakeya_lab.tree import DraftTree
 from kakeya_lab.verifier import Verifier
-
-
-@dataclass(frozen=True)
-class SpeculativeStep:
-    """One verifier forward: ``proposed`` drafts (asked: ``draft_length``), ``accepted`` of
-    them, ``emitted`` tokens offered to the consumer. ``tree``: a draft tree was verified
-    (``proposed`` its nodes, ``draft_length`` the node budget, ``accepted`` the path's length)."""
-
-    draft_length: int
-    proposed: int
-    accepted: int
-    emitted: int
-    proposer_s: float
-    verifier_s: float
-    tree: bool = False
 
 
 def accept_greedy(rows: torch.Tensor, draft: Sequence[int]) -> tuple[int, int]:

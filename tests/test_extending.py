@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kakeya_lab import SinkWindowConfig
+from kakeya_lab import DEFAULT_MODEL, SinkWindowConfig
 from kakeya_lab.proposers import (
     check_proposer_spec,
     make_proposer,
@@ -68,3 +68,28 @@ def test_a_proposer_from_a_users_file_works_everywhere(echo, default_model, text
     assert accepted > 0  # and the proposer's drafts were used
 
     assert "echo" in offered_proposer_specs(None, None, "torch")  # the chat panel's menu
+
+
+@pytest.mark.slow
+def test_a_server_lists_and_serves_a_users_proposer(serve):
+    """``kakeya-lab serve --proposer-module FILE`` imports the user's file: the server lists
+    ``echo`` among its proposers and a request naming it replies as plain decoding does."""
+    import httpx
+
+    server = serve("--proposer-module", str(EXAMPLES / "echo_proposer.py"), "--window", "60")
+    listed = httpx.get(f"{server.http_base}/v1/proposers", timeout=60).json()["data"]
+    assert "echo" in [p["id"] for p in listed]
+    client = server.openai()
+    messages = [{"role": "user", "content": "Count from one to twenty in words, then again."}]
+
+    def reply(proposer: str) -> str:
+        out = client.chat.completions.create(
+            model=DEFAULT_MODEL,
+            messages=messages,
+            max_tokens=48,
+            temperature=0,
+            extra_body={"proposer": proposer, "reuse": False},
+        )
+        return out.choices[0].message.content
+
+    assert reply("echo:64") == reply("none")

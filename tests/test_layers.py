@@ -1,5 +1,6 @@
-"""The package's layers point down: every import (top-level or inside a function) goes to a
-module of the same layer or a lower one, and no modules import each other in a cycle.
+"""The package's layers point down: every import (top-level or inside a function; imports
+for type annotations only, under ``if TYPE_CHECKING:``, never run and are left out) goes to
+a module of the same layer or a lower one, and no modules import each other in a cycle.
 
 The layers are those of docs/architecture.md ("Layers"); this test is what enforces them. A
 new module belongs to the layer of the longest prefix listed in ``LAYERS``; a module no
@@ -48,7 +49,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("proposers", ("proposers",)),
-    ("decoding", ("cost_model", "speculative")),
+    # the events a generation yields and the session errors: the decoder emits them too
+    ("decoding", ("cost_model", "speculative", "session.events", "session.errors")),
     ("sessions", ("session",)),
     ("serving", ("serve",)),
     ("studies", ("bench", "align", "plots")),
@@ -93,7 +95,17 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     package = [p for p in package if p]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    typing_only = {  # ``if TYPE_CHECKING:`` imports never run: annotations only
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]

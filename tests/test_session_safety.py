@@ -25,9 +25,9 @@ from kakeya_lab.session import (
     SessionBusy,
     SessionClosed,
     SessionStore,
+    SpeculativeStep,
     Token,
 )
-from kakeya_lab.speculative import SpeculativeStep
 
 CONFIG = SinkWindowConfig(sink=4, window=60)
 LOGIT_TOL = 1e-4

@@ -22,9 +22,8 @@ from kakeya_lab.proposers import (
     make_proposer,
 )
 from kakeya_lab.sampling import SamplingConfig, sampling_probs
-from kakeya_lab.session import SessionStore, Token
+from kakeya_lab.session import SessionStore, SpeculativeStep, Token
 from kakeya_lab.speculative import (
-    SpeculativeStep,
     accept_sampled,
     plain_decode,
     speculative_decode,

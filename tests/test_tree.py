@@ -16,8 +16,8 @@ from kakeya_lab import SinkWindowConfig, Verifier, reference
 from kakeya_lab.proposers import ChainTree, DraftModelProposer, NgramProposer, make_proposer
 from kakeya_lab.proposers.trees import NgramTreeProposer, SuffixTreeProposer
 from kakeya_lab.sampling import SamplingConfig, sampling_probs
+from kakeya_lab.session import SpeculativeStep
 from kakeya_lab.speculative import (
-    SpeculativeStep,
     accept_greedy_tree,
     accept_sampled_tree,
     plain_decode,

@@ -40,7 +40,7 @@ from kakeya_lab.bench.aggregate import repetition_rate
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.data import Conversation
 from kakeya_lab.results import now_iso, write_json_atomic
-from kakeya_lab.session import SessionStore, collect_reply
+from kakeya_lab.session import SessionStore, chat_turn, collect_reply
 
 MANIFEST = "manifest.json"
 SCHEMA = 1
@@ -136,10 +136,9 @@ def capture_conversation(
                 start = verifier.history_len + len(pending)
                 pending += reply
             else:
-                store.append(sid, tok_template.user(text))
+                turn = chat_turn(store, sid, tok_template, text, options.max_new_tokens)
                 start = verifier.history_len
-                reply = collect_reply(store.generate(sid, options.max_new_tokens)).token_ids
-                tok_template.generated(reply, eos_token_ids=store.eos_token_ids)
+                reply = collect_reply(turn).token_ids
             generated_at.extend(range(start, start + len(reply)))
             replies.append(reply)
         if pending:

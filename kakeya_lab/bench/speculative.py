@@ -56,7 +56,7 @@ from kakeya_lab.cost_model import CostModel, block_padding, fit_block_cost
 from kakeya_lab.data import Conversation
 from kakeya_lab.proposers import Proposer, is_tree_proposer
 from kakeya_lab.sampling import SamplingConfig
-from kakeya_lab.session import SessionStore, collect_reply
+from kakeya_lab.session import SessionStore, chat_turn, collect_reply
 
 ProposerFactory = Callable[[], Proposer]
 
@@ -186,19 +186,20 @@ def run_speculative(
             )
         for ti, text in enumerate(user_turns):
             for arm, (store, sid, chat, proposer, draft_length, cost_model) in sessions.items():
-                store.append(sid, chat.user(text))
-                t0 = time.perf_counter()
                 sampling = SamplingConfig(temperature=temperature, seed=seed + 1000 * ci + ti)
-                result = collect_reply(
-                    store.generate(
-                        sid,
-                        max_new_tokens,
-                        sampling,
-                        proposer=proposer,
-                        draft_length=max(draft_length, 1),
-                        cost_model=cost_model,
-                    )
+                turn = chat_turn(
+                    store,
+                    sid,
+                    chat,
+                    text,
+                    max_new_tokens,
+                    sampling=sampling,
+                    proposer=proposer,
+                    draft_length=max(draft_length, 1),
+                    cost_model=cost_model,
                 )
+                t0 = time.perf_counter()  # the stream computes lazily: this times generation
+                result = collect_reply(turn)
                 seconds = time.perf_counter() - t0
                 for step in result.steps:
                     step_rows.append(
@@ -216,7 +217,6 @@ def run_speculative(
                         }
                     )
                 done = result.done
-                chat.generated(result.token_ids, eos_token_ids=store.eos_token_ids)
                 turn_rows.append(
                     {
                         "arm": arm,

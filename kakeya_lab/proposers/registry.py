@@ -271,3 +271,30 @@ def _backend_name(model: Any) -> str:
     from kakeya_lab.backends import registry
 
     return registry.name_of(model)
+
+
+def load_proposer_module(source: str) -> Any:
+    """Import ``source`` (a Python file's path, or an importable module's name) for the
+    proposer kinds it registers, and return the module; ValueError when it cannot be
+    imported (a missing file, or the module's own error, named)."""
+    import importlib.util
+    import os
+
+    if source.endswith(".py") or os.sep in source:
+        path = os.path.abspath(os.path.expanduser(source))
+        if not os.path.isfile(path):
+            raise ValueError(f"no proposer module at {source!r} (a .py file or a module name)")
+        name = "kakeya_lab_user_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"cannot import {source!r} as a Python module")
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            raise ValueError(f"importing {source!r} failed: {type(exc).__name__}: {exc}") from exc
+        return module
+    try:
+        return importlib.import_module(source)
+    except Exception as exc:
+        raise ValueError(f"importing {source!r} failed: {type(exc).__name__}: {exc}") from exc

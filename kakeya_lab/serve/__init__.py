@@ -5,10 +5,12 @@
 
 * :mod:`~kakeya_lab.serve.grpc_service` — CreateSession, AppendTokens, Generate (streaming),
   GetSessionInfo, CloseSession (``proto/session.proto``);
-* :mod:`~kakeya_lab.serve.http_app` — ``/v1/chat/completions`` with prefix reuse,
-  ``/v1/models``, ``/health``, ``/metrics``;
+* :mod:`~kakeya_lab.serve.http_app` — the HTTP routes: ``/v1/chat/completions`` with
+  prefix reuse, ``/v1/models``, ``/health``, ``/metrics``; the wire format is
+  :mod:`~kakeya_lab.serve.openai_protocol`, the work :mod:`~kakeya_lab.serve.http_handlers`;
 * :mod:`~kakeya_lab.serve.sessions` — the serving layer both share (reuse, limits,
-  cancellation); :mod:`~kakeya_lab.serve.admission` — reject or queue when full;
+  cancellation), on the store's own session table;
+  :mod:`~kakeya_lab.serve.admission` — reject or queue when full;
   :mod:`~kakeya_lab.serve.metrics` — Prometheus metrics;
 * :mod:`~kakeya_lab.serve.server` — both servers, the progress line, SIGTERM;
 * :mod:`~kakeya_lab.serve.client` — a small gRPC client for notebooks and benches.

@@ -16,9 +16,11 @@ from kakeya_lab.cli_args import (
     add_cache,
     add_linear,
     add_model,
+    add_proposer_modules,
     cache_config,
     check_cache,
     check_linear,
+    load_proposer_modules,
     run_parser,
 )
 
@@ -33,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=f"{PROG} serve",
         description="Serve one model's sessions over gRPC (CreateSession, AppendTokens, Generate, "
         "GetSessionInfo, CloseSession) and an OpenAI-compatible HTTP endpoint (/v1/chat/completions, "
-        "/v1/models, /health, /metrics) in one process. Port 0 picks a free port; the ready line "
+        "/v1/models, /v1/proposers, /health, /metrics) in one process. Port 0 picks a free port; the ready line "
         "names both. SIGTERM ends active streams with a clear status and exits 0.",
     )
     add_model(p)
@@ -55,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--max-append-tokens", type=int, default=8192, help="largest single append")
     p.add_argument("--max-new-tokens-limit", type=int, default=2048, help="largest max_new_tokens")
+    add_proposer_modules(p)
     p.set_defaults(func=run_serve)
     return p
 
@@ -100,6 +103,7 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
             raise UserError(message)
     check_cache(args)
     check_linear(args)
+    load_proposer_modules(args)
 
 
 def serve_options(args: argparse.Namespace) -> tuple[SinkWindowConfig, ServeOptions]:

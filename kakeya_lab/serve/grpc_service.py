@@ -29,23 +29,19 @@ from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.serve.admission import AdmissionRejected
 from kakeya_lab.serve.proto import session_pb2 as pb
 from kakeya_lab.serve.proto import session_pb2_grpc as pb_grpc
-from kakeya_lab.serve.sessions import (
-    GenerateOptions,
-    ServedSessions,
-    ServerShuttingDown,
-    SessionInUse,
-    _as_dict,
-)
+from kakeya_lab.serve.sessions import GenerateOptions, ServedSessions, ServerShuttingDown
 from kakeya_lab.session import (
     Done,
     HistoryTruncated,
     SessionBusy,
     SessionClosed,
     SessionError,
+    SessionInUse,
+    SpeculativeStep,
+    StreamingDetokenizer,
     Token,
     UnknownSession,
 )
-from kakeya_lab.speculative import SpeculativeStep
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode:
@@ -70,7 +66,6 @@ class SessionService(pb_grpc.SessionServiceServicer):
 
     def __init__(self, served: ServedSessions):
         self.served = served
-        self._decode = served.tokenizer.decode
 
     def _fail(self, context: grpc.ServicerContext, exc: BaseException, method: str):
         code = status_of(exc)
@@ -143,9 +138,12 @@ class SessionService(pb_grpc.SessionServiceServicer):
         except Exception as exc:
             self._fail(context, exc, "Generate")
             return
+        # each token's text is what it adds to the reply (special tokens kept): joined, the
+        # reply decoded at once, with no half of a multi-byte character in any event
+        detok = StreamingDetokenizer.for_tokenizer(self.served.tokenizer, skip_special_tokens=False)
         try:
             for event in events:
-                yield self._event(event)
+                yield self._event(event, detok)
         except Exception as exc:
             self._fail(context, exc, "Generate")
         finally:
@@ -154,9 +152,9 @@ class SessionService(pb_grpc.SessionServiceServicer):
                 time.perf_counter() - t0
             )
 
-    def _event(self, event) -> pb.GenerateEvent:
+    def _event(self, event, detok: StreamingDetokenizer) -> pb.GenerateEvent:
         if isinstance(event, Token):
-            return pb.GenerateEvent(token=pb.TokenEvent(id=event.id, text=self._decode([event.id])))
+            return pb.GenerateEvent(token=pb.TokenEvent(id=event.id, text=detok.add(event.id)))
         if isinstance(event, HistoryTruncated):
             return pb.GenerateEvent(truncated=pb.HistoryTruncatedEvent(dropped=event.dropped))
         if isinstance(event, SpeculativeStep):
@@ -171,20 +169,20 @@ class SessionService(pb_grpc.SessionServiceServicer):
                 )
             )
         if isinstance(event, Done):
-            c, t = _as_dict(event.counts), _as_dict(event.timings)
+            c, t = event.counts, event.timings
             return pb.GenerateEvent(
                 done=pb.DoneEvent(
                     stop_reason=event.stop_reason,
-                    generated_tokens=c["generated_tokens"],
-                    verifier_forwards=c["verifier_forwards"],
-                    proposed=c["proposed"],
-                    accepted=c["accepted"],
-                    history_len=c["history_len"],
-                    cache_len=c["cache_len"],
-                    kv_live_bytes=c["kv_live_bytes"],
-                    total_s=t["total_s"],
-                    first_token_s=t["first_token_s"] or 0.0,
-                    tokens_per_s=t["tokens_per_s"] or 0.0,
+                    generated_tokens=c.generated_tokens,
+                    verifier_forwards=c.verifier_forwards,
+                    proposed=c.proposed,
+                    accepted=c.accepted,
+                    history_len=c.history_len,
+                    cache_len=c.cache_len,
+                    kv_live_bytes=c.kv_live_bytes,
+                    total_s=t.total_s,
+                    first_token_s=t.first_token_s or 0.0,
+                    tokens_per_s=t.tokens_per_s or 0.0,
                 )
             )
         raise TypeError(f"unknown event {type(event).__name__}")

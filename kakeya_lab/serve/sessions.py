@@ -1,6 +1,9 @@
 """Served sessions: a :class:`~kakeya_lab.session.SessionStore` plus what serving adds.
 
-Both front ends (gRPC and HTTP) go through :class:`ServedSessions`:
+Both front ends (gRPC and HTTP) go through :class:`ServedSessions`. The store's table is
+the only session table: each session's serving state (:class:`ServedSession`) is the
+store's metadata for it, a request holds its session with the store's claims, and
+eviction follows the store's least-recently-used order.
 
 * admission (:mod:`kakeya_lab.serve.admission`) when the store is full; sessions that HTTP
   opened implicitly (for stateless requests) are evicted least-recently-used first;
@@ -9,8 +12,9 @@ Both front ends (gRPC and HTTP) go through :class:`ServedSessions`:
 * :meth:`ServedSessions.attach` — prefix reuse: the token ids of a rendered conversation
   are matched against open HTTP sessions' histories, so only the new tokens are prefilled;
 * :meth:`ServedSessions.generate` — the store's stream with cancellation, shutdown and
-  metrics; it closes the store stream on every exit, so the session keeps exactly the
-  tokens this generator yielded;
+  metrics, through the one chat-turn loop (:class:`~kakeya_lab.session.turn.ChatTurn`): it
+  closes the store stream on every exit, so the session keeps exactly the tokens this
+  generator yielded, and a text session's template records them as the reply;
 * limits on request sizes, checked before any state changes.
 """
 
@@ -20,37 +24,55 @@ import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from kakeya_lab import inputs
 from kakeya_lab.backends import registry
 from kakeya_lab.chat import ChatTemplate
-from kakeya_lab.proposers import make_proposer
+from kakeya_lab.proposers import (
+    ProposerKind,
+    check_proposer_spec,
+    make_proposer,
+    proposer_kind,
+    proposer_kinds,
+)
 from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.serve.admission import Admission
 from kakeya_lab.serve.metrics import ServeMetrics
 from kakeya_lab.session import (
     AppendResult,
     CapacityExceeded,
+    ChatTurn,
     Done,
     Event,
-    GenerationStream,
     SessionError,
     SessionStore,
     Token,
     UnknownSession,
+    append_message,
 )
 
-# Proposers a request may name: the model-free ones, built per request from the session's
-# own history (a model drafter would be loaded per request; those run in-process).
-SERVED_PROPOSERS = ("none", "ngram", "suffix", "ngram-tree", "suffix-tree")
+
+def served_proposer_kinds() -> list[ProposerKind]:
+    """The proposer kinds a request may name: the registry's model-free ones, built per
+    request from the session's own history (a model drafter would be loaded per request;
+    those run in-process)."""
+    return [kind for kind in proposer_kinds() if kind.model_free]
+
+
+def check_served_proposer(spec: str | None) -> None:
+    """ValueError unless ``spec`` is well formed and every proposer in it is served."""
+    leaves = check_proposer_spec(spec)  # the grammar's own message for a bad spec
+    if any(not proposer_kind(kind).model_free for kind, _ in leaves):
+        served = ", ".join(kind.usage for kind in served_proposer_kinds())
+        raise ValueError(
+            f"proposer {spec!r} is not served: use none or a model-free proposer ({served}); "
+            "model drafters run in-process"
+        )
 
 
 class ServerShuttingDown(Exception):
     """The server is stopping: streams end, new work is refused."""
-
-
-class SessionInUse(SessionError):
-    """Another request is using the session right now."""
 
 
 @dataclass(frozen=True)
@@ -75,17 +97,24 @@ class GenerateOptions:
 
 @dataclass(eq=False)
 class ServedSession:
-    """Serving-side state of one store session."""
+    """Serving-side state of one store session, kept as the store's metadata for it (the
+    store's claims say which request holds it; its LRU order, when it was last used)."""
 
-    id: str
     origin: str  # "grpc" | "http"
     implicit: bool  # opened by HTTP for a stateless request (evictable when full)
     chat: ChatTemplate | None  # None: token mode (raw ids were appended)
-    in_use: bool = False
+    id: str = ""  # the store's id, set once the store has opened the session
     appended_tokens: int = 0
     prefill_s: float = 0.0
     generations: int = 0
-    last_used_s: float = field(default_factory=time.monotonic)
+
+
+def _is_http(metadata: object) -> bool:
+    return isinstance(metadata, ServedSession) and metadata.origin == "http"
+
+
+def _is_implicit(metadata: object) -> bool:
+    return isinstance(metadata, ServedSession) and metadata.implicit
 
 
 @dataclass(frozen=True)
@@ -98,12 +127,6 @@ class Attached:
     prompt_tokens: int
     appended: AppendResult | None
     queued_s: float
-
-
-def _as_dict(value: object) -> dict:
-    """A store result field as a dict (plain dicts today, dataclasses with ``to_dict`` soon)."""
-    to_dict = getattr(value, "to_dict", None)
-    return to_dict() if callable(to_dict) else dict(value)  # type: ignore[call-overload]
 
 
 class ServedSessions:
@@ -124,8 +147,6 @@ class ServedSessions:
         self.admission = admission
         self.limits = limits
         self.model_name = model_name
-        self._sessions: dict[str, ServedSession] = {}
-        self._lock = threading.Lock()  # guards _sessions and in_use flags only
         self.shutting_down = threading.Event()
         self.metrics = ServeMetrics(
             open_sessions=lambda: len(self.store), kv_live_bytes=self._kv_live_bytes
@@ -149,30 +170,33 @@ class ServedSessions:
         """The served session, or :class:`UnknownSession` (also if the store dropped it)."""
         if not isinstance(session_id, str) or not session_id:
             raise ValueError("session_id must be a non-empty string (what CreateSession returned)")
-        with self._lock:
-            served = self._sessions.get(session_id)
-        if served is None or session_id not in self.store.ids():
-            with self._lock:
-                self._sessions.pop(session_id, None)
-            self.store.info(session_id)  # raises UnknownSession with the store's reason
-            raise UnknownSession(f"unknown session id {session_id!r}")
+        served = self.store.metadata(session_id)  # UnknownSession with the store's reason
+        if not isinstance(served, ServedSession):
+            raise UnknownSession(f"unknown session id {session_id!r} (not a served session)")
         return served
 
     # -------------------------------------------------------------- lifecycle
     def create(
-        self, *, origin: str, implicit: bool = False, system_prompt: str | None = None
+        self,
+        *,
+        origin: Literal["grpc", "http"],
+        implicit: bool = False,
+        system_prompt: str | None = None,
+        claimed: bool = False,
     ) -> tuple[ServedSession, float]:
-        """Admit and open a session; returns it and the seconds spent queued."""
+        """Admit and open a session; returns it and the seconds spent queued. ``claimed``:
+        opened claimed for the calling request (release it with :meth:`detach`)."""
         self.check_running()
         chat = ChatTemplate(self.tokenizer, system=system_prompt) if origin == "grpc" else None
+        served = ServedSession(origin=origin, implicit=implicit, chat=chat)
 
         def take_slot() -> str:
             try:
-                return self.store.create()
+                return self.store.create(metadata=served, claimed=claimed)
             except CapacityExceeded:
                 if not self._evict_implicit():
                     raise
-                return self.store.create()
+                return self.store.create(metadata=served, claimed=claimed)
 
         try:
             sid, queued_s = self.admission.admit(take_slot)
@@ -180,34 +204,21 @@ class ServedSessions:
             self.metrics.admission.labels("rejected").inc()
             raise
         self.metrics.admission.labels("queued" if queued_s > 0.001 else "admitted").inc()
-        served = ServedSession(sid, origin=origin, implicit=implicit, chat=chat)
-        with self._lock:
-            self._sessions[sid] = served
+        served.id = sid
         self.metrics.sessions_created.labels(origin).inc()
         return served, queued_s
 
     def _evict_implicit(self) -> bool:
-        """Close the least recently used idle implicit session; False if there is none."""
-        with self._lock:
-            idle = [s for s in self._sessions.values() if s.implicit and not s.in_use]
-            victim = min(idle, key=lambda s: s.last_used_s) if idle else None
-            if victim is not None:
-                victim.in_use = True
-                del self._sessions[victim.id]
+        """Close the least recently used unclaimed implicit session; False if there is none."""
+        victim = self.store.evict_lru(_is_implicit, "least recently used implicit HTTP session")
         if victim is None:
             return False
-        try:
-            self.store.close(victim.id)
-        except UnknownSession:
-            pass
         self.metrics.sessions_closed.labels("evicted_implicit").inc()
         return True
 
     def close(self, session_id: str) -> None:
         self.get(session_id)
         self.store.close(session_id)  # an open stream ends with SessionClosed
-        with self._lock:
-            self._sessions.pop(session_id, None)
         self.metrics.sessions_closed.labels("closed").inc()
         self.admission.released()
 
@@ -225,12 +236,13 @@ class ServedSessions:
         """Commit raw token ids (the session is in token mode afterwards)."""
         self.check_running()
         served = self.get(session_id)
-        ids = self._check_size(token_ids)
-        result = self._append(served, ids)
+        result = self._append(served, self._check_size(token_ids))
         served.chat = None
         return result
 
-    def append_text(self, session_id: str, role: str, text: str) -> AppendResult:
+    def append_text(
+        self, session_id: str, role: Literal["user", "assistant"], text: str
+    ) -> AppendResult:
         """Render a user or assistant message through the session's chat template and commit
         its ids; the template is unchanged if anything fails."""
         self.check_running()
@@ -243,23 +255,24 @@ class ServedSessions:
                 f"session {session_id!r} is in token mode (raw token ids were appended): "
                 "keep appending token ids, or create a new session for text"
             )
-        saved = (list(chat.messages), chat.rendered, chat.awaiting_reply)
-        try:
-            ids = chat.user(text) if role == "user" else chat.assistant(text)
-            ids = self._check_size(ids)
-            return self._append(served, ids)
-        except BaseException:
-            chat.messages, chat.rendered, chat.awaiting_reply = saved
-            raise
+        if role not in ("user", "assistant"):
+            raise ValueError(f"role must be 'user' or 'assistant', got {role!r}")
+        _, result = append_message(
+            self.store, session_id, chat, role, text, check_ids=self._check_size
+        )
+        self._record_append(served, result)
+        return result
 
     def _append(self, served: ServedSession, ids: list[int]) -> AppendResult:
         result = self.store.append(served.id, ids)
+        self._record_append(served, result)
+        return result
+
+    def _record_append(self, served: ServedSession, result: AppendResult) -> None:
         served.appended_tokens += result.appended
         served.prefill_s += result.latency_s
-        served.last_used_s = time.monotonic()
         self.metrics.appended_tokens.inc(result.appended)
         self.metrics.append_latency.observe(result.latency_s)
-        return result
 
     # ------------------------------------------------------------ HTTP reuse
     def render_ids(self, messages: list[dict]) -> list[int]:
@@ -282,12 +295,7 @@ class ServedSessions:
         inputs.token_ids(prompt_ids, self.store.vocab_size, "prompt")
         if session_id is not None:
             served = self.get(session_id)
-            with self._lock:
-                if served.in_use:
-                    raise SessionInUse(
-                        f"session {session_id!r} is serving another request; retry after it"
-                    )
-                served.in_use = True
+            self.store.claim(session_id)  # SessionInUse while another request holds it
             history = self.store.verifier(session_id).history_token_ids
             if prompt_ids[: len(history)] != history:
                 self.detach(served)
@@ -304,29 +312,30 @@ class ServedSessions:
             self.metrics.reused_tokens.inc(reused)
             return self._attach_append(claimed, prompt_ids, reused, 0.0)
         self.metrics.prefix_reuse.labels("miss" if reuse else "disabled").inc()
-        served, queued_s = self.create(origin="http", implicit=True)
-        with self._lock:
-            served.in_use = True
+        served, queued_s = self.create(origin="http", implicit=True, claimed=True)
         return self._attach_append(served, prompt_ids, 0, queued_s)
 
     def _claim_prefix(self, prompt_ids: list[int]) -> ServedSession | None:
-        with self._lock:
-            candidates = [s for s in self._sessions.values() if s.origin == "http" and not s.in_use]
-            for s in candidates:
-                s.in_use = True
+        """Claim the unclaimed HTTP session with the longest history that is a prefix of
+        ``prompt_ids`` (None if there is none)."""
+        candidates = self.store.claim_where(_is_http)
         best, best_len = None, -1
-        for s in candidates:
+        for sid in candidates:
             try:
-                history = self.store.verifier(s.id).history_token_ids
+                history = self.store.verifier(sid).history_token_ids
             except SessionError:
                 continue
             if best_len < len(history) <= len(prompt_ids) and prompt_ids[: len(history)] == history:
-                best, best_len = s, len(history)
-        with self._lock:
-            for s in candidates:
-                if s is not best:
-                    s.in_use = False
-        return best
+                best, best_len = sid, len(history)
+        for sid in candidates:
+            if sid != best:
+                self.store.release(sid)
+        if best is None:
+            return None
+        try:
+            return self.get(best)
+        except UnknownSession:  # closed meanwhile
+            return None
 
     def _attach_append(
         self, served: ServedSession, prompt_ids: list[int], reused: int, queued_s: float
@@ -348,9 +357,7 @@ class ServedSessions:
 
     def detach(self, served: ServedSession, *, close: bool = False) -> None:
         """Release a session bound by :meth:`attach` (closing it for stateless requests)."""
-        with self._lock:
-            served.in_use = False
-            served.last_used_s = time.monotonic()
+        self.store.release(served.id)
         if close:
             try:
                 self.close(served.id)
@@ -370,14 +377,9 @@ class ServedSessions:
         inputs.count(options.draft_length, "draft_length", minimum=1, maximum=64)
         if options.stop_token_ids:
             inputs.stop_token_ids(list(options.stop_token_ids), self.store.vocab_size)
-        kind = (options.proposer or "none").partition(":")[0]
-        if kind not in SERVED_PROPOSERS:
-            raise ValueError(
-                f"proposer {options.proposer!r} is not served: use none, ngram[:SIZES], "
-                "suffix[:DEPTH], ngram-tree[:SIZES] or suffix-tree[:DEPTH] (model-free "
-                "proposers; model drafters run in-process)"
-            )
-        if kind.endswith("-tree"):
+        check_served_proposer(options.proposer)
+        spec = options.proposer or "none"
+        if spec != "none" and "+" not in spec and proposer_kind(spec.partition(":")[0]).tree:
             try:
                 registry.check_tree_support(self.store.model)
             except NotImplementedError as exc:
@@ -415,17 +417,18 @@ class ServedSessions:
             draft_length=options.draft_length,
             adaptive_draft_length=options.adaptive_draft_length,
         )
-        return self._events(served, stream, cancelled)
+        turn = ChatTurn(stream, served.chat, self.store.eos_token_ids)
+        return self._events(served, turn, cancelled)
 
     def _events(
-        self, served: ServedSession, stream: GenerationStream, cancelled: Callable[[], bool]
+        self, served: ServedSession, turn: ChatTurn, cancelled: Callable[[], bool]
     ) -> Generator[Event, None, None]:
         delivered: list[int] = []
         end = "error"
         t0 = last = time.perf_counter()
         served.generations += 1
         try:
-            for event in stream:
+            for event in turn:
                 if isinstance(event, Token):
                     now = time.perf_counter()
                     if delivered:
@@ -453,11 +456,8 @@ class ServedSessions:
             end = "cancelled"
             raise
         finally:
-            stream.close()
-            served.last_used_s = time.monotonic()
             self.metrics.streams_ended.labels(end).inc()
-            if served.chat is not None and served.chat.awaiting_reply:
-                served.chat.generated(delivered, eos_token_ids=self.store.eos_token_ids)
+            turn.close()  # the session keeps what was yielded; the template records it
 
     # ------------------------------------------------------------------ info
     def info(self, session_id: str) -> dict:
@@ -467,7 +467,7 @@ class ServedSessions:
         cfg = self.store.config
         verifier = self.store.verifier(session_id)
         budget_bytes = verifier.cache.kv_budget_bytes() if cfg.budget is not None else None
-        spec = _as_dict(info.speculative)
+        spec = info.speculative
         return {
             "session_id": session_id,
             "history_len": info.history_len,
@@ -482,7 +482,7 @@ class ServedSessions:
             "prefill_s": served.prefill_s,
             "sink": cfg.sink,
             "positions": cfg.positions,
-            "proposed": spec.get("proposed", 0),
-            "accepted": spec.get("accepted", 0),
+            "proposed": spec.proposed,
+            "accepted": spec.accepted,
             "history": verifier.history_token_ids,
         }

@@ -27,8 +27,16 @@ from dataclasses import dataclass, field
 from kakeya_lab.backends.config import SinkWindowConfig, analytic_kv_budget_bytes
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.proposers import make_proposer
-from kakeya_lab.session import Done, HistoryTruncated, SessionStore, Token
-from kakeya_lab.speculative import SpeculativeStep
+from kakeya_lab.session import (
+    Done,
+    HistoryTruncated,
+    SessionStore,
+    SpeculativeStep,
+    StreamingDetokenizer,
+    Token,
+    chat_turn,
+    text_pieces,
+)
 
 STOPPED_BY_USER = "stopped"
 
@@ -224,31 +232,27 @@ class LiveChat:
 
     # ------------------------------------------------------------------ worker
     def _run(self, record: ReplyRecord, prop, max_new_tokens: int, on_token, on_done) -> None:
-        saved = (list(self.chat.messages), self.chat.rendered, self.chat.awaiting_reply)
-        appended = False
         try:
-            prompt = self.chat.user(record.user_text)
-            result = self.store.append(self.session_id, prompt)
-            appended = True
-            record.append_latency_s = result.latency_s
-            record.history_start = result.history_len
-            if prop is not None:
-                stream = self.store.generate(
-                    self.session_id,
-                    max_new_tokens,
-                    proposer=prop,
-                    draft_length=record.draft_length,
-                )
-            else:
-                stream = self.store.generate(self.session_id, max_new_tokens)
-            self._consume(record, stream, on_token)
+            # the one chat-turn loop: the template is restored if the append fails and
+            # records exactly the delivered tokens when the turn's stream ends
+            turn = chat_turn(
+                self.store,
+                self.session_id,
+                self.chat,
+                record.user_text,
+                max_new_tokens,
+                proposer=prop,
+                draft_length=record.draft_length,
+            )
+            assert turn.appended is not None  # chat_turn always appends the user turn
+            record.append_latency_s = turn.appended.latency_s
+            record.history_start = turn.appended.history_len
+            self._consume(record, turn, on_token)
             self._reconcile(record)
         except Exception as exc:  # shown in the panel; the session stays as the store left it
             record.error = f"{type(exc).__name__}: {exc}"
             record.stop_reason = "error"
-            if not appended:
-                self.chat.messages, self.chat.rendered, self.chat.awaiting_reply = saved
-            elif self.chat.awaiting_reply:
+            if record.history_start is not None:
                 self._reconcile(record)
         finally:
             record.finished = True
@@ -258,7 +262,7 @@ class LiveChat:
     def _consume(self, record: ReplyRecord, events, on_token) -> None:
         draft_tokens_ahead = 0  # accepted drafts of the current step still to be delivered
         last = time.perf_counter()
-        shown = ""
+        detok = StreamingDetokenizer(self._decode)
         try:
             for event in events:
                 if isinstance(event, SpeculativeStep):
@@ -275,9 +279,7 @@ class LiveChat:
                     record.token_latency_s.append(now - last)
                     self.token_latencies.append((record.turn, now - last))
                     last = now
-                    text = self._decode(record.token_ids)
-                    record.pieces.append(text[len(shown) :] if text.startswith(shown) else "")
-                    shown = text if text.startswith(shown) else shown
+                    record.pieces.append(detok.add(event.id))
                     if on_token is not None:
                         on_token(record)
                     if self._stop.is_set():
@@ -291,27 +293,15 @@ class LiveChat:
             events.close()
 
     def _reconcile(self, record: ReplyRecord) -> None:
-        """Make the record (and the chat template) say what the session holds."""
+        """Make the record say what the session holds (the turn has recorded the delivered
+        tokens in the chat template)."""
         history = self.store.verifier(self.session_id).history_token_ids
         held = history[record.history_start :] if record.history_start is not None else []
         record.undelivered_tokens = len(held) - len(record.token_ids)
         if held != record.token_ids:
             record.token_ids = list(held)
             record.token_kinds = (record.token_kinds + ["verifier"] * len(held))[: len(held)]
-        record.pieces = self._pieces(held)
-        self.chat.generated(held, eos_token_ids=self.store.eos_token_ids)
-
-    def _pieces(self, ids: list[int]) -> list[str]:
-        """The text each token adds; joined, exactly the decoded reply."""
-        pieces, shown = [], ""
-        for i in range(len(ids)):
-            text = self._decode(ids[: i + 1])
-            pieces.append(text[len(shown) :] if text.startswith(shown) else "")
-            shown = text if text.startswith(shown) else shown
-        full = self._decode(ids)
-        if "".join(pieces) != full:  # a later token re-decoded earlier bytes: show it whole
-            pieces = [full] + [""] * (len(ids) - 1) if ids else []
-        return pieces
+        record.pieces = text_pieces(self._decode, held)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -12,7 +12,7 @@ from kakeya_lab.bench.aggregate import repetition_rate
 from kakeya_lab.bench.long_run.checkpoint import ArmState, new_session
 from kakeya_lab.bench.long_run.probe import FactProbe, probe_recall
 from kakeya_lab.bench.long_run.records import TurnRecord, ids_digest
-from kakeya_lab.session import collect_reply
+from kakeya_lab.session import chat_turn, collect_reply
 
 if TYPE_CHECKING:
     from kakeya_lab.proposers import Proposer
@@ -32,28 +32,36 @@ def run_turn(
     """Run turn ``turn`` of one arm; ``t0`` is the run's wall-clock origin
     (``time.perf_counter()``), ``plant_at`` the history length where the fact was planted."""
     arm = state.arm
-    delta = state.chat.user(text)
+    prefix: list[int] = []
     if arm.stateless:  # a fresh session that re-prefills the whole conversation
         store, sid = new_session(loaded, arm)
         state.store, state.sid = store, sid
-        appended = store.append(sid, state.history_ids + delta)
+        prefix = state.history_ids
     else:
         if state.store is None or state.sid is None:
             raise RuntimeError(
                 f"arm {arm.name!r} has no session: build its state with fresh_progress or load_progress"
             )
         store, sid = state.store, state.sid
-        appended = store.append(sid, delta)
-    state.history_ids += delta
     # ArmState keeps the proposer untyped (it is rebuilt on resume); it is a Proposer or None.
     proposer = cast("Proposer | None", state.proposer)
-    result = collect_reply(
-        store.generate(sid, max_new_tokens, proposer=proposer, draft_length=arm.draft_length)
+    user_turn = chat_turn(
+        store,
+        sid,
+        state.chat,
+        text,
+        max_new_tokens,
+        prefix_ids=prefix,
+        proposer=proposer,
+        draft_length=arm.draft_length,
     )
+    result = collect_reply(user_turn)
+    delta, appended = user_turn.prompt_ids, user_turn.appended
+    assert appended is not None  # chat_turn always appends the user turn
     reply, done = result.token_ids, result.done
     truncated = appended.dropped > 0 or result.truncated_dropped is not None
-    state.history_ids += reply
-    reply_text = state.chat.generated(reply, eos_token_ids=eos_ids)
+    state.history_ids += delta + reply
+    reply_text = user_turn.text or ""
     info = store.info(sid)
     record = TurnRecord(
         arm=arm.name,

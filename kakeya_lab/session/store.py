@@ -1,4 +1,4 @@
-"""Session runtime: many conversations, one sink-window cache each.
+"""The session store: one table of sessions over one model, one sink-window cache each.
 
 A session appends only the *new* tokens of each turn, so a turn's prefill cost depends on
 the new message and not on the history. :meth:`SessionStore.generate` returns a
@@ -25,6 +25,10 @@ Safety rules (docs/design.md, "Sessions"):
   (an abandoned, never-closed stream cannot pin a session forever).
 * ``append`` is all-or-nothing at the session level: counters, next-token logits, turn
   count and last-used time change only when the verifier's append succeeds.
+* The table is the only one: callers that share it (the server) attach their per-session
+  state as ``metadata`` at :meth:`SessionStore.create`, hold a session for a request with
+  :meth:`SessionStore.claim` / :meth:`SessionStore.release`, and evict by the store's
+  least-recently-used order (:meth:`SessionStore.evict_lru`).
 """
 
 from __future__ import annotations
@@ -34,20 +38,42 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import torch
 from transformers import PreTrainedModel
 
-from kakeya_lab import inputs
+# the module, not its names: speculative imports the events of this package, so under the
+# other import order Decoder is not defined yet when this module loads
+from kakeya_lab import inputs, speculative
 from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.backends.registry import vocab_size_of
 from kakeya_lab.inputs import InputTypeError
 from kakeya_lab.proposers import check_proposer
 from kakeya_lab.sampling import SamplingConfig
-from kakeya_lab.speculative import Decoder, SpeculativeStep
+from kakeya_lab.session.errors import (
+    CapacityExceeded,
+    SessionBusy,
+    SessionError,
+    SessionInUse,
+    UnknownSession,
+)
+from kakeya_lab.session.events import (
+    Done,
+    Event,
+    GenerationCounts,
+    GenerationTimings,
+    HistoryTruncated,
+    Token,
+)
+from kakeya_lab.session.records import (
+    AppendResult,
+    SessionInfo,
+    speculative_summary,
+)
+from kakeya_lab.session.state import SessionState
+from kakeya_lab.session.stream import GenerationStream
 from kakeya_lab.verifier import Verifier
 
 if TYPE_CHECKING:
@@ -55,181 +81,6 @@ if TYPE_CHECKING:
     from kakeya_lab.proposers import Proposer
 
 CapacityPolicy = Literal["reject", "evict_lru"]
-
-
-class SessionError(Exception):
-    """Base class of session-store errors."""
-
-
-class UnknownSession(SessionError, KeyError):
-    """The id names no open session (never created, closed, or evicted)."""
-
-    def __str__(self) -> str:  # KeyError quotes its argument; say it plainly
-        return str(self.args[0])
-
-
-class CapacityExceeded(SessionError):
-    """``create`` under the ``reject`` policy with every slot in use."""
-
-
-class SessionBusy(SessionError):
-    """The session has an open generation stream; finish or ``close()`` it first."""
-
-
-class SessionClosed(SessionError):
-    """The session was closed, evicted or expired while its stream was open."""
-
-
-@dataclass(frozen=True)
-class HistoryTruncated:
-    """The cache has started dropping history: ``dropped`` tokens are no longer attended
-    once the next :class:`Token` is delivered."""
-
-    dropped: int
-
-
-@dataclass(frozen=True)
-class Token:
-    id: int
-
-
-@dataclass(frozen=True)
-class GenerationCounts:
-    """What one ``generate`` call did. ``tau`` is tokens per verifier forward (1.0 for
-    plain decoding; None without a forward); history and cache figures are after the call."""
-
-    generated_tokens: int
-    verifier_forwards: int
-    tau: float | None
-    proposed: int
-    accepted: int
-    history_len: int
-    cache_len: int
-    kv_live_bytes: int
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class GenerationTimings:
-    """Wall-clock seconds of one ``generate`` call (``first_token_s`` from the first
-    ``next()``; None if no token was delivered)."""
-
-    total_s: float
-    first_token_s: float | None
-    verifier_s: float
-    proposer_s: float
-    tokens_per_s: float | None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class Done:
-    """End of a ``generate`` call. ``stop_reason`` is ``"eos"``, ``"stop"`` or ``"max_tokens"``."""
-
-    stop_reason: str
-    counts: GenerationCounts
-    timings: GenerationTimings
-
-
-Event = HistoryTruncated | Token | SpeculativeStep | Done
-
-
-@dataclass(frozen=True)
-class Reply:
-    """A generate stream collected: the delivered ``token_ids``, the final :class:`Done`,
-    ``truncated_dropped`` (the :class:`HistoryTruncated` figure, None if none came) and the
-    speculative ``steps`` in order."""
-
-    token_ids: list[int]
-    done: Done
-    truncated_dropped: int | None
-    steps: list[SpeculativeStep]
-
-
-def collect_reply(events: Iterable[Event]) -> Reply:
-    """Consume a ``generate`` stream to its end and collect it into a :class:`Reply`."""
-    token_ids: list[int] = []
-    steps: list[SpeculativeStep] = []
-    truncated = None
-    done = None
-    for event in events:
-        if isinstance(event, Token):
-            token_ids.append(event.id)
-        elif isinstance(event, HistoryTruncated):
-            truncated = event.dropped
-        elif isinstance(event, SpeculativeStep):
-            steps.append(event)
-        elif isinstance(event, Done):
-            done = event
-    if done is None:
-        raise SessionError("the stream ended without a Done event (it was closed part-way)")
-    return Reply(token_ids=token_ids, done=done, truncated_dropped=truncated, steps=steps)
-
-
-@dataclass(frozen=True)
-class AppendResult:
-    appended: int
-    dropped: int
-    latency_s: float
-    history_len: int
-    cache_len: int
-
-
-@dataclass(frozen=True)
-class SessionInfo:
-    id: str
-    history_len: int
-    cache_len: int
-    kv_live_bytes: int
-    turns: int
-    generated_tokens: int
-    created_s: float
-    last_used_s: float
-    config: dict
-    speculative: SpeculativeSummary
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class SpeculativeSummary:
-    """Cumulative speculative figures of a session (docs/design.md, "Metrics"):
-    ``acceptance_rate`` = accepted / proposed, ``tau`` = tokens per verifier forward of its
-    speculative generations (None when not measured)."""
-
-    steps: int
-    proposed: int
-    accepted: int
-    acceptance_rate: float | None
-    tau: float | None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(eq=False)
-class _Session:
-    id: str
-    verifier: Verifier
-    created_s: float
-    last_used_s: float
-    next_logits: torch.Tensor | None = None
-    turns: int = 0
-    generated_tokens: int = 0
-    stats: dict = field(default_factory=dict)
-    lock: threading.RLock = field(default_factory=threading.RLock)
-    stream: weakref.ref | None = None  # the open GenerationStream, if any
-    pending_token: int | None = None  # delivered but not yet appended (an interrupted settle)
-    closed_reason: str | None = None  # set once the store has dropped the session
-    computing: int = 0  # > 0 while a stream computes an event (never expired then)
-
-    def open_stream(self) -> GenerationStream | None:
-        return self.stream() if self.stream is not None else None
 
 
 def model_eos_ids(model: PreTrainedModel) -> frozenset[int]:
@@ -240,73 +91,6 @@ def model_eos_ids(model: PreTrainedModel) -> frozenset[int]:
         return frozenset(int(t) for t in declared)
     eos = getattr(model.generation_config, "eos_token_id", None) or model.config.eos_token_id
     return frozenset([eos] if isinstance(eos, int) else list(eos or []))
-
-
-class GenerationStream(Iterator[Event]):
-    """The events of one ``generate`` call (an iterator; also a context manager).
-
-    ``close()`` stops it: the session keeps exactly the tokens already handed out as
-    :class:`Token` events. Dropping the last reference closes it too. Each ``next()``
-    holds the session's lock only while computing the event.
-    """
-
-    def __init__(self, session: _Session, body: Generator[Event, None, None]):
-        self._session = session
-        self._body = body
-        self._finished = False
-
-    def __iter__(self) -> GenerationStream:
-        return self
-
-    def __next__(self) -> Event:
-        session = self._session
-        with session.lock:
-            if self._finished:
-                raise StopIteration
-            if session.closed_reason is not None:
-                self._end()
-                raise SessionClosed(
-                    f"session {session.id!r} was {session.closed_reason} while generating; "
-                    "the stream has ended (the session no longer exists: create a new one)"
-                )
-            session.computing += 1
-            try:
-                return next(self._body)
-            except BaseException:
-                self._end()
-                raise
-            finally:
-                session.computing -= 1
-                session.last_used_s = time.monotonic()
-
-    def close(self) -> None:
-        """Stop the stream; keep exactly the delivered tokens. Idempotent."""
-        session = self._session
-        with session.lock:
-            if self._finished:
-                return
-            try:
-                self._body.close()  # runs the body's cleanup: settle the delivered tokens
-            finally:
-                self._end()
-
-    def _end(self) -> None:
-        self._finished = True
-        self._body.close()  # no-op once finished or closed
-        if self._session.open_stream() in (self, None):
-            self._session.stream = None
-
-    def __enter__(self) -> GenerationStream:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # never raise from a finaliser; the session stays consistent
-            pass
 
 
 class SessionStore:
@@ -359,15 +143,18 @@ class SessionStore:
             if eos_token_ids is not None
             else model_eos_ids(model)
         )
-        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._sessions: OrderedDict[str, SessionState] = OrderedDict()
         # Guards the session table only; never held while taking a session's lock.
         self._lock = threading.RLock()
         self.evicted: list[tuple[str, str]] = []  # (id, reason), most recent last
 
     # --------------------------------------------------------------- lifecycle
-    def create(self) -> str:
-        """Open a session and return its server-issued id."""
-        dropped: list[_Session] = []
+    def create(self, *, metadata: object = None, claimed: bool = False) -> str:
+        """Open a session and return its server-issued id. ``metadata`` is kept with the
+        session for its creator (:meth:`metadata`, :meth:`claim_where`, :meth:`evict_lru`);
+        ``claimed`` opens it already claimed (:meth:`claim`), so no other caller takes it
+        before its creator does."""
+        dropped: list[SessionState] = []
         try:
             with self._lock:
                 dropped += self._expire_idle()
@@ -386,7 +173,14 @@ class SessionStore:
                     prefill_chunk=self.prefill_chunk,
                     block_padding=self.block_padding,
                 )
-                self._sessions[sid] = _Session(sid, verifier, created_s=now, last_used_s=now)
+                self._sessions[sid] = SessionState(
+                    sid,
+                    verifier,
+                    created_s=now,
+                    last_used_s=now,
+                    metadata=metadata,
+                    claimed=claimed,
+                )
                 return sid
         finally:
             self._free(dropped)
@@ -396,7 +190,7 @@ class SessionStore:
 
         An open stream of the session ends with :class:`SessionClosed` at its next ``next()``.
         """
-        dropped: list[_Session] = []
+        dropped: list[SessionState] = []
         try:
             with self._lock:
                 dropped += self._expire_idle()
@@ -409,7 +203,7 @@ class SessionStore:
         return len(self.ids())
 
     def ids(self) -> list[str]:
-        dropped: list[_Session] = []
+        dropped: list[SessionState] = []
         try:
             with self._lock:
                 dropped += self._expire_idle()
@@ -417,7 +211,76 @@ class SessionStore:
         finally:
             self._free(dropped)
 
-    def _drop(self, session_id: str, reason: str) -> _Session:
+    # -------------------------------------------------------------- ownership
+    def metadata(self, session_id: str) -> object:
+        """What :meth:`create` attached to the session (None if nothing); raises
+        :class:`UnknownSession` (with the reason) for a closed or evicted id."""
+        return self._session(session_id).metadata
+
+    def claim(self, session_id: str) -> None:
+        """Hold the session for one caller (e.g. one HTTP request) until :meth:`release`.
+
+        A claimed session is skipped by :meth:`evict_lru` and :meth:`claim_where`; a second
+        claim raises :class:`SessionInUse`. The claim is advisory for the store's own calls
+        (append, generate still work); it is how several callers share the table."""
+        dropped: list[SessionState] = []
+        try:
+            with self._lock:
+                dropped += self._expire_idle()
+                session = self._lookup(session_id)
+                if session.claimed:
+                    raise SessionInUse(
+                        f"session {session_id!r} is serving another request; retry after it"
+                    )
+                session.claimed = True
+                self._touch(session)
+        finally:
+            self._free(dropped)
+
+    def release(self, session_id: str) -> None:
+        """End a :meth:`claim` and mark the session used now (no-op if it is gone)."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is not None:
+                session.claimed = False
+                self._touch(session)
+
+    def claim_where(self, where: Callable[[object], bool]) -> list[str]:
+        """Claim every unclaimed session whose metadata satisfies ``where``; their ids,
+        least recently used first (release the ones you do not keep)."""
+        dropped: list[SessionState] = []
+        try:
+            with self._lock:
+                dropped += self._expire_idle()
+                claimed = [
+                    s for s in self._sessions.values() if not s.claimed and where(s.metadata)
+                ]
+                for s in claimed:
+                    s.claimed = True
+                return [s.id for s in claimed]
+        finally:
+            self._free(dropped)
+
+    def evict_lru(self, where: Callable[[object], bool], reason: str) -> str | None:
+        """Close the least recently used unclaimed session whose metadata satisfies
+        ``where`` (an open stream of it ends with :class:`SessionClosed` naming ``reason``);
+        its id, or None if no session qualifies."""
+        dropped: list[SessionState] = []
+        try:
+            with self._lock:
+                dropped += self._expire_idle()
+                victim = next(
+                    (s for s in self._sessions.values() if not s.claimed and where(s.metadata)),
+                    None,
+                )
+                if victim is None:
+                    return None
+                dropped.append(self._drop(victim.id, f"evicted: {reason}"))
+                return victim.id
+        finally:
+            self._free(dropped)
+
+    def _drop(self, session_id: str, reason: str) -> SessionState:
         """Remove a session from the table (under the table lock); free it with :meth:`_free`."""
         session = self._sessions.pop(session_id)
         session.closed_reason = reason
@@ -426,7 +289,7 @@ class SessionStore:
         return session
 
     @staticmethod
-    def _free(sessions: list[_Session]) -> None:
+    def _free(sessions: list[SessionState]) -> None:
         """Free dropped sessions' caches (after the table lock is released; waits for a
         stream that is computing an event)."""
         for session in sessions:
@@ -434,7 +297,7 @@ class SessionStore:
                 session.verifier.release()
                 session.next_logits = None
 
-    def _expire_idle(self) -> list[_Session]:
+    def _expire_idle(self) -> list[SessionState]:
         if self.idle_ttl_s is None:
             return []
         now = time.monotonic()
@@ -445,7 +308,7 @@ class SessionStore:
         ]
         return [self._drop(sid, f"evicted: idle longer than {self.idle_ttl_s}s") for sid in expired]
 
-    def _lookup(self, session_id: str) -> _Session:
+    def _lookup(self, session_id: str) -> SessionState:
         session = self._sessions.get(session_id)
         if session is None:
             raise UnknownSession(self._unknown_message(session_id))
@@ -456,9 +319,9 @@ class SessionStore:
         detail = f" ({reason})" if reason else ""
         return f"unknown session id {session_id!r}{detail}"
 
-    def _session(self, session_id: str) -> _Session:
+    def _session(self, session_id: str) -> SessionState:
         """Expire idle sessions and return this one (then take its lock and call :meth:`_live`)."""
-        dropped: list[_Session] = []
+        dropped: list[SessionState] = []
         try:
             with self._lock:
                 dropped += self._expire_idle()
@@ -466,7 +329,7 @@ class SessionStore:
         finally:
             self._free(dropped)
 
-    def _live(self, session: _Session, *, idle: bool = False) -> None:
+    def _live(self, session: SessionState, *, idle: bool = False) -> None:
         """Under the session's lock: raise if it was dropped meanwhile, or (``idle``) if a
         stream is open."""
         if session.closed_reason is not None:
@@ -479,13 +342,13 @@ class SessionStore:
             )
 
     @staticmethod
-    def _settle_pending(session: _Session) -> None:
+    def _settle_pending(session: SessionState) -> None:
         """Append a delivered token whose commit was interrupted (under the session's lock)."""
         if session.pending_token is not None:
             session.next_logits = session.verifier.append([session.pending_token])
             session.pending_token = None
 
-    def _touch(self, session: _Session) -> None:
+    def _touch(self, session: SessionState) -> None:
         with self._lock:
             session.last_used_s = time.monotonic()
             if session.id in self._sessions:
@@ -559,7 +422,7 @@ class SessionStore:
                 raise SessionError(
                     f"session {session_id!r} is empty: append a prompt before generate"
                 )
-            decoder = Decoder(
+            decoder = speculative.Decoder(
                 session.verifier,
                 session.next_logits,
                 max_new_tokens=max_new_tokens,
@@ -575,7 +438,9 @@ class SessionStore:
             self._touch(session)
             return stream
 
-    def _run(self, session: _Session, decoder: Decoder) -> Generator[Event, None, None]:
+    def _run(
+        self, session: SessionState, decoder: speculative.Decoder
+    ) -> Generator[Event, None, None]:
         """The body of a stream (runs under the session's lock, one event at a time)."""
         verifier = session.verifier
         start_history = verifier.history_len
@@ -698,7 +563,7 @@ class SessionStore:
                 created_s=s.created_s,
                 last_used_s=s.last_used_s,
                 config=self.config.to_dict(),
-                speculative=_speculative_summary(s.stats),
+                speculative=speculative_summary(s.stats),
             )
 
     def next_token_logits(self, session_id: str) -> torch.Tensor | None:
@@ -715,39 +580,6 @@ class SessionStore:
         return self._session(session_id).verifier
 
     # -------------------------------------------------------------- invariants
-    def _check(self, session: _Session, expected_history: int | None) -> None:
-        if not self.check_invariants:
-            return
-        v = session.verifier
-        positions = v.cached_positions()
-        history = v.history_len
-        if expected_history is not None and history != expected_history:
-            raise AssertionError(f"history length {history}, expected {expected_history}")
-        if len(positions) != v.cache_len or len(set(positions)) != len(positions):
-            raise AssertionError("cache slots do not mirror distinct positions")
-        cfg = self.config
-        if cfg.window is None:
-            expected = list(range(history))
-        else:
-            expected = sorted(
-                set(range(min(cfg.sink, history)))
-                | set(range(max(0, history - cfg.window), history))
-            )
-        if positions != expected:
-            raise AssertionError(
-                f"cached positions {positions[:8]}... differ from the sink-window rule"
-            )
-        if history and v.kv_live_bytes <= 0:
-            raise AssertionError("kv_live_bytes is 0 after an append")
-
-
-def _speculative_summary(stats: dict) -> SpeculativeSummary:
-    """Cumulative speculative figures of a session (docs/design.md, "Metrics")."""
-    proposed, accepted = stats.get("proposed", 0), stats.get("accepted", 0)
-    return SpeculativeSummary(
-        steps=stats.get("steps", 0),
-        proposed=proposed,
-        accepted=accepted,
-        acceptance_rate=accepted / proposed if proposed else None,
-        tau=stats["emitted"] / stats["forwards"] if stats.get("forwards") else None,
-    )
+    def _check(self, session: SessionState, expected_history: int | None) -> None:
+        if self.check_invariants:
+            session.check_cache_mirror(self.config, expected_history)

@@ -1,0 +1,263 @@
+"""The work behind the HTTP routes: a chat completion on :class:`ServedSessions`, whole or
+streamed as server-sent events (:mod:`kakeya_lab.serve.http_app` wires them to FastAPI).
+
+A client that disconnects mid-stream stops generation; its session keeps exactly the
+tokens sent. A client that disconnects during a non-streaming request stops it too (polled
+every ``DISCONNECT_POLL_S``): generation ends before the next token and the session keeps
+the tokens committed until then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+
+import anyio
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+
+from kakeya_lab.sampling import SamplingConfig
+from kakeya_lab.serve.openai_protocol import (
+    ChatCompletionRequest,
+    chunk_body,
+    completion_body,
+    error_body,
+    extension,
+    finish_reason,
+    usage,
+)
+from kakeya_lab.serve.sessions import Attached, GenerateOptions, ServedSessions
+from kakeya_lab.session import Done, Event, StreamingDetokenizer, Token
+
+DISCONNECT_POLL_S = 0.05  # how often a non-streaming request checks for a hung-up client
+
+
+def options_of(served: ServedSessions, req: ChatCompletionRequest) -> GenerateOptions:
+    """The generation options of a request, checked against the server's limits."""
+    if req.n != 1:
+        raise ValueError(f"n must be 1 (one choice per request), got {req.n}")
+    if req.stop:
+        raise ValueError("stop strings are not supported: pass stop_token_ids (an extension field)")
+    max_new = req.max_completion_tokens or req.max_tokens or 256
+    temperature = 0.0 if req.temperature is None else req.temperature
+    sampling = SamplingConfig(
+        temperature=temperature,
+        top_k=req.top_k if temperature > 0 else None,
+        top_p=req.top_p if temperature > 0 and req.top_p is not None else None,
+        seed=req.seed,
+    )
+    options = GenerateOptions(
+        max_new_tokens=max_new,
+        sampling=sampling,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        proposer=req.proposer,
+        draft_length=req.draft_length,
+    )
+    served.check_options(options)
+    if req.model not in (None, "", served.model_name):
+        raise ValueError(
+            f"model {req.model!r} is not served here; this server serves {served.model_name!r}"
+        )
+    return options
+
+
+def prepare(served: ServedSessions, req: ChatCompletionRequest) -> tuple[GenerateOptions, Attached]:
+    """Check the request and bind its session (the conversation's new tokens appended)."""
+    options = options_of(served, req)
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    prompt_ids = served.render_ids(messages)
+    return options, served.attach(prompt_ids, session_id=req.session_id, reuse=req.reuse)
+
+
+def detokenizer(served: ServedSessions) -> StreamingDetokenizer:
+    """The reply's text as it grows (end-of-sequence ids and special tokens not shown)."""
+    return StreamingDetokenizer.for_tokenizer(served.tokenizer, skip_ids=served.store.eos_token_ids)
+
+
+def response_base(served: ServedSessions, att: Attached) -> dict:
+    """The fields every body of one completion shares."""
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
+        "created": int(time.time()),
+        "model": served.model_name,
+        "session_id": att.session.id,
+    }
+
+
+async def complete(
+    served: ServedSessions,
+    req: ChatCompletionRequest,
+    att: Attached,
+    options: GenerateOptions,
+    request: Request,
+    t0: float,
+) -> dict:
+    """A whole completion's body; stops early if the client disconnects. The session is
+    released (closed for a stateless request) on every exit; ``t0`` is when the request
+    arrived (``time.perf_counter()``, for the latency metric)."""
+    base = response_base(served, att)
+    gone = threading.Event()  # the client disconnected, or the reply is ready
+
+    def run() -> tuple[list[int], Done | None]:
+        ids: list[int] = []
+        done = None
+        for event in served.generate(att.session.id, options, cancelled=gone.is_set):
+            if isinstance(event, Token):
+                ids.append(event.id)
+            elif isinstance(event, Done):
+                done = event
+        return ids, done
+
+    async def watch_disconnect() -> None:
+        # no stream to fail on: poll, so a client that hangs up stops generation
+        # before the next token (the session keeps the tokens committed so far)
+        while not gone.is_set():
+            if await request.is_disconnected():
+                gone.set()
+                return
+            await anyio.sleep(DISCONNECT_POLL_S)
+
+    watcher = asyncio.ensure_future(watch_disconnect())
+    try:
+        ids, done = await run_in_threadpool(run)
+    finally:
+        gone.set()
+        watcher.cancel()
+        served.detach(att.session, close=stateless(req))
+        served.metrics.request_latency.labels("http:chat").observe(time.perf_counter() - t0)
+    return completion_body(base, att, detokenizer(served).decode(ids), len(ids), done)
+
+
+async def stream_chunks(
+    served: ServedSessions,
+    req: ChatCompletionRequest,
+    att: Attached,
+    events: Iterator[Event],
+    cancel: threading.Event,
+    t0: float,
+) -> AsyncIterator[str]:
+    """The server-sent events of a streamed completion of ``events`` (what
+    :meth:`ServedSessions.generate` returned). Errors after the headers are reported
+    in-band; ``cancel`` is set and the session released on every exit; ``t0`` is when the
+    request arrived."""
+    base = response_base(served, att)
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Event | _StreamEnd] = asyncio.Queue()
+    # One engine thread per stream pulls the events and hands each to the event loop.
+    # It pulls the next event only once the previous one has been handed to the
+    # transport (one credit), so a client that leaves takes with it the session's
+    # every delivered token and nothing more; ``cancel`` stops it before the next.
+    credit = threading.Semaphore(1)
+    producer = threading.Thread(
+        target=_produce,
+        args=(events, loop, queue, credit, cancel),
+        name="sse-stream",
+        daemon=True,
+    )
+    detok = detokenizer(served)
+    done = None
+    try:
+        yield _sse(chunk_body(base, {"role": "assistant", "content": ""}))
+        producer.start()
+        while True:
+            event = await queue.get()
+            if isinstance(event, _StreamEnd):
+                if event.error is not None:
+                    raise event.error
+                break
+            if isinstance(event, Token):
+                delta = detok.add(event.id)
+                if delta:
+                    yield _sse(chunk_body(base, {"content": delta}))
+            elif isinstance(event, Done):
+                done = event
+            credit.release()  # handed on: the engine may pull the next event
+        n_tokens = len(detok.ids)
+        yield _sse(
+            chunk_body(
+                base,
+                {},
+                finish_reason(done),
+                usage=usage(att, n_tokens),
+                kakeya=extension(att, done),
+            )
+        )
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # headers are sent: report in-band, then end the stream
+        status, body = error_body(exc)
+        served.metrics.errors.labels(str(status)).inc()
+        yield _sse(body)
+    finally:
+        cancel.set()
+        credit.release()  # a producer waiting for credit sees ``cancel`` and ends
+        with anyio.CancelScope(shield=True):  # also on disconnect: keep exactly what was sent
+            if producer.is_alive():
+                await anyio.to_thread.run_sync(producer.join)
+            else:
+                close = getattr(events, "close", None)
+                if close is not None:  # never started
+                    await anyio.to_thread.run_sync(close)
+            await anyio.to_thread.run_sync(lambda: served.detach(att.session, close=stateless(req)))
+        served.metrics.request_latency.labels("http:chat_stream").observe(time.perf_counter() - t0)
+
+
+def stateless(req: ChatCompletionRequest) -> bool:
+    """A request with reuse off and no session: its fresh session is closed after it."""
+    return not req.reuse and req.session_id is None
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+@dataclass(frozen=True)
+class _StreamEnd:
+    """The engine thread's last item: the stream ended (``error``: how, if it failed)."""
+
+    error: BaseException | None = None
+
+
+def _produce(
+    events: Iterator[Event],
+    loop: asyncio.AbstractEventLoop,
+    queue: asyncio.Queue,
+    credit: threading.Semaphore,
+    cancel: threading.Event,
+) -> None:
+    """Run in a stream's engine thread: pull each event once ``credit`` allows (the
+    consumer releases it after handing the previous one on) and hand it to ``queue`` on
+    ``loop``, until the stream ends or ``cancel`` is set; then a :class:`_StreamEnd`. The
+    generator is closed here, in the thread that ran it."""
+
+    def put(item: object) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed (the server stopped): nobody listens
+            pass
+
+    end = _StreamEnd()
+    it = iter(events)
+    try:
+        while True:
+            credit.acquire()
+            if cancel.is_set():
+                break
+            try:
+                event = next(it)
+            except StopIteration:
+                break
+            put(event)
+    except Exception as exc:
+        end = _StreamEnd(exc)
+    finally:
+        try:
+            close: Callable[[], None] | None = getattr(events, "close", None)
+            if close is not None:
+                close()
+        finally:
+            put(end)
