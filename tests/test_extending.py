@@ -93,3 +93,23 @@ def test_a_server_lists_and_serves_a_users_proposer(serve):
         return out.choices[0].message.content
 
     assert reply("echo:64") == reply("none")
+
+
+def test_the_usage_example_of_the_page_runs(monkeypatch):
+    """docs/extending.md's usage block, run as written (with docs/examples on the path)."""
+    import re
+    import sys
+
+    page = (EXAMPLES.parent / "extending.md").read_text()
+    blocks = [
+        b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "import echo_proposer" in b
+    ]
+    assert len(blocks) == 1
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    namespace: dict = {}
+    try:
+        exec(compile(blocks[0], "docs/extending.md", "exec"), namespace)
+    finally:
+        sys.modules.pop("echo_proposer", None)
+        unregister_proposer("echo")
+    assert len(namespace["reply"].token_ids) > 0

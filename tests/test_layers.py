@@ -38,11 +38,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "models",
             "linear",
             "backends",
-            "cache",
-            "attention",
-            "backend",
-            "mlx_backend",
-            "draft_step",
             "reference",
             "tree",
             "verifier",
@@ -190,3 +185,21 @@ def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
     assert layer_of("inputs") < layer_of("proposers.registry") < layer_of("session")
     assert layer_of("bench.long_run.served") > layer_of("serve.client") > layer_of("session")
     assert layer_of("models.command") == len(LAYERS) - 1
+
+
+def test_the_architecture_page_states_these_layers():
+    """docs/architecture.md's "Layers" table names the same modules per layer, in order."""
+    import re
+
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    section = page.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line]
+    documented = []
+    for row in rows[1:]:  # the header row names the columns
+        name, modules = (cell.strip() for cell in row.strip("|").split("|"))
+        names = {
+            re.sub(r"\.py$", "", m).rstrip("/").replace("/", ".")
+            for m in re.findall(r"`([^`]+)`", modules)
+        }
+        documented.append((name.split(" (")[0], names - {"command"}))
+    assert documented == [(name, set(prefixes)) for name, prefixes in LAYERS]
