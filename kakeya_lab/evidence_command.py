@@ -1,5 +1,5 @@
-"""``kakeya-lab evidence check [ROOT]``: the README's Results against the committed
-evidence folders (:func:`kakeya_lab.evidence.check_evidence`); exit 1 if a claim fails."""
+"""``kakeya-lab evidence check [ROOT]``: docs/results.md and the README's headline table
+against the committed evidence folders (:func:`kakeya_lab.evidence.check_evidence`); exit 1 if a claim fails."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ from kakeya_lab.cli_args import EXIT_RUN_FAILED, PROG, Parser, UserError, run_pa
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kakeya-lab evidence`` parser (``check``)."""
-    evidence = Parser(prog=f"{PROG} evidence", description="README figures against evidence/.")
+    evidence = Parser(prog=f"{PROG} evidence", description="docs/results.md and the README's headline figures against evidence/.")
     sub = evidence.add_subparsers(dest="evidence_command", metavar="EVIDENCE_COMMAND")
     evidence.set_defaults(func=lambda _args: usage(evidence))
-    p = sub.add_parser("check", help="check every claims.yaml and Results subsection")
+    p = sub.add_parser("check", help="check every claims.yaml, docs/results.md section and README headline row")
     p.add_argument("root", nargs="?", default=".", help="repository root (default: .)")
     p.set_defaults(func=run_check)
     return evidence
 
 
 def run_check(args: argparse.Namespace) -> int:
-    """Check the README's Results against the committed evidence folders."""
+    """Check docs/results.md and the README's headline table against the evidence folders."""
     from kakeya_lab.evidence import check_evidence
 
     root = Path(args.root)

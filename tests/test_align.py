@@ -27,13 +27,8 @@ from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.proposers.drafters.checkpoint import CheckpointError, load_drafter, save_drafter
-from kakeya_lab.proposers.drafters.network import (
-    DrafterConfig,
-    DrafterProposer,
-    DrafterTreeProposer,
-    build_drafter,
-    drafter_config_for,
-)
+from kakeya_lab.proposers.drafters.network import DrafterConfig, build_drafter, drafter_config_for
+from kakeya_lab.proposers.drafters.proposer import DrafterProposer, DrafterTreeProposer
 from kakeya_lab.reference import oracle_logits
 from kakeya_lab.session import model_eos_ids
 from kakeya_lab.verifier import HiddenTrace, Verifier

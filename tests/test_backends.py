@@ -17,8 +17,8 @@ from kakeya_lab.backends.plan import SlotPlan, visibility
 from kakeya_lab.proposers import (
     DraftModelProposer,
     EarlyExitProposer,
-    NgramProposer,
     make_proposer,
+    proposer_kinds,
 )
 from kakeya_lab.session import SessionStore, Token
 
@@ -35,9 +35,8 @@ def _plain(store, prompt, n):
 @pytest.mark.parametrize(
     "proposer_kind",
     [
-        "ngram",
-        "suffix-tree",
-        "ngram-tree",
+        # every registered model-free kind (chains and trees) runs on every backend
+        *(kind.example for kind in proposer_kinds() if kind.model_free),
         pytest.param("draft_model", marks=pytest.mark.slow),
         pytest.param("early_exit", marks=pytest.mark.slow),
     ],
@@ -56,14 +55,12 @@ def test_greedy_speculative_equals_plain_past_eviction(backend, tiny_on, propose
     prompt = first + _plain(store, first, 30) + first
     plain = _plain(store, prompt, 40)
     for k in (1, 4, 8):
-        if proposer_kind == "ngram":
-            proposer = NgramProposer()
-        elif proposer_kind.endswith("-tree"):  # a draft tree verified in one forward
-            proposer = make_proposer(proposer_kind, verifier_model, config)
-        elif proposer_kind == "draft_model":
+        if proposer_kind == "draft_model":
             proposer = DraftModelProposer(draft_model, config, label=f"tiny-qwen3 ({backend})")
-        else:  # self-speculation: the verifier's first layer drafts
+        elif proposer_kind == "early_exit":  # self-speculation: the first layer drafts
             proposer = EarlyExitProposer(verifier_model, config, 1)
+        else:  # a registered model-free kind, from its spec (trees: one forward per tree)
+            proposer = make_proposer(proposer_kind, verifier_model, config)
         sid = store.create()
         store.append(sid, prompt)
         got = [

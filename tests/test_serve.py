@@ -114,11 +114,14 @@ def test_grpc_multi_turn_equals_in_process_greedy(main_server, default_model, or
 
 
 def test_grpc_served_proposers_greedy_equal_plain(main_server, default_model):
-    """Every served proposer, chains and trees, streams plain greedy decoding's tokens."""
+    """Every served proposer (the registry's model-free kinds, chains and trees) streams
+    plain greedy decoding's tokens."""
+    from kakeya_lab.serve.sessions import served_proposer_kinds
+
     ids = default_model.tokenizer(
         "one two three four, one two three four, one two", add_special_tokens=False
     )["input_ids"]
-    proposers = ("none", "ngram", "suffix", "ngram-tree", "suffix-tree")
+    proposers = ("none", *(kind.example for kind in served_proposer_kinds()))
     with main_server.client() as client:
         outputs = []
         for proposer in proposers:

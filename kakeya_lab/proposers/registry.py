@@ -67,7 +67,7 @@ class ProposerKind:
     wraps: bool = False
     backends: tuple[str, ...] = ()
     example: str = ""
-    _builder: list[Builder] = field(default_factory=list, repr=False, compare=False)
+    _builder: list[Builder] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
