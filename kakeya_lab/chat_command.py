@@ -22,8 +22,8 @@ from kakeya_lab.cli_args import (
     check_int,
     check_linear,
     check_model,
-    check_positive,
     check_proposer,
+    check_sampling,
     load_proposer_modules,
     run_parser,
 )
@@ -63,7 +63,7 @@ def run_chat(args: argparse.Namespace) -> int:
     check_cache(args)
     check_int("--max-new-tokens", args.max_new_tokens, 1)
     check_int("--draft-length", args.draft_length, 1)
-    check_positive("--temperature", args.temperature, allow_zero=True)
+    check_sampling(args)
     load_proposer_modules(args)
     check_proposer(args.proposer)
     check_linear(args)

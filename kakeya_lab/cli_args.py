@@ -198,6 +198,20 @@ def check_positive(name: str, value: float | None, *, allow_zero: bool = False) 
         )
 
 
+def check_sampling(args: argparse.Namespace) -> None:
+    """``--temperature`` and ``--seed`` as :class:`~kakeya_lab.sampling.SamplingConfig`
+    takes them (a seed in 0..2**63-1; a temperature of 0 or at least its minimum), checked
+    before any model loads."""
+    from kakeya_lab.sampling import SamplingConfig
+
+    check_positive("--temperature", args.temperature, allow_zero=True)
+    try:
+        SamplingConfig(temperature=args.temperature, seed=args.seed)
+    except ValueError as exc:  # InputTypeError is one too
+        flag = "--seed" if "seed" in str(exc) else "--temperature"
+        raise UserError(f"{flag}: {exc}") from None
+
+
 def check_cache(args: argparse.Namespace) -> None:
     """Check ``--sink/--window`` (``--positions`` is checked by argparse)."""
     check_int("--sink", args.sink, 0, MAX_CACHE_TOKENS)

@@ -15,15 +15,22 @@ a message naming the argument, what was given and what to do.
 from __future__ import annotations
 
 import numbers
+import sys
 from collections.abc import Sequence
 from typing import Any, TypeGuard
 
 import numpy as np
-import torch
 
 from kakeya_lab.errors import InputTypeError
 
 MAX_SIZE = 2**31 - 1  # positions are int64 but no machine holds more tokens than this
+
+
+def _is_torch_tensor(value: object) -> bool:
+    """Whether ``value`` is a torch tensor, without importing torch (a tensor cannot exist
+    before torch was imported), so checks of plain values stay cheap."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def _kind(value: object) -> str:
@@ -100,20 +107,22 @@ def token_ids(value: object, vocab_size: int, name: str = "token ids") -> list[i
         raise InputTypeError(
             f"{name} must be a sequence of integers, not a {_kind(value)} (tokenize it first)"
         )
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        if value.ndim != 1:
+    tensor = _is_torch_tensor(value)
+    if tensor or isinstance(value, np.ndarray):
+        array: Any = value  # a tensor or an array (torch's type is not imported here)
+        if array.ndim != 1:
             raise ValueError(
-                f"{name} must be 1-D, got a {value.ndim}-D {_kind(value)} of shape {tuple(value.shape)} "
+                f"{name} must be 1-D, got a {array.ndim}-D {_kind(array)} of shape {tuple(array.shape)} "
                 "(pass one sequence, e.g. ids[0])"
             )
-        if isinstance(value, torch.Tensor):
-            if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-                raise InputTypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
-            ids = value.tolist()
+        if tensor:
+            if array.is_floating_point() or array.is_complex() or str(array.dtype) == "torch.bool":
+                raise InputTypeError(f"{name} must be an integer tensor, got dtype {array.dtype}")
+            ids = array.tolist()
         else:
-            if value.dtype.kind not in "iu":
-                raise InputTypeError(f"{name} must be an integer array, got dtype {value.dtype}")
-            ids = [int(t) for t in value.tolist()]
+            if array.dtype.kind not in "iu":
+                raise InputTypeError(f"{name} must be an integer array, got dtype {array.dtype}")
+            ids = [int(t) for t in array.tolist()]
     elif isinstance(value, Sequence) or hasattr(value, "__iter__"):
         ids = list(value)
     else:

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# Below this a temperature is greedy in all but name, and logits divided by it overflow
+# float32 (1e-45 turned every logit into inf, then NaN, mid-stream): 0 means greedy.
+MIN_TEMPERATURE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -29,9 +35,13 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         from kakeya_lab import inputs
 
-        object.__setattr__(
-            self, "temperature", inputs.number(self.temperature, "temperature", minimum=0.0)
-        )
+        temperature = inputs.number(self.temperature, "temperature", minimum=0.0)
+        if 0.0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got "
+                f"{temperature:g} (smaller ones overflow the logits; use 0 for greedy)"
+            )
+        object.__setattr__(self, "temperature", temperature)
         if self.top_k is not None:
             object.__setattr__(self, "top_k", inputs.count(self.top_k, "top_k", minimum=1))
         if self.top_p is not None:
@@ -52,6 +62,8 @@ class SamplingConfig:
         """A CPU generator seeded from ``seed`` (a random seed if None); None when greedy."""
         if self.greedy:
             return None
+        import torch
+
         generator = torch.Generator(device="cpu")
         generator.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
         return generator
@@ -61,6 +73,8 @@ class SamplingConfig:
 
         Greedy configs give the one-hot distribution of the argmax.
         """
+        import torch
+
         if self.greedy:
             probs = torch.zeros(logits.shape[-1], dtype=torch.float32)
             probs[int(torch.argmax(logits))] = 1.0
@@ -71,6 +85,8 @@ class SamplingConfig:
 
     def choose(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> int:
         """The next token from ``logits [vocab]``: the argmax if greedy, else a sample."""
+        import torch
+
         if self.greedy:
             return int(torch.argmax(logits))
         return int(torch.multinomial(self.probs(logits), 1, generator=generator))
@@ -90,6 +106,8 @@ def sampling_probs(
     top_p: float | None = None,
 ) -> torch.Tensor:
     """Temperature, then top-k, then top-p (nucleus) over ``logits [vocab]``; ``temperature > 0``."""
+    import torch
+
     scores = logits.float() / temperature
     if top_k is not None and 0 < top_k < scores.numel():
         kth = torch.topk(scores, top_k).values[-1]

@@ -73,6 +73,18 @@ MISUSES = [
     ("capture out is a file", ["align", "capture", "{tmp}/afile"], "exists and is not a folder"),
     ("chat unknown proposer", [*CHAT, "--proposer", "oracle"], "unknown proposer 'oracle'"),
     ("chat early-exit not a number", [*CHAT, "--proposer", "early-exit:x"], "bad layer count"),
+    ("chat negative seed", [*CHAT, "--seed", "-1"], "--seed: seed must be >= 0"),
+    (
+        "chat seed over 2**63-1",
+        [*CHAT, "--seed", str(2**63)],
+        "seed must be <= 9223372036854775807",
+    ),
+    ("chat tiny temperature", [*CHAT, "--temperature", "1e-45"], "0 (greedy) or at least"),
+    (
+        "chat unknown proposer module",
+        [*CHAT, "--proposer-module", "{tmp}/none.py"],
+        "no proposer module",
+    ),
     (
         "chat draft model unknown",
         [*CHAT, "--proposer", "draft:no-such-model"],

@@ -113,6 +113,12 @@ def _cases(store, sid, model, vocab):
             "temperature must be >= 0",
         ),
         (
+            "a temperature that overflows the logits",
+            lambda: gen(sid, 3, SamplingConfig(temperature=1e-45)),
+            ValueError,
+            "0 \\(greedy\\) or at least",
+        ),
+        (
             "nan temperature",
             lambda: gen(sid, 3, SamplingConfig(temperature=float("nan"))),
             ValueError,
