@@ -116,7 +116,7 @@ def _cases(store, sid, model, vocab):
             "a temperature that overflows the logits",
             lambda: gen(sid, 3, SamplingConfig(temperature=1e-45)),
             ValueError,
-            "0 \\(greedy\\) or at least",
+            "0 (greedy) or at least",
         ),
         (
             "nan temperature",
