@@ -56,8 +56,18 @@ class Parser(argparse.ArgumentParser):
 
 
 def usage(parser: argparse.ArgumentParser) -> int:
-    """Print ``parser``'s help on stderr (a command group called without a sub-command)."""
-    parser.print_help(sys.stderr)
+    """One line on stderr for a command group called without a sub-command: the commands
+    it has and where its help is; returns the user-error exit status."""
+    commands = [
+        name
+        for action in parser._actions
+        if isinstance(action, argparse._SubParsersAction)
+        for name in action.choices
+    ]
+    print(
+        f"{parser.prog}: give a command: {', '.join(commands)} (see {parser.prog} --help)",
+        file=sys.stderr,
+    )
     return EXIT_USER_ERROR
 
 

@@ -12,10 +12,15 @@ from kakeya_lab.cli_args import EXIT_RUN_FAILED, PROG, Parser, UserError, run_pa
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kakeya-lab evidence`` parser (``check``)."""
-    evidence = Parser(prog=f"{PROG} evidence", description="docs/results.md and the README's headline figures against evidence/.")
+    evidence = Parser(
+        prog=f"{PROG} evidence",
+        description="docs/results.md and the README's headline figures against evidence/.",
+    )
     sub = evidence.add_subparsers(dest="evidence_command", metavar="EVIDENCE_COMMAND")
     evidence.set_defaults(func=lambda _args: usage(evidence))
-    p = sub.add_parser("check", help="check every claims.yaml, docs/results.md section and README headline row")
+    p = sub.add_parser(
+        "check", help="check every claims.yaml, docs/results.md section and README headline row"
+    )
     p.add_argument("root", nargs="?", default=".", help="repository root (default: .)")
     p.set_defaults(func=run_check)
     return evidence

@@ -73,6 +73,11 @@ MISUSES = [
     ("capture out is a file", ["align", "capture", "{tmp}/afile"], "exists and is not a folder"),
     ("chat unknown proposer", [*CHAT, "--proposer", "oracle"], "unknown proposer 'oracle'"),
     ("chat early-exit not a number", [*CHAT, "--proposer", "early-exit:x"], "bad layer count"),
+    (
+        "run results is a file",
+        ["run", "notebooks/00_quickstart.ipynb", "--results", "{tmp}/afile"],
+        "exists and is not a folder",
+    ),
     ("chat negative seed", [*CHAT, "--seed", "-1"], "--seed: seed must be >= 0"),
     (
         "chat seed over 2**63-1",
@@ -225,3 +230,12 @@ def test_misuse_as_a_subprocess(argv, said, tmp_path):
     assert proc.stdout == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, no folder made
     assert elapsed < 60, f"took {elapsed:.0f}s: did a model load before the check?"
+
+
+@pytest.mark.parametrize("group", [[], ["models"], ["align"], ["evidence"]])
+def test_a_bare_command_group_says_what_to_give_in_one_line(group, capsys):
+    from kakeya_lab.cli import main
+
+    assert main(group) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "give a command:" in lines[0] and "--help" in lines[0], lines

@@ -7,7 +7,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kakeya_lab.cli_args import EXIT_RUN_FAILED, PROG, Parser, UserError, run_parser
+from kakeya_lab.cli_args import (
+    EXIT_RUN_FAILED,
+    PROG,
+    Parser,
+    UserError,
+    check_out_dir,
+    run_parser,
+)
 
 
 def build_run_parser() -> argparse.ArgumentParser:
@@ -46,6 +53,7 @@ def _parse_parameters(pairs: list[list[str]] | None) -> dict:
 
 def run_notebook_command(args: argparse.Namespace) -> int:
     """Execute a notebook with papermill into a run folder (and refresh the run index)."""
+    check_out_dir(args.results, "--results")
     from kakeya_lab.experiments import RunFailed, build_index, run_notebook
 
     params = _parse_parameters(args.parameter)
@@ -96,6 +104,7 @@ def build_sweep_parser() -> argparse.ArgumentParser:
 
 def run_sweep_command(args: argparse.Namespace) -> int:
     """Run every grid point of a sweep file not completed yet."""
+    check_out_dir(args.results, "--results")
     from kakeya_lab.experiments import load_sweep, run_sweep
 
     try:
