@@ -309,6 +309,10 @@ def test_make_proposer_uses_an_already_loaded_draft_model(default_model, tiny_mo
     assert isinstance(proposer, DraftModelProposer) and proposer.model is tiny_model.model
     assert proposer.describe()["model"] == "tiny"
     assert make_proposer("none", default_model.model, config) is None
+    # a bare PreTrainedModel, as documented: the network itself, not its base model
+    bare = make_proposer("draft:tiny", default_model.model, config, draft_model=tiny_model.model)
+    assert bare.model is tiny_model.model
+    assert len(bare.propose([1, 2, 3], 2).tokens) == 2
 
 
 # ---------------------------------------------------------------- the benchmark's records

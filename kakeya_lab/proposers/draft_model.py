@@ -147,11 +147,16 @@ def build(argument: str, request: ProposerRequest) -> DraftModelProposer:
             f"draft:{argument} names a kernel for a draft model that is already loaded; "
             "load it with that kernel (load_model(..., linear=...)) and write draft:MODEL"
         )
+    from kakeya_lab.models.load import LoadedModel
+
+    # what load_model returns carries its tokenizer; a bare model is the network itself (a
+    # PreTrainedModel's own ``.model`` is its base without the lm_head)
+    loaded = isinstance(draft_model, LoadedModel)
     config = request.config
     return DraftModelProposer(
-        getattr(draft_model, "model", draft_model),
+        draft_model.model if loaded else draft_model,
         config if request.draft_window is None else replace(config, window=request.draft_window),
-        tokenizer=getattr(draft_model, "tokenizer", None),
+        tokenizer=draft_model.tokenizer if loaded else None,
         verifier_tokenizer=request.tokenizer,
         label=argument,
     )
