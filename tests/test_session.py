@@ -47,6 +47,26 @@ def test_capacity_reject_and_lru_eviction(tiny_model):
         lru.info(b)
 
 
+def test_reading_a_session_counts_as_use(tiny_model):
+    lru = SessionStore(tiny_model.model, CONFIG, capacity=2, policy="evict_lru")
+    a, b = lru.create(), lru.create()
+    lru.info(a)  # a is now the most recently used: b goes first
+    c = lru.create()
+    assert set(lru.ids()) == {a, c}
+    lru.append(a, [1, 2])
+    lru.next_token_logits(c)  # c is now the most recently used: a goes first
+    d = lru.create()
+    assert set(lru.ids()) == {c, d}
+
+
+def test_a_session_id_of_the_wrong_type_is_a_clear_error(store):
+    for bad in (["a"], 3, None):
+        with pytest.raises(TypeError, match="a session id is a string"):
+            store.info(bad)
+    with pytest.raises(TypeError, match="a session id is a string"):
+        store.append({"id": 1}, [1])
+
+
 def test_idle_ttl_evicts(tiny_model):
     store = SessionStore(tiny_model.model, CONFIG, capacity=4, idle_ttl_s=0.2)
     a = store.create()

@@ -309,6 +309,10 @@ class SessionStore:
         return [self._drop(sid, f"evicted: idle longer than {self.idle_ttl_s}s") for sid in expired]
 
     def _lookup(self, session_id: str) -> SessionState:
+        if not isinstance(session_id, str):
+            raise InputTypeError(
+                f"a session id is a string (from create()), got a {type(session_id).__name__}"
+            )
         session = self._sessions.get(session_id)
         if session is None:
             raise UnknownSession(self._unknown_message(session_id))
@@ -549,7 +553,9 @@ class SessionStore:
 
     # ------------------------------------------------------------------- query
     def info(self, session_id: str) -> SessionInfo:
+        """The session's state; reading it counts as use (idle TTL, LRU order)."""
         s = self._session(session_id)
+        self._touch(s)
         with s.lock:
             self._live(s)
             v = s.verifier
@@ -567,8 +573,10 @@ class SessionStore:
             )
 
     def next_token_logits(self, session_id: str) -> torch.Tensor | None:
-        """A copy of the logits ``[vocab]`` after the session's history (None if empty)."""
+        """A copy of the logits ``[vocab]`` after the session's history (None if empty);
+        reading them counts as use (idle TTL, LRU order)."""
         s = self._session(session_id)
+        self._touch(s)
         with s.lock:
             self._live(s)
             if s.open_stream() is None:
