@@ -71,7 +71,11 @@ clean-venv:
 
 # JupyterLab on the notebooks, in this project's .venv, with the project's kernel
 # (`kakeya_lab`, which every committed notebook names). Local only: bound to 127.0.0.1.
+# As root (how this machine kind runs everything) Jupyter refuses to start without
+# --allow-root, so it is passed then.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
 lab: install
 	$(BIN)/python -m pip install -q -e ".[lab]"
 	$(BIN)/python -m ipykernel install --sys-prefix --name kakeya_lab --display-name kakeya_lab
-	$(BIN)/jupyter lab --ip=127.0.0.1 --ServerApp.root_dir=notebooks $(LAB_ARGS)
+	$(BIN)/jupyter lab --ip=127.0.0.1 --ServerApp.root_dir=notebooks $(ALLOW_ROOT) $(LAB_ARGS)
