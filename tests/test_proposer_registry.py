@@ -149,3 +149,20 @@ def test_a_name_is_registered_once_unless_replaced(repeat_tail):
         register_proposer(other)
     register_proposer(other, replace=True)
     assert proposer_kind("repeat-tail") is other
+
+
+def test_listing_and_checking_kinds_imports_no_tensor_library():
+    """The command line checks specs before anything heavy loads: the registry, the
+    package's kind declarations and the protocols import neither torch nor transformers."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from kakeya_lab.proposers import check_proposer_spec, proposer_kinds; "
+        "assert proposer_kinds(); check_proposer_spec('suffix+draft:m:int4'); "
+        "print(sorted(m for m in ('torch', 'transformers', 'mlx') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]"
