@@ -35,9 +35,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kakeya_lab.bench.long_run.arms import ARM_NAMES, Arm, standard_arms
-    from kakeya_lab.bench.long_run.checkpoint import CHECKPOINT, ArmState, run_settings
-    from kakeya_lab.bench.long_run.driver import LongRun, check_run_arguments, run_long
+    from kakeya_lab.bench.long_run.arms import Arm, standard_arms
+    from kakeya_lab.bench.long_run.checkpoint import ArmState, run_settings
+    from kakeya_lab.bench.long_run.driver import LongRun, run_long
     from kakeya_lab.bench.long_run.probe import FactProbe, probe_recall
     from kakeya_lab.bench.long_run.records import (
         DegenerateRun,
@@ -45,19 +45,22 @@ if TYPE_CHECKING:
         refuse_all_failed,
         refuse_degenerate,
     )
+    from kakeya_lab.bench.long_run.report import save_long_run
+    from kakeya_lab.bench.long_run.settings import ARM_NAMES, CHECKPOINT, LongRunSettings
     from kakeya_lab.bench.long_run.summary import long_run_headline, summarize_long_run
 
 # Imported on first use (PEP 562): ``kakeya_lab.bench.long_run.command`` (the CLI) must
 # not pay for torch before its arguments are checked.
 _LAZY = {
-    "ARM_NAMES": "arms",
+    "ARM_NAMES": "settings",
+    "LongRunSettings": "settings",
+    "save_long_run": "report",
     "Arm": "arms",
     "standard_arms": "arms",
-    "CHECKPOINT": "checkpoint",
+    "CHECKPOINT": "settings",
     "ArmState": "checkpoint",
     "run_settings": "checkpoint",
     "LongRun": "driver",
-    "check_run_arguments": "driver",
     "run_long": "driver",
     "FactProbe": "probe",
     "probe_recall": "probe",
@@ -77,14 +80,15 @@ __all__ = [
     "DegenerateRun",
     "FactProbe",
     "LongRun",
+    "LongRunSettings",
     "TurnRecord",
-    "check_run_arguments",
     "long_run_headline",
     "probe_recall",
     "refuse_all_failed",
     "refuse_degenerate",
     "run_long",
     "run_settings",
+    "save_long_run",
     "standard_arms",
     "summarize_long_run",
 ]
