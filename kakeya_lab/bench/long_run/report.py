@@ -17,12 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kakeya_lab.bench.long_run.summary import long_run_headline
-from kakeya_lab.durable import write_csv_atomic
-from kakeya_lab.results import run_header, save_figure, write_metrics
+from kakeya_lab.results import run_header, write_run
 
 if TYPE_CHECKING:
-    import pandas as pd
-
     from kakeya_lab.bench.long_run.driver import LongRun
     from kakeya_lab.bench.long_run.served import ServedRun
     from kakeya_lab.bench.long_run.settings import LongRunSettings
@@ -89,26 +86,23 @@ def save_long_run(
         started=started,
         extra=extra,
     )
-    path = write_metrics(
+    return write_run(
         out,
         header,
         {**fields, "arms": summary},
         headline={**long_run_headline(summary), **fields},
+        tables={"served_turns": served.turns} if served is not None else None,
+        figures=long_run_figures(settings, summary, run, served) if figures else None,
     )
-    if served is not None:
-        write_csv_atomic(out / "served_turns.csv", served.turns)
-    if figures:
-        _save_figures(out, settings, summary, run, served)
-    return path
 
 
-def _save_figures(
-    out: Path,
+def long_run_figures(
     settings: LongRunSettings,
     summary: dict[str, dict],
     run: LongRun | None,
     served: ServedRun | None,
-) -> None:
+) -> dict[str, Any]:
+    """The run folder's figures by name (:data:`FIGURES`, those that apply)."""
     import pandas as pd
 
     from kakeya_lab.plots import (
@@ -119,9 +113,7 @@ def _save_figures(
         turn_latency_figure,
     )
 
-    table: pd.DataFrame = pd.concat(
-        [r.turns for r in (run, served) if r is not None], ignore_index=True
-    )
+    table = pd.concat([r.turns for r in (run, served) if r is not None], ignore_index=True)
     budget = (summary.get("sink_window") or next(iter(summary.values()))).get("budget_bytes")
     figs = {
         "kv_bytes": kv_bytes_figure(table, budget_bytes=budget),
@@ -131,5 +123,4 @@ def _save_figures(
     }
     if served is not None:
         figs["served_prefill"] = prefill_figure(served.turns)
-    for name, fig in figs.items():
-        save_figure(fig, out, name)
+    return figs
