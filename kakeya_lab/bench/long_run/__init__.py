@@ -45,7 +45,7 @@ if TYPE_CHECKING:
         refuse_all_failed,
         refuse_degenerate,
     )
-    from kakeya_lab.bench.long_run.report import save_long_run
+    from kakeya_lab.bench.long_run.report import save_long_run, save_quickstart
     from kakeya_lab.bench.long_run.settings import ARM_NAMES, CHECKPOINT, LongRunSettings
     from kakeya_lab.bench.long_run.summary import long_run_headline, summarize_long_run
 
@@ -55,6 +55,7 @@ _LAZY = {
     "ARM_NAMES": "settings",
     "LongRunSettings": "settings",
     "save_long_run": "report",
+    "save_quickstart": "report",
     "Arm": "arms",
     "standard_arms": "arms",
     "CHECKPOINT": "settings",
@@ -89,6 +90,7 @@ __all__ = [
     "run_long",
     "run_settings",
     "save_long_run",
+    "save_quickstart",
     "standard_arms",
     "summarize_long_run",
 ]

@@ -124,3 +124,47 @@ def long_run_figures(
     if served is not None:
         figs["served_prefill"] = prefill_figure(served.turns)
     return figs
+
+
+def save_quickstart(
+    run_dir: str | Path,
+    settings: LongRunSettings,
+    model: Any,
+    run: LongRun,
+    *,
+    budget_bytes: int,
+    experiment: str = "quickstart",
+    run_id: str | None = None,
+    started: str | None = None,
+    figures: dict[str, Any] | None = None,
+) -> Path:
+    """The quickstart's run folder (notebook 00: a short long run of two arms on a fixed
+    script): ``metrics.json`` (every arm's summary, the sink-window arm's analytic
+    ``budget_bytes``; headline ``kv_bounded`` and ``kv_live_bytes_last`` per arm),
+    ``turns.csv`` and ``figures``. Returns the path of ``metrics.json``."""
+    out = Path(run_dir)
+    header = run_header(
+        experiment=experiment,
+        run_id=run_id or out.resolve().name,
+        model=model,
+        dtype="float32",
+        cache=next(iter(run.arms.values())).config.to_dict(),
+        started=started,
+        extra={"settings": settings.to_dict()},
+    )
+    metrics = {
+        "arms": run.summary,
+        "budget_bytes": budget_bytes,
+        "parameters": {"turns": settings.turns, "max_new_tokens": settings.max_new_tokens},
+    }
+    table = run.turns
+    headline = {
+        arm: {
+            "kv_bounded": s["kv_bounded"],
+            "kv_live_bytes_last": int(table[table.arm == arm].kv_live_bytes.iloc[-1]),
+        }
+        for arm, s in run.summary.items()
+    }
+    return write_run(
+        out, header, metrics, headline=headline, tables={"turns": table}, figures=figures
+    )
