@@ -1,5 +1,10 @@
 """Long-run session benchmark: cache arms side by side over the same chat turns.
 
+One unit: :class:`LongRunSettings` (:mod:`.settings`, every setting validated once; the CLI,
+notebooks 00 and 20, sweeps and the checkpoint's strict resume use it), :func:`run_long`
+(in-process arms) and :func:`~kakeya_lab.bench.long_run.served.run_served` (served arms),
+and :func:`save_long_run` (:mod:`.report`), the one writer of the run folder's report.
+
 Arms (:mod:`.arms`, :func:`standard_arms`):
 
 * ``sink_window`` — our session runtime with a sink-window cache;
@@ -20,7 +25,7 @@ planted in the first turn is asked for every ``probe.every`` turns on a provisio
 that is rolled back, and EOS and repetition rates are recorded.
 
 Turns can be paced in wall-clock time (``turn_spacing_s``) and the run limited in time
-(``duration_s``). Results are checkpointed atomically every ``checkpoint_every`` turns
+(``duration_s``), both settings. Results are checkpointed atomically every ``checkpoint_every`` turns
 and every ``report_every_s`` seconds into ``out_dir`` (:mod:`.checkpoint`), each time with
 a partial report; SIGTERM / SIGINT end the run after the turn under way with a final
 partial report (``partial``, ``abort_reason``). :func:`run_long` resumes from the
