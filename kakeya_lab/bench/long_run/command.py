@@ -34,7 +34,6 @@ from kakeya_lab.cli_args import (
     check_out_dir,
     check_positive,
     check_proposer,
-    parameters,
     run_parser,
 )
 
@@ -142,7 +141,7 @@ def run_command(args: argparse.Namespace) -> int:
             loaded,
             settings,
             out,
-            _invocation(args),
+            _invocation(args, settings),
             force_new=args.force_new,
             progress=not args.quiet,
         )
@@ -251,12 +250,14 @@ def settings_from_args(
         raise UserError(f"{flag} {exc.problem}") from exc
 
 
-def _invocation(args: argparse.Namespace) -> Invocation:
-    """This command line and its options, for the run folder's ``run.json``."""
+def _invocation(args: argparse.Namespace, settings: LongRunSettings) -> Invocation:
+    """This command line, for the run folder's ``run.json``: its parameters are the run's
+    settings (:meth:`LongRunSettings.to_dict`) and the options that are not settings."""
     from kakeya_lab.experiments.long_run import Invocation
 
+    others = {k: getattr(args, k) for k in ("endpoint", "force_new", "quiet")}
     return Invocation(
-        command=[PROG, "long-run", *args.argv], parameters=parameters(args, "out_dir", "argv")
+        command=[PROG, "long-run", *args.argv], parameters={**settings.to_dict(), **others}
     )
 
 
@@ -306,7 +307,7 @@ def run_served(args: argparse.Namespace) -> int:
         endpoints,
         settings,
         out,
-        _invocation(args),
+        _invocation(args, settings),
         model={
             "name": found.name,
             "weight_sha256": found.weight_sha256,
