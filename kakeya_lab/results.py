@@ -22,7 +22,7 @@ from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
-from kakeya_lab.durable import finite, write_json_atomic, write_text_atomic
+from kakeya_lab.durable import finite, write_csv_atomic, write_json_atomic, write_text_atomic
 
 SCHEMA_VERSION = 1
 PLOTLY_JS = "plotly.min.js"
@@ -46,6 +46,7 @@ __all__ = [
     "validate_metrics",
     "write_json_atomic",
     "write_metrics",
+    "write_run",
 ]
 
 
@@ -300,3 +301,25 @@ def save_figure(fig: Any, run_dir: str | Path, name: str) -> Path:
     src = os.path.relpath(script, run_dir).replace(os.sep, "/")
     html = fig.to_html(include_plotlyjs=src, full_html=True)
     return write_text_atomic(run_dir / f"{name}.html", html)
+
+
+def write_run(
+    run_dir: str | Path,
+    header: dict,
+    metrics: dict,
+    *,
+    headline: dict | None = None,
+    tables: dict[str, Any] | None = None,
+    figures: dict[str, Any] | None = None,
+) -> Path:
+    """The result files of one run folder, as every family's ``save_*`` writes them:
+    ``metrics.json`` (:func:`write_metrics`), each of ``tables`` (pandas DataFrames) as
+    ``NAME.csv`` and each of ``figures`` (plotly figures) as ``NAME.html``
+    (:func:`save_figure`). Returns the path of ``metrics.json``."""
+    out = Path(run_dir)
+    path = write_metrics(out, header, metrics, headline=headline)
+    for name, table in (tables or {}).items():
+        write_csv_atomic(out / f"{name}.csv", table)
+    for name, fig in (figures or {}).items():
+        save_figure(fig, out, name)
+    return path

@@ -25,6 +25,7 @@ from kakeya_lab.align.rollouts import (
 from kakeya_lab.align.train import RolloutData, TrainConfig, evaluate_offline, train_drafter
 from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
+from kakeya_lab.bench.speculative_settings import SpeculativeSettings
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.proposers.drafters.checkpoint import CheckpointError, load_drafter, save_drafter
 from kakeya_lab.proposers.drafters.network import DrafterConfig, build_drafter, drafter_config_for
@@ -301,11 +302,8 @@ def test_greedy_speculative_decoding_with_every_trained_drafter_is_lossless(defa
     run = run_speculative(
         default_model,
         proposers,
-        [3],
         domain_conversations("chitchat", "dev", limit=1),
-        config=cache,
-        turns_per_conversation=2,
-        max_new_tokens=16,
+        SpeculativeSettings.for_cache(cache, draft_lengths=(3,), turns=2, max_new_tokens=16),
         progress=False,
     )
     assert greedy_streams_identical(run.turns)

@@ -13,6 +13,7 @@ import pytest
 
 from kakeya_lab import SinkWindowConfig, Verifier
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
+from kakeya_lab.bench.speculative_settings import SpeculativeSettings
 from kakeya_lab.cost_model import block_padding
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.proposers import NgramProposer
@@ -88,13 +89,15 @@ def test_padded_greedy_speculative_decoding_equals_plain_past_eviction(tiny_mode
     run = run_speculative(
         tiny_model,
         {"ngram": NgramProposer},
-        [2, 5],
         domain_conversations("code", "dev", limit=1),
-        config=config,
-        turns_per_conversation=2,
-        max_new_tokens=24,
-        cost_repeats=1,
-        pad_blocks=True,
+        SpeculativeSettings.for_cache(
+            config,
+            draft_lengths=(2, 5),
+            turns=2,
+            max_new_tokens=24,
+            cost_repeats=1,
+            pad_blocks=True,
+        ),
         progress=False,
     )
     arms = list(run.summary["arm"])
@@ -109,11 +112,10 @@ def test_padded_greedy_speculative_decoding_equals_plain_past_eviction(tiny_mode
         run_speculative(
             tiny_model,
             {"ngram": NgramProposer},
-            [2],
             domain_conversations("code", "dev", limit=1),
-            config=config,
-            measure_cost=False,
-            pad_blocks=True,
+            SpeculativeSettings.for_cache(
+                config, draft_lengths=(2,), measure_cost=False, pad_blocks=True
+            ),
         )
 
 

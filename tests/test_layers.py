@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "data",
             "results",
             "notebook_format",
+            "settings",
         ),
     ),
     (

@@ -18,6 +18,7 @@ from oracle_cases import blocks_with_rollback, check_close, chunked
 
 from kakeya_lab import SinkWindowConfig, load_model
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
+from kakeya_lab.bench.speculative_settings import SpeculativeSettings
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.linear import (
     FEW_ROWS,
@@ -50,12 +51,14 @@ def _code_run_past_eviction(loaded, proposers, draft_lengths):
     run = run_speculative(
         loaded,
         proposers,
-        draft_lengths,
         domain_conversations("code", "dev", limit=1),
-        config=config,
-        turns_per_conversation=2,
-        max_new_tokens=24,
-        measure_cost=False,
+        SpeculativeSettings.for_cache(
+            config,
+            draft_lengths=tuple(draft_lengths),
+            turns=2,
+            max_new_tokens=24,
+            measure_cost=False,
+        ),
         progress=False,
     )
     assert run.turns["history_len"].max() > config.budget

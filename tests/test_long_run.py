@@ -14,13 +14,13 @@ import pytest
 
 from kakeya_lab.bench.long_run import (
     DegenerateRun,
+    LongRunSettings,
     refuse_all_failed,
     refuse_degenerate,
     run_long,
-    standard_arms,
 )
-from kakeya_lab.data import chained_user_turns, chitchat_conversations
 from kakeya_lab.resume import ResumeMismatch
+from kakeya_lab.settings import SettingsError
 
 TURNS = 10
 ARGS = dict(sink=4, window=40)
@@ -28,11 +28,15 @@ ARGS = dict(sink=4, window=40)
 
 @pytest.fixture(scope="module")
 def uninterrupted(default_model):
-    arms = standard_arms(ARGS["sink"], ARGS["window"], names=("sink_window", "full_cache"))
-    turns = chained_user_turns(chitchat_conversations("dev"), TURNS)
-    return run_long(
-        default_model, arms, turns, max_new_tokens=6, turns_per_bucket=3, progress=False
+    settings = LongRunSettings(
+        arms=("sink_window", "full_cache"),
+        **ARGS,
+        turns=TURNS,
+        max_new_tokens=6,
+        probe_every=0,
+        turns_per_bucket=3,
     )
+    return run_long(default_model, settings, progress=False)  # the standard turn script
 
 
 @pytest.mark.slow  # the real default model over ten turns
@@ -66,40 +70,61 @@ def test_degenerate_runs_are_refused():
     )  # one success: a result
 
 
+def _tiny(turns: int, **changes) -> LongRunSettings:
+    """Settings of a short run on the tiny model: one sink-window arm, no probe."""
+    base = dict(arms=("sink_window",), sink=4, window=16, turns=turns, probe_every=0)
+    return LongRunSettings(**{**base, **changes})
+
+
 def test_resume_refuses_other_settings_and_force_new_starts_over(tmp_path, tiny_model):
-    arms = standard_arms(4, 16, names=("sink_window",))
     turns = ["Hello there.", "How are you?", "Tell me more.", "And then?"]
     out = tmp_path / "run"
-    first = run_long(tiny_model, arms, turns[:2], max_new_tokens=3, out_dir=out, progress=False)
+    settings = _tiny(2, max_new_tokens=3)
+    first = run_long(tiny_model, settings, turns[:2], out_dir=out, progress=False)
     saved = (out / "checkpoint.json").read_text()
     cases = [
-        ({"max_new_tokens": 4}, "max_new_tokens"),
-        ({"arms": standard_arms(4, 20, names=("sink_window",))}, "window"),
-        ({"arms": standard_arms(4, 16, "rolling", names=("sink_window",))}, "positions"),
-        ({"arms": standard_arms(4, 16, names=("sink_window", "full_cache"))}, "full_cache"),
-        ({"user_turns": turns[1:3]}, "turns.sha256"),
-        ({"user_turns": turns[:3]}, "turns.count"),
+        (settings.replace(max_new_tokens=4), turns[:2], "max_new_tokens"),
+        (settings.replace(window=20), turns[:2], "window"),
+        (settings.replace(positions="rolling"), turns[:2], "positions"),
+        (settings.replace(arms=("sink_window", "full_cache")), turns[:2], "full_cache"),
+        (settings, turns[1:3], "turns.sha256"),
+        (settings.replace(turns=3), turns[:3], "turns.count"),
     ]
-    for change, named in cases:
-        kwargs = {"arms": arms, "user_turns": turns[:2], "max_new_tokens": 3, **change}
+    for changed, script, named in cases:
         with pytest.raises(ResumeMismatch, match=named):
-            run_long(
-                tiny_model,
-                kwargs.pop("arms"),
-                kwargs.pop("user_turns"),
-                out_dir=out,
-                progress=False,
-                **kwargs,
-            )
+            run_long(tiny_model, changed, script, out_dir=out, progress=False)
         assert (out / "checkpoint.json").read_text() == saved  # refused before anything changed
-    again = run_long(tiny_model, arms, turns[:2], max_new_tokens=3, out_dir=out, progress=False)
+    again = run_long(tiny_model, settings, turns[:2], out_dir=out, progress=False)
     pd.testing.assert_frame_equal(
         again.turns, first.turns
     )  # same settings: resumes (nothing left to run)
     fresh = run_long(
-        tiny_model, arms, turns[:3], max_new_tokens=4, out_dir=out, progress=False, force_new=True
+        tiny_model,
+        settings.replace(turns=3, max_new_tokens=4),
+        turns[:3],
+        out_dir=out,
+        progress=False,
+        force_new=True,
     )
     assert sorted(fresh.turns["turn"]) == [0, 1, 2] and (fresh.turns["generated_tokens"] <= 4).all()
+
+
+def test_settings_are_validated_once_on_construction_and_round_trip():
+    with pytest.raises(SettingsError, match="turns must be >= 1"):
+        LongRunSettings(turns=0)
+    with pytest.raises(SettingsError, match="no arms given"):
+        LongRunSettings(arms=())
+    with pytest.raises(SettingsError, match="positions"):
+        LongRunSettings(positions="diagonal")
+    with pytest.raises(SettingsError, match="unknown to LongRunSettings"):
+        LongRunSettings.from_dict({"turnz": 3})
+    settings = _tiny(4, turn_spacing_s=0.5)
+    doc = json.loads(json.dumps(settings.to_dict()))  # as run.json / metrics.json keep it
+    assert LongRunSettings.from_dict(doc) == settings and doc["arms"] == ["sink_window"]
+    assert settings.replace(window=20).differences(settings) == ["window: was 16, now 20"]
+    # control: a script of another length than the settings say is refused before running
+    with pytest.raises(ValueError, match="give as many"):
+        run_long(None, settings, ["one turn"], progress=False)
 
 
 def _cli(out_dir):

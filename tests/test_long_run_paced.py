@@ -13,23 +13,29 @@ import time
 import pandas as pd
 import pytest
 
-from kakeya_lab.bench.long_run import run_long, standard_arms
+from kakeya_lab.bench.long_run import LongRunSettings, run_long
+from kakeya_lab.settings import SettingsError
 
 TURNS = ["Hello there.", "How are you?", "Tell me more.", "And then?", "Why so?", "Go on."]
+
+
+def _tiny(turns: int, **changes) -> LongRunSettings:
+    """A short run on the tiny model: one sink-window arm, two new tokens a turn, no probe."""
+    base = dict(
+        arms=("sink_window",), sink=4, window=16, turns=turns, max_new_tokens=2, probe_every=0
+    )
+    return LongRunSettings(**{**base, **changes})
 
 
 def test_paced_turns_start_spacing_apart_and_time_reports_are_partial(tmp_path, tiny_model):
     reports = []
     run = run_long(
         tiny_model,
-        standard_arms(4, 16, names=("sink_window",)),
+        _tiny(
+            4, checkpoint_every=100, turn_spacing_s=0.3, report_every_s=0.25, seconds_per_bucket=0.6
+        ),
         TURNS[:4],
-        max_new_tokens=2,
         out_dir=tmp_path / "run",
-        checkpoint_every=100,
-        turn_spacing_s=0.3,
-        report_every_s=0.25,
-        seconds_per_bucket=0.6,
         on_report=reports.append,
         progress=False,
     )
@@ -44,13 +50,7 @@ def test_paced_turns_start_spacing_apart_and_time_reports_are_partial(tmp_path, 
     assert run.summary["sink_window"]["buckets_by_time"][0]["index"] == 0
     assert len(run.summary["sink_window"]["buckets_by_time"]) >= 2  # 0.9 s over 0.6 s buckets
     # control: without pacing the same run is done well before 0.9 s of spacing
-    fast = run_long(
-        tiny_model,
-        standard_arms(4, 16, names=("sink_window",)),
-        TURNS[:4],
-        max_new_tokens=2,
-        progress=False,
-    )
+    fast = run_long(tiny_model, _tiny(4), TURNS[:4], progress=False)
     assert fast.duration_s < 0.9
 
 
@@ -63,32 +63,16 @@ def test_sigint_in_process_ends_the_run_with_a_partial_report(tmp_path, tiny_mod
         if len(reports) == 1:
             os.kill(os.getpid(), signal.SIGINT)
 
+    settings = _tiny(len(TURNS), checkpoint_every=1, turn_spacing_s=0.3)
     run = run_long(
-        tiny_model,
-        standard_arms(4, 16, names=("sink_window",)),
-        TURNS,
-        max_new_tokens=2,
-        out_dir=tmp_path / "run",
-        checkpoint_every=1,
-        turn_spacing_s=0.3,
-        on_report=on_report,
-        progress=False,
+        tiny_model, settings, TURNS, out_dir=tmp_path / "run", on_report=on_report, progress=False
     )
     assert run.partial and run.abort_reason == "SIGINT" and reports[-1].abort_reason == "SIGINT"
     done = json.loads((tmp_path / "run" / "checkpoint.json").read_text())["next_turn"]
     assert 1 <= done < len(TURNS) and list(run.turns["turn"]) == list(range(done))
     assert signal.getsignal(signal.SIGINT) == before  # the handler is given back
     # control: resumed without a signal, the run completes (pacing is part of the strict settings)
-    again = run_long(
-        tiny_model,
-        standard_arms(4, 16, names=("sink_window",)),
-        TURNS,
-        max_new_tokens=2,
-        out_dir=tmp_path / "run",
-        checkpoint_every=1,
-        turn_spacing_s=0.3,
-        progress=False,
-    )
+    again = run_long(tiny_model, settings, TURNS, out_dir=tmp_path / "run", progress=False)
     assert (
         not again.partial
         and again.abort_reason is None
@@ -98,26 +82,19 @@ def test_sigint_in_process_ends_the_run_with_a_partial_report(tmp_path, tiny_mod
 
 def test_duration_limit_stops_starting_rounds(tiny_model):
     run = run_long(
-        tiny_model,
-        standard_arms(4, 16, names=("sink_window",)),
-        TURNS,
-        max_new_tokens=2,
-        duration_s=1.0,
-        turn_spacing_s=0.4,
-        progress=False,
+        tiny_model, _tiny(len(TURNS), duration_s=1.0, turn_spacing_s=0.4), TURNS, progress=False
     )
     assert list(run.turns["turn"]) == [0, 1, 2]  # rounds at 0, 0.4, 0.8 s; none at 1.2 s
 
 
-def test_bad_pacing_arguments_are_refused_before_running(tiny_model):
-    arms = standard_arms(4, 16, names=("sink_window",))
+def test_bad_pacing_settings_are_refused_before_running():
     for kwargs, named in (
         ({"turn_spacing_s": 0}, "turn_spacing_s"),
         ({"report_every_s": -1}, "report_every_s"),
         ({"seconds_per_bucket": float("inf")}, "seconds_per_bucket"),
     ):
-        with pytest.raises(ValueError, match=named):
-            run_long(tiny_model, arms, TURNS, progress=False, **kwargs)
+        with pytest.raises(SettingsError, match=named):
+            _tiny(len(TURNS), **kwargs)
 
 
 def _cli(out_dir, turns):

@@ -10,7 +10,7 @@ import pytest
 
 from kakeya_lab.cli import main
 from kakeya_lab.experiments import build_index
-from kakeya_lab.experiments.run_record import CliRunRecord
+from kakeya_lab.experiments.run_record import RunRecord
 from kakeya_lab.results import mark_results_root
 
 ARGS = ["--arms", "sink_window", "--sink", "4", "--window", "12", "--max-new-tokens", "2"]
@@ -45,9 +45,9 @@ def test_long_run_cli_writes_run_json_and_lands_in_the_index(tmp_path, capsys):
 
 def test_index_lists_notebook_depth_and_cli_depth_run_folders(tmp_path):
     results = tmp_path / "results"
-    deep = CliRunRecord(results / "exp" / "r0", experiment="exp", command=["x"], parameters={})
+    deep = RunRecord(results / "exp" / "r0", experiment="exp", command=["x"], parameters={})
     deep.start()
-    shallow = CliRunRecord(results / "lr", experiment="long_run", command=["y"], parameters={})
+    shallow = RunRecord(results / "lr", experiment="long_run", command=["y"], parameters={})
     shallow.start()
     shallow.progress(turns=5)
     (results / "not_a_run").mkdir()

@@ -1,5 +1,5 @@
 """``kakeya-lab long-run --endpoint``: the served arms against a real running server, into
-the same turns.csv / metrics.json; bad endpoints refused before anything is contacted."""
+served_turns.csv and the metrics.json notebook 20 writes too; bad endpoints refused before anything is contacted."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_long_run_against_a_running_server(server, tmp_path, capsys):
         )
         == 0
     ), capsys.readouterr().err
-    table = pd.read_csv(out / "turns.csv")
+    table = pd.read_csv(out / "served_turns.csv")
     assert sorted(table.groupby("arm")["turn"].apply(list).to_dict().items()) == [
         ("grpc_session", [0, 1, 2]),
         ("http_reuse", [0, 1, 2]),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from kakeya_lab.bench.long_run import run_long, standard_arms
+from kakeya_lab.bench.long_run import LongRunSettings, run_long, standard_arms
 from kakeya_lab.bench.long_run.records import ids_digest
 from kakeya_lab.bench.long_run.summary import relative_drift, replies_match
 from kakeya_lab.data import chained_user_turns, chitchat_conversations
@@ -15,13 +15,19 @@ from kakeya_lab.data import chained_user_turns, chitchat_conversations
 
 @pytest.mark.slow  # the real default model over six turns, two arms
 def test_speculative_arm_replies_equal_plain_greedy_past_eviction(default_model):
-    arms = standard_arms(
-        4, 40, names=("sink_window", "speculative"), proposer="ngram", draft_length=4
+    settings = LongRunSettings(
+        arms=("sink_window", "speculative"),
+        sink=4,
+        window=40,
+        proposer="ngram",
+        draft_length=4,
+        turns=6,
+        max_new_tokens=16,
+        probe_every=0,
+        turns_per_bucket=2,
     )
     turns = chained_user_turns(chitchat_conversations("dev"), 6)
-    run = run_long(
-        default_model, arms, turns, max_new_tokens=16, turns_per_bucket=2, progress=False
-    )
+    run = run_long(default_model, settings, turns, progress=False)
     plain = run.turns[run.turns["arm"] == "sink_window"].set_index("turn")
     spec = run.turns[run.turns["arm"] == "speculative"].set_index("turn")
     assert list(spec.index) == list(plain.index) == list(range(6))

@@ -17,7 +17,7 @@ pytest.importorskip("mlx_lm")
 
 from kakeya_lab import SinkWindowConfig, Verifier  # noqa: E402
 from kakeya_lab.backends.config import analytic_kv_budget_bytes  # noqa: E402
-from kakeya_lab.bench.long_run import run_long, standard_arms  # noqa: E402
+from kakeya_lab.bench.long_run import LongRunSettings, run_long  # noqa: E402
 from kakeya_lab.data import chained_user_turns, chitchat_conversations  # noqa: E402
 from kakeya_lab.models import DEFAULT_MODEL, load_model  # noqa: E402
 
@@ -32,8 +32,16 @@ def runs(default_model):
     turns = chained_user_turns(chitchat_conversations("dev"), TURNS)
     out = {}
     for name, loaded in (("torch", default_model), ("mlx", mlx)):
-        arms = standard_arms(SINK, WINDOW, names=("sink_window",))
-        out[name] = (loaded, run_long(loaded, arms, turns, max_new_tokens=NEW, progress=False))
+        settings = LongRunSettings(
+            arms=("sink_window",),
+            sink=SINK,
+            window=WINDOW,
+            turns=TURNS,
+            max_new_tokens=NEW,
+            probe_every=0,
+            backend=name,
+        )
+        out[name] = (loaded, run_long(loaded, settings, turns, progress=False))
     return out
 
 

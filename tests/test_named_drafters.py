@@ -16,6 +16,7 @@ import pytest
 
 from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
+from kakeya_lab.bench.speculative_settings import SpeculativeSettings
 from kakeya_lab.cli import main
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.proposers import make_proposer
@@ -146,11 +147,8 @@ def test_speculative_decoding_with_a_drafter_loaded_by_name_is_lossless(in_made,
     run = run_speculative(
         default_model,
         {NAME: factory("drafter"), f"{NAME}-tree@6": factory("drafter-tree")},
-        [3],
         domain_conversations("chitchat", "dev", limit=1),
-        config=cache,
-        turns_per_conversation=2,
-        max_new_tokens=16,
+        SpeculativeSettings.for_cache(cache, draft_lengths=(3,), turns=2, max_new_tokens=16),
         progress=False,
     )
     assert greedy_streams_identical(run.turns)

@@ -22,6 +22,7 @@ from kakeya_lab.bench.spec_table import (
     wide_table,
 )
 from kakeya_lab.bench.speculative import arm_draft_lengths, arm_lossless, run_speculative
+from kakeya_lab.bench.speculative_settings import SpecTableSettings, SpeculativeSettings
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.plots import spec_table_figure
 from kakeya_lab.proposers import make_proposer
@@ -34,17 +35,16 @@ def table(tiny_model):
     def make(spec):
         return lambda: make_proposer(spec, tiny_model.model, CACHE, tiny_model.tokenizer)
 
-    return run_spec_table(
-        tiny_model,
-        make,
-        ["ngram@2", "suffix-tree@3"],
-        ["code-dev", "chitchat-dev"],
-        config=CACHE,
+    settings = SpecTableSettings(
+        arms=("ngram@2", "suffix-tree@3"),
+        prompt_sets=("code-dev", "chitchat-dev"),
+        sink=CACHE.sink,
+        window=CACHE.window,
         conversations=1,
         turns=1,
         max_new_tokens=10,
-        progress=False,
     )
+    return run_spec_table(tiny_model, settings, make, progress=False)
 
 
 def test_each_domain_runs_every_arm_at_its_own_length_beside_plain(table):
@@ -104,11 +104,21 @@ def test_arm_keys_with_a_draft_length_are_checked_before_any_work(tiny_model):
             arm_draft_lengths(bad, [])
     convs = domain_conversations("chitchat", "dev", limit=1)
     with pytest.raises(ValueError, match="draft length"):
-        run_speculative(tiny_model, {"ngram@0": lambda: None}, [], convs, config=CACHE)
+        run_speculative(
+            tiny_model,
+            {"ngram@0": lambda: None},
+            convs,
+            SpeculativeSettings.for_cache(CACHE, draft_lengths=()),
+        )
     with pytest.raises(ValueError, match="draft lengths must be"):
-        run_speculative(tiny_model, {"ngram": lambda: None}, [], convs, config=CACHE)
+        run_speculative(
+            tiny_model,
+            {"ngram": lambda: None},
+            convs,
+            SpeculativeSettings.for_cache(CACHE, draft_lengths=()),
+        )
     with pytest.raises(ValueError, match="needs its draft length"):
-        run_spec_table(tiny_model, lambda s: None, ["ngram"], ["code-dev"], config=CACHE)
+        SpecTableSettings(arms=("ngram",), prompt_sets=("code-dev",))
 
 
 def test_arm_lossless_names_the_arm_that_strayed():

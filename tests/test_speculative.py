@@ -331,16 +331,16 @@ def test_leviathan_speedup_at_its_known_points():
 
 def test_benchmark_records_name_draft_length_acceptance_and_cost(default_model):
     from kakeya_lab.bench.speculative import leviathan_speedup, run_speculative
+    from kakeya_lab.bench.speculative_settings import SpeculativeSettings
     from kakeya_lab.data import chitchat_conversations
 
     run = run_speculative(
         default_model,
         {"ngram": NgramProposer},
-        [3],
         chitchat_conversations("dev", limit=1, min_turns=2),
-        config=SinkWindowConfig(sink=4, window=60),
-        turns_per_conversation=1,
-        max_new_tokens=10,
+        SpeculativeSettings.for_cache(
+            SinkWindowConfig(sink=4, window=60), draft_lengths=(3,), turns=1, max_new_tokens=10
+        ),
         progress=False,
     )
     assert {"draft_length", "proposed", "accepted"} <= set(run.steps.columns)

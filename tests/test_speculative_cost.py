@@ -12,6 +12,7 @@ import pytest
 from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
 from kakeya_lab.bench.speculative_cost import ARM_COLUMNS, arm_costs
+from kakeya_lab.bench.speculative_settings import SpeculativeSettings
 from kakeya_lab.cost_model import BlockCost
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.plots import cost_model_figure
@@ -55,13 +56,11 @@ def test_a_run_carries_its_fitted_cost_model(default_model):
     run = run_speculative(
         default_model,
         {"ngram": NgramProposer},
-        [2, 3],
         domain_conversations("chitchat", "dev", limit=1),
-        config=cache,
-        turns_per_conversation=1,
-        max_new_tokens=12,
+        SpeculativeSettings.for_cache(
+            cache, draft_lengths=(2, 3), turns=1, max_new_tokens=12, cost_repeats=3
+        ),
         progress=False,
-        cost_repeats=3,
     )
     cost = run.cost
     assert cost is not None and cost.context_tokens > 0
@@ -93,13 +92,11 @@ def test_a_run_carries_its_fitted_cost_model(default_model):
         run_speculative(
             default_model,
             {"ngram": NgramProposer},
-            [2],
             domain_conversations("chitchat", "dev", limit=1),
-            config=cache,
-            turns_per_conversation=1,
-            max_new_tokens=2,
+            SpeculativeSettings.for_cache(
+                cache, draft_lengths=(2,), turns=1, max_new_tokens=2, measure_cost=False
+            ),
             progress=False,
-            measure_cost=False,
         ).cost
         is None
     )
@@ -109,18 +106,19 @@ def test_a_run_carries_its_fitted_cost_model(default_model):
 def test_cost_aware_arms_plan_with_the_runs_block_cost(default_model):
     convs = domain_conversations("code", "dev", limit=1)
     cache = SinkWindowConfig(sink=4, window=60)  # the code passage alone overflows it
-    kw = dict(config=cache, turns_per_conversation=1, max_new_tokens=16, progress=False)
+    kw = dict(turns=1, max_new_tokens=16)
+    settings = SpeculativeSettings.for_cache(
+        cache, draft_lengths=(6,), cost_aware=True, cost_repeats=2, **kw
+    )
     run = run_speculative(
-        default_model, {"suffix-tree": SuffixTreeProposer}, [6], convs, cost_aware=True,
-        cost_repeats=2, **kw,
-    )  # fmt: skip
+        default_model, {"suffix-tree": SuffixTreeProposer}, convs, settings, progress=False
+    )
     assert list(run.summary["arm"]) == ["plain", "suffix-tree@6", "suffix-tree@cost6"]
     assert greedy_streams_identical(run.turns)  # lossless under the schedule too
     planned = run.steps[run.steps["arm"] == "suffix-tree@cost6"]
     assert len(planned) and planned["proposed"].max() <= 6
     assert set(run.turns["proposer"]) == {"plain", "suffix-tree", "suffix-tree (cost-aware)"}
     with pytest.raises(ValueError, match="measure_cost"):
-        run_speculative(
-            default_model, {"ngram": NgramProposer}, [2], convs, cost_aware=True,
-            measure_cost=False, **kw,
-        )  # fmt: skip
+        SpeculativeSettings.for_cache(
+            cache, draft_lengths=(2,), cost_aware=True, measure_cost=False, **kw
+        )

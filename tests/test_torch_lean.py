@@ -16,6 +16,7 @@ from oracle_cases import blocks_with_rollback, check_close, chunked
 from kakeya_lab import SinkWindowConfig, load_model
 from kakeya_lab.backends.torch_lean import MAX_TOKENS, LeanForward
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
+from kakeya_lab.bench.speculative_settings import SpeculativeSettings
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.models import DEFAULT_MODEL, tiny_random_model
 from kakeya_lab.proposers import DraftModelProposer
@@ -75,11 +76,8 @@ def test_an_int4_lean_draft_keeps_speculative_decoding_lossless_past_eviction(de
     run = run_speculative(
         default_model,
         {forward: factory(forward) for forward in made},
-        [5],
         domain_conversations("chitchat", "dev")[:1],
-        config=config,
-        turns_per_conversation=2,
-        max_new_tokens=48,
+        SpeculativeSettings.for_cache(config, draft_lengths=(5,), turns=2, max_new_tokens=48),
         progress=False,
     )
     assert greedy_streams_identical(run.turns)

@@ -16,6 +16,7 @@ import pandas as pd
 
 from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
+from kakeya_lab.bench.speculative_settings import SpeculativeSettings
 from kakeya_lab.data import DOMAINS, Split, domain_conversations
 from kakeya_lab.proposers import DraftModelProposer, Proposer
 from kakeya_lab.proposers.drafters.proposer import DrafterProposer
@@ -47,22 +48,16 @@ def evaluate_by_domain(
     """Summary rows (one per domain × split × arm) and step rows, each tagged with
     ``domain`` and ``split``; ``lossless`` says whether every greedy arm emitted exactly
     the plain stream on that domain and split."""
+    settings = SpeculativeSettings.for_cache(
+        config, draft_lengths=tuple(draft_lengths), turns=turns, max_new_tokens=max_new_tokens
+    )
     summaries, steps = [], []
     for domain in domains:
         for split in splits:
             convs = domain_conversations(domain, split, limit=conversations)
             if not convs:
                 raise ValueError(f"no {split} conversations for domain {domain!r}")
-            run = run_speculative(
-                loaded,
-                proposers,
-                draft_lengths,
-                convs,
-                config=config,
-                turns_per_conversation=turns,
-                max_new_tokens=max_new_tokens,
-                progress=progress,
-            )
+            run = run_speculative(loaded, proposers, convs, settings, progress=progress)
             summary = run.summary.assign(
                 domain=domain, split=split, lossless=greedy_streams_identical(run.turns)
             )

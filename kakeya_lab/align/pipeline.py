@@ -29,6 +29,7 @@ from kakeya_lab.proposers.drafters.checkpoint import save_drafter
 from kakeya_lab.proposers.drafters.network import build_drafter, drafter_config_for
 
 if TYPE_CHECKING:
+    from kakeya_lab.align.settings import AlignmentSettings
     from kakeya_lab.proposers.drafters.network import AnyDrafter
 
 T = TypeVar("T")
@@ -212,8 +213,10 @@ def alignment_headline(summary: pd.DataFrame, curve: pd.DataFrame, best: str) ->
 def write_alignment_results(
     run_dir: Path,
     work: Path,
-    header: dict,
+    settings: AlignmentSettings,
+    model,
     *,
+    rollouts: Path,
     trained: Mapping[str, AnyDrafter],
     histories: Mapping[str, pd.DataFrame],
     summary: pd.DataFrame,
@@ -221,14 +224,36 @@ def write_alignment_results(
     offline: pd.DataFrame,
     best: str,
     figures: Mapping,
+    experiment: str = "alignment",
+    run_id: str | None = None,
+    started: str | None = None,
 ) -> list[str]:
-    """Drafters, metrics, tables and figures into the run folder; the names written."""
-    from kakeya_lab.results import save_figure, write_metrics
+    """Drafters, metrics, tables and figures into the run folder; the names written.
+    ``model``: ``loaded.description``; ``rollouts``: the capture folder the header names."""
+    from kakeya_lab.results import run_header, write_run
 
+    header = run_header(
+        experiment=experiment,
+        run_id=run_id or Path(run_dir).resolve().name,
+        model=model,
+        cache={"sink": settings.sink, "window": settings.window, "positions": "global"},
+        proposer={
+            "drafters": list(settings.drafters),
+            "eval_draft_length": settings.eval_draft_length,
+            "draft_lengths": list(settings.draft_lengths),
+        },
+        seed=settings.seed,
+        started=started,
+        extra={
+            "settings": settings.to_dict(),
+            "rollouts": str(rollouts),
+            **settings.header_fields(),
+        },
+    )
     work = Path(work)
     for kind, drafter in trained.items():
         save_drafter(drafter, work / "drafters" / kind)
-    write_metrics(
+    write_run(
         run_dir,
         header,
         {
@@ -237,10 +262,9 @@ def write_alignment_results(
             "offline": offline.to_dict(orient="records"),
         },
         headline=alignment_headline(summary, curve, best),
+        figures=dict(figures),
     )
     summary.to_csv(work / "by_domain.csv", index=False)
     for kind, history in histories.items():
         history.to_csv(work / f"history_{kind}.csv", index=False)
-    for name, fig in figures.items():
-        save_figure(fig, run_dir, name)
     return sorted(p.name for p in Path(run_dir).iterdir())

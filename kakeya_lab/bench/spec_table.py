@@ -15,23 +15,21 @@ method, one draft length or node budget.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import pandas as pd
 from tqdm.auto import tqdm
 
-from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.bench.speculative import (
     AssistedGeneration,
     SpeculativeRun,
-    arm_draft_lengths,
     arm_lossless,
     hf_assisted_generation,
     run_speculative,
 )
+from kakeya_lab.bench.speculative_settings import SpecTableSettings
 from kakeya_lab.chat import ChatTemplate
-from kakeya_lab.data import prompt_set_conversations
 from kakeya_lab.proposers import Proposer
 
 TABLE_COLUMNS = [
@@ -64,60 +62,33 @@ class SpecTable:
 
 def run_spec_table(
     loaded,
+    settings: SpecTableSettings,
     make: Callable[[str], Callable[[], Proposer]],
-    arms: Sequence[str],
-    prompt_sets: Sequence[str],
     *,
-    config: SinkWindowConfig,
-    conversations: int = 4,
-    turns: int = 2,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    seed: int = 0,
     assisted_draft=None,
-    cost_aware: bool = False,
-    pad_blocks: bool = False,
     progress: bool = True,
 ) -> SpecTable:
-    """Run ``arms`` (``SPEC@K`` keys) on every prompt set; ``make(spec)`` gives a fresh
-    proposer factory for a spec without its ``@K``. With ``temperature`` > 0 every arm
-    samples (rejection sampling), seeded per turn from ``seed``. ``assisted_draft`` (a loaded draft
-    model) also times transformers' assisted generation on each domain's first prompts;
-    ``cost_aware`` adds a ``SPEC@costK`` arm per arm (draft length or tree size chosen per
-    step from the run's fitted cost, at most ``K``); ``pad_blocks`` a ``SPEC@padK`` per chain
-    arm (blocks scored at the cheapest measured size at least as large)."""
-    if not arms or not prompt_sets:
-        raise ValueError("name at least one arm and one prompt set")
-    for arm in arms:
-        if "@" not in arm:
-            raise ValueError(f"arm {arm!r} needs its draft length: write it like ngram@8")
-        arm_draft_lengths(arm, ())  # a clear error for a malformed K, before any work
-    table = SpecTable(runs={}, temperature=temperature)
-    for prompt_set in tqdm(prompt_sets, desc="domains", unit="domain", disable=not progress):
-        convs = prompt_set_conversations(prompt_set, limit=conversations, min_turns=2 * turns)
-        factories = {arm: make(arm.rpartition("@")[0]) for arm in arms}
+    """Run ``settings.arms`` (``SPEC@K`` keys) on every prompt set of ``settings``;
+    ``make(spec)`` gives a fresh proposer factory for a spec without its ``@K``. With
+    ``settings.temperature`` > 0 every arm samples (rejection sampling), seeded per turn
+    from ``settings.seed``. ``assisted_draft`` (the loaded ``settings.assisted_draft``)
+    also times transformers' assisted generation on each domain's first prompts."""
+    table = SpecTable(runs={}, temperature=settings.temperature)
+    for prompt_set in tqdm(
+        settings.prompt_sets, desc="domains", unit="domain", disable=not progress
+    ):
+        run_settings = settings.speculative(prompt_set)
+        convs = run_settings.conversation_list()
+        factories = {arm: make(arm.rpartition("@")[0]) for arm in settings.arms}
         domain = prompt_set.rpartition("-")[0]
-        table.runs[domain] = run_speculative(
-            loaded,
-            factories,
-            [],
-            convs,
-            config=config,
-            turns_per_conversation=turns,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            seed=seed,
-            cost_aware=cost_aware,
-            pad_blocks=pad_blocks,
-            progress=False,
-        )
+        table.runs[domain] = run_speculative(loaded, factories, convs, run_settings, progress=False)
         if assisted_draft is not None:
             prompts = [ChatTemplate(loaded.tokenizer).user(c.turns[0]) for c in convs]
             table.assisted[domain] = hf_assisted_generation(
                 loaded.model,
                 getattr(assisted_draft, "model", assisted_draft),
                 prompts,
-                max_new_tokens=max_new_tokens,
+                max_new_tokens=settings.max_new_tokens,
             )
     return table
 

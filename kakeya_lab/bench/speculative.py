@@ -45,12 +45,12 @@ from dataclasses import asdict, dataclass
 import pandas as pd
 from tqdm.auto import tqdm
 
-from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.bench.speculative_cost import (
     BlockCostProbe,
     RunCostModel,
     run_cost_model,
 )
+from kakeya_lab.bench.speculative_settings import SpeculativeSettings
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.cost_model import CostModel, block_padding, fit_block_cost
 from kakeya_lab.data import Conversation
@@ -98,51 +98,43 @@ def leviathan_speedup(
 def run_speculative(
     loaded,
     proposers: Mapping[str, ProposerFactory],
-    draft_lengths: Sequence[int],
     conversations: Sequence[Conversation],
+    settings: SpeculativeSettings,
     *,
-    config: SinkWindowConfig,
-    turns_per_conversation: int = 4,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    seed: int = 0,
     system: str | None = None,
     progress: bool = True,
-    measure_cost: bool = True,
-    cost_repeats: int = 5,
-    cost_aware: bool = False,
-    pad_blocks: bool = False,
 ) -> SpeculativeRun:
-    """Run ``plain`` and one ``proposer@draft_length`` arm per proposer and draft length over
-    the user turns of ``conversations``. A proposer keyed ``SPEC@K`` runs at ``K`` only
-    (``draft_lengths`` may then be empty).
+    """Run ``plain`` and one ``proposer@draft_length`` arm per proposer and draft length of
+    ``settings`` over the first ``settings.turns`` user turns of each of ``conversations``.
+    A proposer keyed ``SPEC@K`` runs at ``K`` only (``settings.draft_lengths`` may then be
+    empty).
 
-    With ``measure_cost`` the verifier's block cost ``v(n)`` for ``n = 1..max(draft
-    length) + 1`` is timed ``cost_repeats`` times per size before the arms run and again
-    after them (:class:`~kakeya_lab.bench.speculative_cost.BlockCostProbe`), and
+    With ``settings.measure_cost`` the verifier's block cost ``v(n)`` for ``n = 1..max(draft
+    length) + 1`` is timed ``settings.cost_repeats`` times per size before the arms run and
+    again after them (:class:`~kakeya_lab.bench.speculative_cost.BlockCostProbe`), and
     ``run.cost`` holds the fitted cost model with each arm's predicted speedup
     (:mod:`kakeya_lab.bench.speculative_cost`).
 
-    ``cost_aware`` (needs ``measure_cost``) adds one arm per proposer, ``NAME@costK`` with
-    ``K = max(draft_lengths)``, whose draft length (chains) or node budget (trees) is chosen
+    ``settings.cost_aware`` adds one arm per proposer, ``NAME@costK`` with ``K =
+    max(draft_lengths)``, whose draft length (chains) or node budget (trees) is chosen
     per step by :class:`~kakeya_lab.cost_model.CostAwareDraftLength` /
     :class:`~kakeya_lab.cost_model.CostAwareTreeSize` from the block cost fitted to the
     timings taken before the arms run, at most ``K``.
 
-    ``pad_blocks`` (needs ``measure_cost``) adds ``NAME@padK`` beside every chain arm
-    ``NAME@K``: the same proposer, with every verifier block scored at the cheapest
-    measured size at least as large (:func:`~kakeya_lab.cost_model.block_padding` of the
-    timings taken before the arms run; tree arms are not padded, so they get none)."""
+    ``settings.pad_blocks`` adds ``NAME@padK`` beside every chain arm ``NAME@K``: the same
+    proposer, with every verifier block scored at the cheapest measured size at least as
+    large (:func:`~kakeya_lab.cost_model.block_padding` of the timings taken before the
+    arms run; tree arms are not padded, so they get none).
+
+    Raises ValueError for no conversations, or a proposer key with no draft length."""
     if not conversations:
         raise ValueError("no conversations to run")
-    if any(n < 1 for n in draft_lengths) or not (
-        draft_lengths or all("@" in name for name in proposers)
-    ):
+    draft_lengths = settings.draft_lengths
+    if not (draft_lengths or all("@" in name for name in proposers)):
         raise ValueError(f"draft lengths must be >= 1, got {list(draft_lengths)}")
-    if (cost_aware or pad_blocks) and not measure_cost:
-        raise ValueError(
-            "cost_aware and pad_blocks arms plan with the measured block cost: keep measure_cost"
-        )
+    config = settings.cache()
+    turns_per_conversation, max_new_tokens = settings.turns, settings.max_new_tokens
+    temperature, seed, cost_repeats = settings.temperature, settings.seed, settings.cost_repeats
     Arm = tuple[ProposerFactory | None, int, CostModel | None, dict[int, int] | None]
     arms: dict[str, Arm] = {"plain": (None, 0, None, None)}
     plan = None
@@ -153,16 +145,16 @@ def run_speculative(
     longest = max(n for ns in lengths.values() for n in ns)
     model, tok = loaded.model, loaded.tokenizer
     probe = None
-    if measure_cost:
+    if settings.measure_cost:
         probe = BlockCostProbe(loaded, config, conversations, longest + 1, system=system)
         probe.measure(cost_repeats)
-    if cost_aware and probe is not None:
+    if settings.cost_aware and probe is not None:
         # the schedules measure the drafter's own cost as they decode
         planned = CostModel(fit_block_cost(probe.timings), draft_token_s=0.0)
         for name, factory in proposers.items():
             k = max(lengths[name])
             arms[f"{_spec_of(name)}@cost{k}"] = (factory, k, planned, None)
-    if pad_blocks and probe is not None:
+    if settings.pad_blocks and probe is not None:
         plan = block_padding(probe.timings)
         for name, factory in proposers.items():
             if not is_tree_proposer(factory()):

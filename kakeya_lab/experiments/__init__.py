@@ -8,7 +8,7 @@
   failures, local or Ray);
 * :mod:`~kakeya_lab.experiments.ray_executor` — the same sweep on a Ray cluster (run folders
   come back to the driver packed, :mod:`~kakeya_lab.experiments.transfer`);
-* :mod:`~kakeya_lab.experiments.run_record` — ``run.json`` of CLI runs (``long-run``);
+* :mod:`~kakeya_lab.experiments.run_record` — ``run.json`` of every run folder (notebook or CLI);
 * :mod:`~kakeya_lab.experiments.long_run` — a long run's folder: ``run.json``, reports, index;
 * :mod:`~kakeya_lab.experiments.index` — :func:`build_index` (``results/index.parquet``,
   notebook run folders ``<root>/<experiment>/<run-id>/`` and CLI ones ``<root>/<name>/``).

@@ -6,7 +6,7 @@ report (``metrics.json``) written at every checkpoint, the results index refresh
 * :func:`record_served_long_run` — the served arms against a running ``kakeya-lab serve``
   (not checkpointed: written once, at its end).
 
-``run.json`` (:class:`~kakeya_lab.experiments.run_record.CliRunRecord`) goes ``running`` →
+``run.json`` (:class:`~kakeya_lab.experiments.run_record.RunRecord`) goes ``running`` →
 ``completed``, ``partial`` (a signal stopped the run: run the same command to resume) or
 ``failed`` (the error says why); a resume refused for other settings leaves the folder's
 record as it was.
@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kakeya_lab.experiments.index import index_results_root
-from kakeya_lab.experiments.run_record import CliRunRecord
+from kakeya_lab.experiments.run_record import RunRecord
 
 if TYPE_CHECKING:
-    from kakeya_lab.bench.long_run import Arm, LongRun
+    from kakeya_lab.bench.long_run import LongRun, LongRunSettings
+    from kakeya_lab.bench.long_run.served import Endpoints
     from kakeya_lab.models import LoadedModel
 
 EXPERIMENT = "long_run"
@@ -55,37 +56,27 @@ def outcome(run: LongRun) -> tuple[str, str | None]:
 
 def record_long_run(
     loaded: LoadedModel,
-    arms: Mapping[str, Arm],
-    turns: Sequence[str],
+    settings: LongRunSettings,
     out_dir: Path,
     invocation: Invocation,
-    **options: Any,
+    *,
+    user_turns: Sequence[str] | None = None,
+    force_new: bool = False,
+    progress: bool = True,
 ) -> LongRun:
     """:func:`~kakeya_lab.bench.long_run.run_long` into ``out_dir`` with its ``run.json``
-    and a report at every checkpoint. ``options``: ``run_long``'s keyword arguments
-    (``max_new_tokens``, ``duration_s``, ``probe``, ...; not ``out_dir`` or ``on_report``).
+    and a report (:func:`~kakeya_lab.bench.long_run.save_long_run`, the writer notebook 20
+    uses too) at every checkpoint.
 
     Returns the run (its :func:`outcome` is recorded); errors of ``run_long`` propagate
     after the record says ``failed`` (``partial`` for a second Ctrl-C; untouched for
     :class:`~kakeya_lab.resume.ResumeMismatch`)."""
-    from kakeya_lab.bench.long_run import DegenerateRun, long_run_headline, run_long
-    from kakeya_lab.results import run_header, write_metrics
+    from kakeya_lab.bench.long_run import DegenerateRun, run_long, save_long_run
+    from kakeya_lab.results import now_iso
     from kakeya_lab.resume import ResumeMismatch
 
-    header = run_header(
-        experiment=EXPERIMENT,
-        run_id=out_dir.resolve().name,
-        model=loaded.description,
-        cache=arms[next(iter(arms))].config.to_dict(),
-        extra={
-            "arms": list(arms),
-            "turns": len(turns),
-            "max_new_tokens": options.get("max_new_tokens"),
-            "turn_spacing_s": options.get("turn_spacing_s"),
-            "duration_limit_s": options.get("duration_s"),
-        },
-    )
-    record = CliRunRecord(
+    started = now_iso()
+    record = RunRecord(
         out_dir,
         experiment=EXPERIMENT,
         command=invocation.command,
@@ -93,19 +84,21 @@ def record_long_run(
     )
 
     def write_report(run: LongRun) -> None:
-        fields = run.report_fields()
-        write_metrics(
-            out_dir,
-            header,
-            {**fields, "arms": run.summary},
-            headline={**long_run_headline(run.summary), **fields},
-        )
+        save_long_run(out_dir, settings, loaded.description, run=run, started=started)
         if run.partial and run.abort_reason is None:
             record.progress(turns=int(run.turns["turn"].max()) + 1, duration_s=run.duration_s)
 
     record.start()
     try:
-        run = run_long(loaded, arms, turns, out_dir=out_dir, on_report=write_report, **options)
+        run = run_long(
+            loaded,
+            settings,
+            user_turns,
+            out_dir=out_dir,
+            on_report=write_report,
+            force_new=force_new,
+            progress=progress,
+        )
     except DegenerateRun as exc:
         record.finish("failed", " ".join(str(exc).split()), type(exc).__name__)
         raise
@@ -125,50 +118,26 @@ def record_long_run(
 
 
 def record_served_long_run(
-    grpc_target: str,
-    http_base: str,
-    turns: Sequence[str],
+    endpoints: Endpoints,
+    settings: LongRunSettings,
     out_dir: Path,
     invocation: Invocation,
     *,
     model: Mapping[str, Any],
-    served_model: str,
-    server_cache: dict,
-    arms: list[str],
-    max_new_tokens: int,
-    turn_spacing_s: float | None,
-    duration_s: float | None,
-    stateless_cap_s: float | None,
-    turns_per_bucket: int,
-    seconds_per_bucket: float,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, dict]:
-    """The served ``arms`` against a running server into ``out_dir`` (``turns.csv``,
-    ``metrics.json``, ``run.json``; the index refreshed). ``model``: the identity the
-    header records (``name``, ``weight_sha256``, ...); ``served_model`` the server's model
-    id. Returns the summary by arm; any error propagates after ``run.json`` says ``failed``."""
-    from kakeya_lab.bench.long_run.served import summarize_served
-    from kakeya_lab.bench.long_run.summary import long_run_headline
-    from kakeya_lab.durable import write_csv_atomic
-    from kakeya_lab.results import run_header, write_metrics
-    from kakeya_lab.serve.served_long_run import run_served_long_run
+    """``settings.served_arms`` against the running server at ``endpoints``
+    (:func:`~kakeya_lab.bench.long_run.served.run_served`) into ``out_dir``
+    (``served_turns.csv``, ``metrics.json`` by :func:`~kakeya_lab.bench.long_run.save_long_run`,
+    ``run.json``; the index refreshed). ``model``: the identity the header records
+    (``name``, ``weight_sha256``, ...). Returns the summary by arm; any error propagates
+    after ``run.json`` says ``failed``."""
+    from kakeya_lab.bench.long_run import save_long_run
+    from kakeya_lab.bench.long_run.served import run_served
+    from kakeya_lab.results import now_iso
 
-    header = run_header(
-        experiment=EXPERIMENT,
-        run_id=out_dir.resolve().name,
-        model=dict(model),
-        extra={
-            "arms": arms,
-            "turns": len(turns),
-            "max_new_tokens": max_new_tokens,
-            "endpoints": {"grpc": grpc_target, "http": http_base},
-            "server_cache": server_cache,
-            "turn_spacing_s": turn_spacing_s,
-            "duration_s": duration_s,
-            "stateless_cap_s": stateless_cap_s,
-        },
-    )
-    record = CliRunRecord(
+    started = now_iso()
+    record = RunRecord(
         out_dir,
         experiment=EXPERIMENT,
         command=invocation.command,
@@ -176,41 +145,11 @@ def record_served_long_run(
     )
     record.start()
     try:
-        table = run_served_long_run(
-            grpc_target,
-            http_base,
-            turns,
-            max_new_tokens=max_new_tokens,
-            model=served_model,
-            arms=arms,
-            turn_spacing_s=turn_spacing_s,
-            duration_s=duration_s,
-            stateless_cap_s=stateless_cap_s,
-            log=log,
-        )
+        served = run_served(endpoints, settings, log=log)
+        save_long_run(out_dir, settings, dict(model), served=served, started=started)
     except BaseException as exc:
         record.finish("failed", f"{type(exc).__name__}: {exc}", type(exc).__name__)
         raise
-    summary = summarize_served(
-        table,
-        server_cache,
-        turns_per_bucket=turns_per_bucket,
-        seconds_per_bucket=seconds_per_bucket,
-    )
-    wall = table["wall_s"].dropna()
-    fields = {
-        "partial": False,
-        "abort_reason": None,
-        "duration_s": float(wall.max()) if len(wall) else 0.0,
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_csv_atomic(out_dir / "turns.csv", table)
-    write_metrics(
-        out_dir,
-        header,
-        {**fields, "arms": summary},
-        headline={**long_run_headline(summary), **fields},
-    )
     record.finish("completed")
     index_results_root(out_dir)
-    return summary
+    return served.summary

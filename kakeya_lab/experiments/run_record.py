@@ -1,11 +1,12 @@
-"""``run.json`` for run folders the CLI makes without a notebook (``kakeya-lab long-run``).
+"""``run.json``: what a run folder ran, with which parameters, and how it ended.
 
-A notebook run's ``run.json`` is written by :func:`~kakeya_lab.experiments.runner.run_notebook`;
-a :class:`CliRunRecord` writes the same fields (``experiment``, ``run_id``, ``parameters``,
-``status``, ``started``, ``ended``, ``error``) plus ``command`` (the argv that made it),
-``progress`` (what the last report said) and ``resumed`` (start times of later
-invocations that continued the run), so :func:`~kakeya_lab.experiments.index.build_index`
-lists CLI runs beside notebook runs.
+The one writer of ``run.json`` for every run folder, whether a notebook made it
+(:func:`~kakeya_lab.experiments.runner.run_notebook`: ``notebook`` and ``notebook_sha256``
+set) or a CLI command (``kakeya-lab long-run``: ``command``, the argv that made it).
+Fields: ``notebook``, ``notebook_sha256``, ``command``, ``experiment``, ``run_id``,
+``parameters``, ``status``, ``started``, ``ended``, ``error``, ``progress`` (what the last
+report said) and ``resumed`` (start times of later invocations that continued the run),
+so :func:`~kakeya_lab.experiments.index.build_index` lists every run the same way.
 
 ``status`` is one of :data:`STATUSES`: ``running`` while the run goes on (kept current by
 every partial report), ``partial`` when a signal stopped it (run the same command to
@@ -25,11 +26,12 @@ RUN_RECORD = "run.json"
 STATUSES = ("running", "partial", "completed", "failed")
 
 
-class CliRunRecord:
-    """The ``run.json`` of one CLI run folder, rewritten atomically on every change.
+class RunRecord:
+    """The ``run.json`` of one run folder, rewritten atomically on every change.
 
     :meth:`start` keeps the first ``started`` of a folder that already holds a record of
-    the same experiment (a resumed run) and appends the new start to ``resumed``.
+    the same experiment (a resumed CLI run) and appends the new start to ``resumed``
+    (``resume=False``: a fresh record, as for a notebook run).
     """
 
     def __init__(
@@ -37,16 +39,19 @@ class CliRunRecord:
         run_dir: str | Path,
         *,
         experiment: str,
-        command: list[str],
         parameters: dict[str, Any],
+        command: list[str] | None = None,
+        notebook: str | None = None,
+        notebook_sha256: str | None = None,
         run_id: str | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / RUN_RECORD
         self._previous: dict | None = None
         self.record: dict[str, Any] = {
-            "notebook": None,
-            "command": [str(a) for a in command],
+            "notebook": notebook,
+            "notebook_sha256": notebook_sha256,
+            "command": None if command is None else [str(a) for a in command],
             "experiment": experiment,
             "run_id": run_id or self.run_dir.resolve().name,
             "parameters": json.loads(json.dumps(parameters, default=str)),
@@ -58,11 +63,15 @@ class CliRunRecord:
             "resumed": [],
         }
 
-    def start(self) -> None:
-        """Mark the run ``running`` (a resumed run keeps its first start time)."""
+    def start(self, *, resume: bool = True) -> None:
+        """Mark the run ``running`` (with ``resume``, a resumed run keeps its first start time)."""
         now = now_iso()
         previous = self._previous = _read(self.path)
-        if previous is not None and previous.get("experiment") == self.record["experiment"]:
+        if (
+            resume
+            and previous is not None
+            and previous.get("experiment") == self.record["experiment"]
+        ):
             self.record["started"] = previous.get("started") or now
             self.record["resumed"] = [*(previous.get("resumed") or []), now]
             self.record["progress"] = previous.get("progress") or {}
@@ -75,9 +84,15 @@ class CliRunRecord:
         self.record["progress"] = {**fields, "updated": now_iso()}
         self._set(status="running")
 
-    def finish(self, status: str, error: str | None = None, error_type: str = "RunFailed") -> None:
+    def finish(
+        self,
+        status: str,
+        error: str | None = None,
+        error_type: str = "RunFailed",
+        traceback: str | None = None,
+    ) -> None:
         """End the record with ``status`` (``completed``, ``partial`` or ``failed``); ``error``
-        says why a run failed or stopped."""
+        says why a run failed or stopped (``traceback``: where, when known)."""
         if status not in STATUSES or status == "running":
             raise ValueError(f"finish: status must be completed, partial or failed, got {status!r}")
         self._set(
@@ -85,7 +100,7 @@ class CliRunRecord:
             ended=now_iso(),
             error=None
             if error is None
-            else {"type": error_type, "message": error, "traceback": None},
+            else {"type": error_type, "message": error, "traceback": traceback},
         )
 
     def restore(self) -> None:

@@ -2,7 +2,8 @@
 
 A run folder ``results/<experiment>/<run-id>/`` holds the executed notebook
 (``notebook.ipynb``), the notebook's own metrics JSON and figures, and ``run.json``
-(what was run, with which parameters, how it ended). The notebook receives ``run_dir``,
+(:class:`~kakeya_lab.experiments.run_record.RunRecord`: what was run, with which
+parameters, how it ended). The notebook receives ``run_dir``,
 ``run_id`` and ``experiment`` as parameters besides the user's. ``run.json`` also records the sha256 of the notebook that ran, so a
 sweep can tell a completed run of *this* notebook from one of an edited notebook.
 """
@@ -16,8 +17,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from kakeya_lab.durable import write_json_atomic
-from kakeya_lab.results import mark_results_root, now_iso
+from kakeya_lab.experiments.run_record import RunRecord
+from kakeya_lab.results import mark_results_root
 
 RESERVED_PARAMETERS = ("run_dir", "run_id", "experiment")
 
@@ -88,18 +89,15 @@ def run_notebook(
     mark_results_root(results_root)
     run_dir = Path(results_root) / experiment / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
-    record = {
-        "notebook": str(notebook),
-        "notebook_sha256": notebook_sha256(notebook),
-        "experiment": experiment,
-        "run_id": run_id,
-        "parameters": parameters,
-        "status": "running",
-        "started": now_iso(),
-        "ended": None,
-        "error": None,
-    }
-    write_json_atomic(run_dir / "run.json", record)
+    record = RunRecord(
+        run_dir,
+        experiment=experiment,
+        parameters=parameters,
+        notebook=str(notebook),
+        notebook_sha256=notebook_sha256(notebook),
+        run_id=run_id,
+    )
+    record.start(resume=False)
     injected = {
         **parameters,
         "run_dir": str(run_dir.resolve()),
@@ -116,21 +114,16 @@ def run_notebook(
             cwd=str(notebook.parent.resolve()),
         )
     except BaseException as exc:
-        record.update(
-            status="failed",
-            ended=now_iso(),
-            error={
-                "type": type(exc).__name__,
-                "message": str(exc)[-4000:],
-                "traceback": traceback.format_exc()[-8000:],
-            },
+        record.finish(
+            "failed",
+            str(exc)[-4000:],
+            type(exc).__name__,
+            traceback=traceback.format_exc()[-8000:],
         )
-        write_json_atomic(run_dir / "run.json", record)
         if isinstance(exc, KeyboardInterrupt):
             raise
         raise RunFailed(
             f"{notebook.name} failed: {type(exc).__name__}: {str(exc)[-500:]}", run_dir
         ) from exc
-    record.update(status="completed", ended=now_iso())
-    write_json_atomic(run_dir / "run.json", record)
+    record.finish("completed")
     return run_dir

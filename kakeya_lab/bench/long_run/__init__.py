@@ -1,5 +1,10 @@
 """Long-run session benchmark: cache arms side by side over the same chat turns.
 
+One unit: :class:`LongRunSettings` (:mod:`.settings`, every setting validated once; the CLI,
+notebooks 00 and 20, sweeps and the checkpoint's strict resume use it), :func:`run_long`
+(in-process arms) and :func:`~kakeya_lab.bench.long_run.served.run_served` (served arms),
+and :func:`save_long_run` (:mod:`.report`), the one writer of the run folder's report.
+
 Arms (:mod:`.arms`, :func:`standard_arms`):
 
 * ``sink_window`` — our session runtime with a sink-window cache;
@@ -20,7 +25,7 @@ planted in the first turn is asked for every ``probe.every`` turns on a provisio
 that is rolled back, and EOS and repetition rates are recorded.
 
 Turns can be paced in wall-clock time (``turn_spacing_s``) and the run limited in time
-(``duration_s``). Results are checkpointed atomically every ``checkpoint_every`` turns
+(``duration_s``), both settings. Results are checkpointed atomically every ``checkpoint_every`` turns
 and every ``report_every_s`` seconds into ``out_dir`` (:mod:`.checkpoint`), each time with
 a partial report; SIGTERM / SIGINT end the run after the turn under way with a final
 partial report (``partial``, ``abort_reason``). :func:`run_long` resumes from the
@@ -35,9 +40,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kakeya_lab.bench.long_run.arms import ARM_NAMES, Arm, standard_arms
-    from kakeya_lab.bench.long_run.checkpoint import CHECKPOINT, ArmState, run_settings
-    from kakeya_lab.bench.long_run.driver import LongRun, check_run_arguments, run_long
+    from kakeya_lab.bench.long_run.arms import Arm, standard_arms
+    from kakeya_lab.bench.long_run.checkpoint import ArmState, run_settings
+    from kakeya_lab.bench.long_run.driver import LongRun, run_long
     from kakeya_lab.bench.long_run.probe import FactProbe, probe_recall
     from kakeya_lab.bench.long_run.records import (
         DegenerateRun,
@@ -45,19 +50,23 @@ if TYPE_CHECKING:
         refuse_all_failed,
         refuse_degenerate,
     )
+    from kakeya_lab.bench.long_run.report import save_long_run, save_quickstart
+    from kakeya_lab.bench.long_run.settings import ARM_NAMES, CHECKPOINT, LongRunSettings
     from kakeya_lab.bench.long_run.summary import long_run_headline, summarize_long_run
 
 # Imported on first use (PEP 562): ``kakeya_lab.bench.long_run.command`` (the CLI) must
 # not pay for torch before its arguments are checked.
 _LAZY = {
-    "ARM_NAMES": "arms",
+    "ARM_NAMES": "settings",
+    "LongRunSettings": "settings",
+    "save_long_run": "report",
+    "save_quickstart": "report",
     "Arm": "arms",
     "standard_arms": "arms",
-    "CHECKPOINT": "checkpoint",
+    "CHECKPOINT": "settings",
     "ArmState": "checkpoint",
     "run_settings": "checkpoint",
     "LongRun": "driver",
-    "check_run_arguments": "driver",
     "run_long": "driver",
     "FactProbe": "probe",
     "probe_recall": "probe",
@@ -77,14 +86,16 @@ __all__ = [
     "DegenerateRun",
     "FactProbe",
     "LongRun",
+    "LongRunSettings",
     "TurnRecord",
-    "check_run_arguments",
     "long_run_headline",
     "probe_recall",
     "refuse_all_failed",
     "refuse_degenerate",
     "run_long",
     "run_settings",
+    "save_long_run",
+    "save_quickstart",
     "standard_arms",
     "summarize_long_run",
 ]

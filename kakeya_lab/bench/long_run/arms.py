@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from typing import cast
 
 from kakeya_lab.backends.config import PositionMode, SinkWindowConfig
+from kakeya_lab.bench.long_run.settings import ARM_NAMES, LongRunSettings
 from kakeya_lab.proposers import check_proposer_spec, usage
-
-ARM_NAMES = ("sink_window", "full_cache", "reprefill", "speculative")
 
 
 @dataclass(frozen=True)
@@ -87,3 +86,15 @@ def standard_arms(
             "a proposer was given but no speculative arm: add 'speculative' to the arms"
         )
     return {n: known[n] for n in names}
+
+
+def arms_for(settings: LongRunSettings) -> dict[str, Arm]:
+    """The in-process arms ``settings`` asks for (:func:`standard_arms`)."""
+    return standard_arms(
+        settings.sink,
+        settings.window,
+        settings.positions,
+        names=settings.arms,
+        proposer=settings.proposer,
+        draft_length=settings.draft_length,
+    )

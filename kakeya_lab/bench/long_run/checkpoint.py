@@ -16,42 +16,36 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kakeya_lab.bench.long_run.arms import Arm
-from kakeya_lab.bench.long_run.probe import FactProbe
+from kakeya_lab.bench.long_run.settings import OUTPUTS, LongRunSettings
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.durable import write_json_atomic
 from kakeya_lab.resume import check_resume
 from kakeya_lab.session import SessionStore
 
-CHECKPOINT = "checkpoint.json"
-OUTPUTS = (CHECKPOINT, "turns.csv", "metrics.json")
-
 
 def run_settings(
-    loaded,
-    arms: Mapping[str, Arm],
-    user_turns: Sequence[str],
-    *,
-    max_new_tokens: int,
-    probe: FactProbe | None,
-    reprefill_cap_s: float | None,
-    turns_per_bucket: int,
+    loaded, arms: Mapping[str, Arm], user_turns: Sequence[str], settings: LongRunSettings
 ) -> dict:
-    """Everything that shapes a long run's numbers (not ``duration_s`` or
-    ``checkpoint_every``, which only say how long and how often to save)."""
+    """Everything that shapes a long run's numbers, as the checkpoint saves it (not
+    ``duration_s`` or ``checkpoint_every``, which only say how long and how often to save)."""
     script = hashlib.sha256(json.dumps(list(user_turns)).encode()).hexdigest()
     model = {"name": loaded.description.name, "weight_sha256": loaded.description.weight_sha256}
     backend = getattr(loaded.description, "backend", "torch")
     if backend != "torch":  # torch checkpoints keep the settings they always saved
         model["backend"] = backend
-    return {
+    probe = settings.probe()
+    saved = {
         "model": model,
         "arms": {name: arm.to_dict() for name, arm in arms.items()},
-        "max_new_tokens": max_new_tokens,
+        "max_new_tokens": settings.max_new_tokens,
         "turns": {"count": len(user_turns), "sha256": script},
         "probe": asdict(probe) if probe is not None else None,
-        "reprefill_cap_s": reprefill_cap_s,
-        "turns_per_bucket": turns_per_bucket,
+        "reprefill_cap_s": settings.reprefill_cap_s,
+        "turns_per_bucket": settings.turns_per_bucket,
     }
+    if settings.turn_spacing_s is not None:  # pacing shapes latencies: resume only with the same
+        saved["turn_spacing_s"] = settings.turn_spacing_s
+    return saved
 
 
 @dataclass

@@ -29,17 +29,16 @@ from kakeya_lab.cli_args import (
     add_model,
     add_proposer,
     check_cache,
-    check_int,
     check_linear,
     check_model,
     check_out_dir,
     check_positive,
     check_proposer,
-    parameters,
     run_parser,
 )
 
 if TYPE_CHECKING:
+    from kakeya_lab.bench.long_run.settings import LongRunSettings
     from kakeya_lab.experiments.long_run import Invocation
 
 
@@ -123,87 +122,26 @@ def run_command(args: argparse.Namespace) -> int:
     if args.arms is None:
         args.arms = "sink_window,full_cache,reprefill"
     check_cache(args)
-    for flag, value in (
-        ("--turns", args.turns),
-        ("--max-new-tokens", args.max_new_tokens),
-        ("--checkpoint-every", args.checkpoint_every),
-        ("--turns-per-bucket", args.turns_per_bucket),
-    ):
-        check_int(flag, value, 1)
-    check_int("--probe-every", args.probe_every, 0)
-    check_positive("--duration-s", args.duration_s)
-    check_positive("--reprefill-cap-s", args.reprefill_cap_s)
-    check_positive("--turn-spacing-s", args.turn_spacing_s)
-    check_positive("--report-every-s", args.report_every_s, allow_zero=True)
-    check_positive("--seconds-per-bucket", args.seconds_per_bucket)
-    report_every_s = args.report_every_s or None  # 0: by turns only
-    names = [a.strip() for a in args.arms.split(",") if a.strip()]
-    if args.proposer is not None and "speculative" not in names:
-        raise UserError(
-            "--proposer is for the speculative arm: add it, e.g. --arms sink_window,speculative"
-        )
-    if "speculative" in names and args.proposer is None:
-        raise UserError("the speculative arm needs --proposer, e.g. --proposer ngram")
-    if args.proposer is not None:
-        check_proposer(args.proposer)  # an unknown model or drafter before a model loads
-    check_int("--draft-length", args.draft_length, 1)
+    settings = settings_from_args(args, arms=_names(args.arms))
+    if settings.proposer is not None:
+        check_proposer(settings.proposer)  # an unknown model or drafter before a model loads
     check_linear(args)
     out = check_out_dir(args.out_dir)
     check_model(args.model)
 
-    from kakeya_lab.bench.long_run import (  # torch: once the cheap checks passed
-        DegenerateRun,
-        FactProbe,
-        check_run_arguments,
-        standard_arms,
-    )
-    from kakeya_lab.data import chained_user_turns, chitchat_conversations
+    from kakeya_lab.bench.long_run import DegenerateRun  # torch: once the cheap checks passed
     from kakeya_lab.experiments.long_run import failed_arms, outcome, record_long_run
     from kakeya_lab.models import load_model
 
-    try:
-        arms = standard_arms(
-            args.sink,
-            args.window,
-            args.positions,
-            names=names,
-            proposer=args.proposer,
-            draft_length=args.draft_length,
-        )
-        check_run_arguments(
-            turns=args.turns,
-            max_new_tokens=args.max_new_tokens,
-            checkpoint_every=args.checkpoint_every,
-            duration_s=args.duration_s,
-            reprefill_cap_s=args.reprefill_cap_s,
-            turns_per_bucket=args.turns_per_bucket,
-            turn_spacing_s=args.turn_spacing_s,
-            report_every_s=report_every_s,
-            seconds_per_bucket=args.seconds_per_bucket,
-        )
-        probe = FactProbe(every=args.probe_every) if args.probe_every else None
-    except ValueError as exc:
-        raise UserError(f"--arms: {exc}") from exc
     loaded = load_model(
-        args.model, backend=args.backend or "torch", linear=args.linear, progress=not args.quiet
+        args.model, backend=settings.backend, linear=args.linear, progress=not args.quiet
     )
-    turns = chained_user_turns(chitchat_conversations("dev"), args.turns)
     try:
         run = record_long_run(
             loaded,
-            arms,
-            turns,
+            settings,
             out,
-            _invocation(args),
-            max_new_tokens=args.max_new_tokens,
-            checkpoint_every=args.checkpoint_every,
-            duration_s=args.duration_s,
-            probe=probe,
-            reprefill_cap_s=args.reprefill_cap_s,
-            turns_per_bucket=args.turns_per_bucket,
-            seconds_per_bucket=args.seconds_per_bucket,
-            turn_spacing_s=args.turn_spacing_s,
-            report_every_s=report_every_s,
+            _invocation(args, settings),
             force_new=args.force_new,
             progress=not args.quiet,
         )
@@ -257,12 +195,69 @@ def print_summary(summary: dict[str, dict]) -> None:
             )
 
 
-def _invocation(args: argparse.Namespace) -> Invocation:
-    """This command line and its options, for the run folder's ``run.json``."""
+def _names(arms: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in arms.split(",") if a.strip())
+
+
+def settings_from_args(
+    args: argparse.Namespace, arms: tuple[str, ...], served_arms: tuple[str, ...] = ()
+) -> LongRunSettings:
+    """The :class:`~kakeya_lab.bench.long_run.LongRunSettings` of this command line with
+    these ``arms`` and ``served_arms``; a setting that cannot work is a :class:`UserError`
+    naming its flag."""
+    from kakeya_lab.bench.long_run.settings import LongRunSettings
+    from kakeya_lab.settings import SettingsError
+
+    if args.proposer is not None and "speculative" not in arms:
+        if args.endpoint:
+            raise UserError(
+                "--proposer is not supported with --endpoint (the served arms decode plainly)"
+            )
+        raise UserError(
+            "--proposer is for the speculative arm: add it, e.g. --arms sink_window,speculative"
+        )
+    if "speculative" in arms and args.proposer is None:
+        raise UserError("the speculative arm needs --proposer, e.g. --proposer ngram")
+    check_positive("--report-every-s", args.report_every_s, allow_zero=True)
+    values = {
+        "model": args.model,
+        "backend": args.backend or "torch",
+        "linear": args.linear,
+        "sink": args.sink,
+        "window": args.window,
+        "positions": args.positions,
+        "proposer": args.proposer,
+        "draft_length": args.draft_length,
+        "turns": args.turns,
+        "max_new_tokens": args.max_new_tokens,
+        "duration_s": args.duration_s,
+        "probe_every": args.probe_every,
+        "checkpoint_every": args.checkpoint_every,
+        "reprefill_cap_s": args.reprefill_cap_s,
+        "turns_per_bucket": args.turns_per_bucket,
+        "seconds_per_bucket": args.seconds_per_bucket,
+        "turn_spacing_s": args.turn_spacing_s,
+        "report_every_s": args.report_every_s or None,  # 0: by turns only
+        "arms": arms,
+        "served_arms": served_arms,
+    }
+    try:
+        return LongRunSettings(**values)
+    except SettingsError as exc:
+        flag = "--" + exc.field.replace("_", "-")
+        if exc.field in ("arms", "served_arms"):
+            raise UserError(f"--arms: {exc.problem}") from exc
+        raise UserError(f"{flag} {exc.problem}") from exc
+
+
+def _invocation(args: argparse.Namespace, settings: LongRunSettings) -> Invocation:
+    """This command line, for the run folder's ``run.json``: its parameters are the run's
+    settings (:meth:`LongRunSettings.to_dict`) and the options that are not settings."""
     from kakeya_lab.experiments.long_run import Invocation
 
+    others = {k: getattr(args, k) for k in ("endpoint", "force_new", "quiet")}
     return Invocation(
-        command=[PROG, "long-run", *args.argv], parameters=parameters(args, "out_dir", "argv")
+        command=[PROG, "long-run", *args.argv], parameters={**settings.to_dict(), **others}
     )
 
 
@@ -275,51 +270,30 @@ def run_served(args: argparse.Namespace) -> int:
         parse_endpoints,
         server_cache,
     )
+    from kakeya_lab.bench.long_run.settings import OUTPUTS
 
     try:
         endpoints = parse_endpoints(args.endpoint)
     except ValueError as exc:
         raise UserError(f"--endpoint: {exc}") from exc
-    for flag, value in (
-        ("--turns", args.turns),
-        ("--max-new-tokens", args.max_new_tokens),
-        ("--turns-per-bucket", args.turns_per_bucket),
-    ):
-        check_int(flag, value, 1)
-    check_positive("--seconds-per-bucket", args.seconds_per_bucket)
-    for flag, value in (
-        ("--duration-s", args.duration_s),
-        ("--turn-spacing-s", args.turn_spacing_s),
-        ("--reprefill-cap-s", args.reprefill_cap_s),
-    ):
-        if value is not None:
-            check_positive(flag, value)
-    if args.proposer is not None:
-        raise UserError(
-            "--proposer is not supported with --endpoint (the served arms decode plainly)"
-        )
     try:
-        names = check_served_arms(
-            [a.strip() for a in (args.arms or ",".join(SERVED_ARMS)).split(",") if a.strip()]
-        )
+        names = check_served_arms(_names(args.arms or ",".join(SERVED_ARMS)))
     except ValueError as exc:
         raise UserError(f"--arms: {exc}") from exc
+    settings = settings_from_args(args, arms=(), served_arms=tuple(names))
     out = check_out_dir(args.out_dir)
-    if not args.force_new and any(
-        (out / n).exists() for n in ("turns.csv", "metrics.json", "checkpoint.json")
-    ):
+    if not args.force_new and any((out / n).exists() for n in (*OUTPUTS, "served_turns.csv")):
         raise UserError(
             f"{out} already holds a run; a served run does not resume: use another folder or --force-new"
         )
     check_model(args.model)
-    from kakeya_lab.data import chained_user_turns, chitchat_conversations
     from kakeya_lab.experiments.long_run import record_served_long_run
     from kakeya_lab.models.load import resolve
 
     found = resolve(args.model, pull_if_missing=False, progress=False)  # identity, no weights
     try:
         served_model = _served_model_name(endpoints.http_base)
-        cache = server_cache(endpoints.grpc_target)
+        server_cache(endpoints.grpc_target)  # reachable, and answers as a session server
     except Exception as exc:  # an unreachable server is the user's to fix
         raise UserError(
             f"--endpoint: cannot reach the server ({type(exc).__name__}: {exc}); "
@@ -329,28 +303,17 @@ def run_served(args: argparse.Namespace) -> int:
         raise UserError(
             f"the server runs {served_model!r}, not --model {found.name!r}: pass --model {served_model}"
         )
-    turns = chained_user_turns(chitchat_conversations("dev"), args.turns)
     summary = record_served_long_run(
-        endpoints.grpc_target,
-        endpoints.http_base,
-        turns,
+        endpoints,
+        settings,
         out,
-        _invocation(args),
+        _invocation(args, settings),
         model={
             "name": found.name,
             "weight_sha256": found.weight_sha256,
             "architecture": None,
             "random": False,
         },
-        served_model=served_model,
-        server_cache=cache,
-        arms=names,
-        max_new_tokens=args.max_new_tokens,
-        turn_spacing_s=args.turn_spacing_s,
-        duration_s=args.duration_s,
-        stateless_cap_s=args.reprefill_cap_s,
-        turns_per_bucket=args.turns_per_bucket,
-        seconds_per_bucket=args.seconds_per_bucket,
         log=None if args.quiet else (lambda line: print(line, flush=True)),
     )
     for arm, s in summary.items():

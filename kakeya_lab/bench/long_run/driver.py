@@ -16,9 +16,8 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from kakeya_lab.backends.config import analytic_kv_budget_bytes
-from kakeya_lab.bench.long_run.arms import Arm
+from kakeya_lab.bench.long_run.arms import Arm, arms_for
 from kakeya_lab.bench.long_run.checkpoint import (
-    CHECKPOINT,
     ArmState,
     Progress,
     fresh_progress,
@@ -29,6 +28,7 @@ from kakeya_lab.bench.long_run.checkpoint import (
 )
 from kakeya_lab.bench.long_run.probe import FactProbe
 from kakeya_lab.bench.long_run.records import refuse_all_failed, refuse_degenerate
+from kakeya_lab.bench.long_run.settings import CHECKPOINT, LongRunSettings
 from kakeya_lab.bench.long_run.summary import summarize_long_run
 from kakeya_lab.bench.long_run.turn import run_turn
 from kakeya_lab.durable import write_csv_atomic
@@ -66,44 +66,6 @@ class LongRun:
         return state.store, state.sid
 
 
-def check_run_arguments(
-    *,
-    turns: int,
-    max_new_tokens: int,
-    checkpoint_every: int,
-    duration_s: float | None,
-    reprefill_cap_s: float | None,
-    turns_per_bucket: int,
-    turn_spacing_s: float | None = None,
-    report_every_s: float | None = None,
-    seconds_per_bucket: float = 600.0,
-) -> None:
-    """Raise ValueError for any argument of :func:`run_long` that cannot work (no model needed)."""
-
-    def integer(name: str, value: object, minimum: int) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-    def positive(name: str, value: object) -> None:
-        if value is not None and (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not value > 0
-            or value == float("inf")
-        ):
-            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-
-    integer("turns", turns, 1)
-    integer("max_new_tokens", max_new_tokens, 1)
-    integer("checkpoint_every", checkpoint_every, 1)
-    integer("turns_per_bucket", turns_per_bucket, 1)
-    positive("duration_s", duration_s)
-    positive("reprefill_cap_s", reprefill_cap_s)
-    positive("turn_spacing_s", turn_spacing_s)
-    positive("report_every_s", report_every_s)
-    positive("seconds_per_bucket", seconds_per_bucket)
-
-
 # What signal.signal() accepts and returns.
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
@@ -134,84 +96,60 @@ class _Signals:
 
 def run_long(
     loaded,
-    arms: Mapping[str, Arm],
-    user_turns: Sequence[str],
+    settings: LongRunSettings,
+    user_turns: Sequence[str] | None = None,
     *,
-    max_new_tokens: int = 32,
     out_dir: str | Path | None = None,
-    checkpoint_every: int = 10,
-    duration_s: float | None = None,
-    probe: FactProbe | None = None,
-    reprefill_cap_s: float | None = 30.0,
-    turns_per_bucket: int = 50,
-    seconds_per_bucket: float = 600.0,
-    turn_spacing_s: float | None = None,
-    report_every_s: float | None = 600.0,
     on_report: Callable[[LongRun], None] | None = None,
     catch_signals: bool = True,
     force_new: bool = False,
     progress: bool = True,
 ) -> LongRun:
-    """Drive every arm through ``user_turns`` (cycled when ``duration_s`` asks for more).
+    """Drive every arm of ``settings`` through ``user_turns`` (default: the standard script,
+    :meth:`LongRunSettings.user_turns`; else exactly ``settings.turns`` of them), cycled
+    when ``settings.duration_s`` asks for more.
 
-    With ``out_dir`` the run checkpoints there every ``checkpoint_every`` turns and every
-    ``report_every_s`` seconds of wall time, and resumes from an existing checkpoint —
-    only with the same model, arms, caches, generation settings and turns (else
-    :class:`~kakeya_lab.resume.ResumeMismatch` names the difference); ``force_new`` starts
-    over instead. Every checkpoint also writes ``turns.csv`` and calls ``on_report`` with
-    a partial :class:`LongRun` (``partial=True``); the end of the run calls it once more.
+    With ``out_dir`` the run checkpoints there every ``settings.checkpoint_every`` turns
+    and every ``settings.report_every_s`` seconds of wall time, and resumes from an
+    existing checkpoint — only with the same model, arms, caches, generation settings and
+    turns (else :class:`~kakeya_lab.resume.ResumeMismatch` names the difference);
+    ``force_new`` starts over instead. Every checkpoint also writes ``turns.csv`` and calls
+    ``on_report`` with a partial :class:`LongRun` (``partial=True``); the end of the run
+    calls it once more.
 
-    ``turn_spacing_s``: round ``i`` starts ``i * turn_spacing_s`` seconds after the run's
-    origin (at once if it is already late). ``duration_s``: no round starts after that
-    wall time. ``catch_signals``: SIGTERM / SIGINT stop the run after the turn under way,
-    save the checkpoint, and return a report with ``partial=True`` and ``abort_reason``
-    the signal's name (a second SIGINT raises KeyboardInterrupt at once).
+    ``settings.turn_spacing_s``: round ``i`` starts ``i * turn_spacing_s`` seconds after
+    the run's origin (at once if it is already late). ``settings.duration_s``: no round
+    starts after that wall time. ``catch_signals``: SIGTERM / SIGINT stop the run after the
+    turn under way, save the checkpoint, and return a report with ``partial=True`` and
+    ``abort_reason`` the signal's name (a second SIGINT raises KeyboardInterrupt at once).
 
     Raises :class:`~kakeya_lab.bench.long_run.records.DegenerateRun` on meaningless
     numbers (zero KV bytes, every turn failed). A failing turn stops its arm; the others go on.
     """
-    turns = list(user_turns)
-    if not arms:
-        raise ValueError("no arms to run")
-    check_run_arguments(
-        turns=len(turns),
-        max_new_tokens=max_new_tokens,
-        checkpoint_every=checkpoint_every,
-        duration_s=duration_s,
-        reprefill_cap_s=reprefill_cap_s,
-        turns_per_bucket=turns_per_bucket,
-        turn_spacing_s=turn_spacing_s,
-        report_every_s=report_every_s,
-        seconds_per_bucket=seconds_per_bucket,
-    )
-    settings = run_settings(
-        loaded,
-        arms,
-        turns,
-        max_new_tokens=max_new_tokens,
-        probe=probe,
-        reprefill_cap_s=reprefill_cap_s,
-        turns_per_bucket=turns_per_bucket,
-    )
-    if turn_spacing_s is not None:
-        settings["turn_spacing_s"] = (
-            turn_spacing_s  # pacing shapes latencies: resume only with the same
+    turns = settings.user_turns() if user_turns is None else list(user_turns)
+    if len(turns) != settings.turns:
+        raise ValueError(
+            f"{len(turns)} user turns given for settings.turns={settings.turns}: give as many"
         )
+    arms = arms_for(settings)
+    probe = settings.probe()
+    saved = run_settings(loaded, arms, turns, settings)
     out = Path(out_dir) if out_dir is not None else None
     checkpoint = out / CHECKPOINT if out is not None else None
     if out is not None and force_new:
         start_over(out)
     if checkpoint is not None and checkpoint.exists():
-        state = load_progress(checkpoint, loaded, arms, settings)
+        state = load_progress(checkpoint, loaded, arms, saved)
     else:
         state = fresh_progress(loaded, arms)
+    spacing_s, report_every_s = settings.turn_spacing_s, settings.report_every_s
 
     def report(wall_s: float, partial: bool, abort_reason: str | None = None) -> LongRun:
         if checkpoint is not None:
             refuse_degenerate(state.rows)
             state.wall_s = wall_s
-            save_progress(checkpoint, state, settings)
-        run = _finish(loaded, arms, state, out, turns_per_bucket, seconds_per_bucket)
+            save_progress(checkpoint, state, saved)
+        run = _finish(loaded, arms, state, out, settings)
         run.partial, run.abort_reason, run.duration_s = partial, abort_reason, wall_s
         if on_report is not None and state.rows:
             on_report(run)
@@ -219,23 +157,25 @@ def run_long(
 
     t0 = time.perf_counter() - state.wall_s
     last_report = time.perf_counter()
-    limit = len(turns) if duration_s is None else None
+    limit = len(turns) if settings.duration_s is None else None
     bar = tqdm(
         total=limit, initial=state.next_turn, desc="long run", unit="turn", disable=not progress
     )
     with _Signals() if catch_signals else _NoSignals() as signals:
         while (limit is None or state.next_turn < limit) and not signals.caught:
-            if turn_spacing_s is not None:
-                _wait_until(t0 + state.next_turn * turn_spacing_s, signals)
+            if spacing_s is not None:
+                _wait_until(t0 + state.next_turn * spacing_s, signals)
                 if signals.caught:
                     break
-            if duration_s is not None and time.perf_counter() - t0 >= duration_s:
+            if settings.duration_s is not None and time.perf_counter() - t0 >= settings.duration_s:
                 break
-            _run_round(loaded, state, turns, max_new_tokens, t0, probe, reprefill_cap_s)
+            _run_round(
+                loaded, state, turns, settings.max_new_tokens, t0, probe, settings.reprefill_cap_s
+            )
             bar.update(1)
             now = time.perf_counter()
             due_by_time = report_every_s is not None and now - last_report >= report_every_s
-            if state.next_turn % checkpoint_every == 0 or due_by_time:
+            if state.next_turn % settings.checkpoint_every == 0 or due_by_time:
                 report(now - t0, partial=True)
                 last_report = time.perf_counter()
         bar.close()
@@ -325,8 +265,7 @@ def _finish(
     arms: Mapping[str, Arm],
     state: Progress,
     out: Path | None,
-    turns_per_bucket: int,
-    seconds_per_bucket: float,
+    settings: LongRunSettings,
 ) -> LongRun:
     table = pd.DataFrame(state.rows)
     if "error" not in table:
@@ -338,8 +277,8 @@ def _finish(
         table,
         arms,
         budgets,
-        turns_per_bucket=turns_per_bucket,
-        seconds_per_bucket=seconds_per_bucket,
+        turns_per_bucket=settings.turns_per_bucket,
+        seconds_per_bucket=settings.seconds_per_bucket,
     )
     for name, arm_state in state.states.items():
         summary[name]["stopped"] = arm_state.stopped

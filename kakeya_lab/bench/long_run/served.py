@@ -12,8 +12,7 @@ from urllib.parse import urlsplit
 import pandas as pd
 
 from kakeya_lab.bench.aggregate import aggregate_arm, bucket_table
-
-SERVED_ARMS = ("grpc_session", "http_reuse", "http_stateless")
+from kakeya_lab.bench.long_run.settings import SERVED_ARMS, LongRunSettings
 
 
 @dataclass(frozen=True)
@@ -199,26 +198,24 @@ class ServedRun:
 
 def run_served(
     endpoints: Endpoints,
-    user_turns: Sequence[str],
+    settings: LongRunSettings,
+    user_turns: Sequence[str] | None = None,
     *,
-    max_new_tokens: int = 32,
-    arms: Sequence[str] = SERVED_ARMS,
     model: str | None = None,
-    turns_per_bucket: int = 50,
-    seconds_per_bucket: float = 600.0,
-    duration_s: float | None = None,
-    turn_spacing_s: float | None = None,
-    stateless_cap_s: float | None = None,
     log: Callable[[str], None] | None = None,
 ) -> ServedRun:
-    """Drive ``user_turns`` through the server at ``endpoints`` with the served ``arms``
+    """Drive ``user_turns`` (default: the standard script of ``settings.turns`` turns)
+    through the server at ``endpoints`` with ``settings.served_arms``
     (:func:`kakeya_lab.serve.served_long_run.run_served_long_run`) and summarize them.
-    ``model``: the name the server must serve (ValueError if it serves another)."""
+    ``settings.reprefill_cap_s`` caps the stateless arm's turns. ``model``: the name the
+    server must serve (ValueError if it serves another, or if no served arm is asked for)."""
     import httpx
 
     from kakeya_lab.serve.served_long_run import run_served_long_run
 
-    names = check_served_arms(arms)
+    if not settings.served_arms:
+        raise ValueError("run_served: settings.served_arms names no arm")
+    turns = settings.user_turns() if user_turns is None else list(user_turns)
     served_model = httpx.get(f"{endpoints.http_base}/v1/models", timeout=30).json()["data"][0]["id"]
     if model is not None and served_model != model:
         raise ValueError(f"the server runs {served_model!r}, not {model!r}")
@@ -226,16 +223,19 @@ def run_served(
     table = run_served_long_run(
         endpoints.grpc_target,
         endpoints.http_base,
-        user_turns,
-        max_new_tokens=max_new_tokens,
+        turns,
+        max_new_tokens=settings.max_new_tokens,
         model=served_model,
-        arms=names,
-        turn_spacing_s=turn_spacing_s,
-        duration_s=duration_s,
-        stateless_cap_s=stateless_cap_s,
+        arms=list(settings.served_arms),
+        turn_spacing_s=settings.turn_spacing_s,
+        duration_s=settings.duration_s,
+        stateless_cap_s=settings.reprefill_cap_s,
         log=log,
     )
     summary = summarize_served(
-        table, cache, turns_per_bucket=turns_per_bucket, seconds_per_bucket=seconds_per_bucket
+        table,
+        cache,
+        turns_per_bucket=settings.turns_per_bucket,
+        seconds_per_bucket=settings.seconds_per_bucket,
     )
     return ServedRun(table, summary, cache, served_model, endpoints)
