@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11; annotations only, so 3.10 imports this module
 
 __all__ = ["Settings", "SettingsError", "check_int", "check_positive"]
 
