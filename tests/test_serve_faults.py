@@ -2,10 +2,11 @@
 a non-streaming HTTP client that hangs up, and after each fault the server back to its
 baseline.
 
-Engine errors are provoked for real, not simulated: a sampling temperature so small
-(1e-45) that the logits overflow to inf and ``torch.multinomial`` refuses the resulting NaN
-distribution (a ``RuntimeError`` deep in the engine -> ``INTERNAL`` / 500), and a proposer
-spec that cannot be built (``ngram:0`` -> ``INVALID_ARGUMENT`` / 400). A draft model with
+Engine errors are provoked for real, not simulated: a user's proposer whose code raises
+(``tests/proposer_that_fails.py``, loaded into the server with ``--proposer-module``: a
+``RuntimeError`` inside the engine -> ``INTERNAL`` / 500), and a proposer spec that cannot
+be built (``ngram:0`` -> ``INVALID_ARGUMENT`` / 400). (A temperature of 1e-45, which once
+overflowed the sampler into NaN, is now refused up front.) A draft model with
 another vocabulary cannot be provoked here: the server serves only the model-free
 proposers (n-gram, suffix, and their trees) and refuses ``draft:`` specs before the engine runs.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -36,7 +38,7 @@ pytestmark = pytest.mark.slow
 SINK, WINDOW = 4, 60
 CONFIG = SinkWindowConfig(sink=SINK, window=WINDOW)
 RSS_TOLERANCE_BYTES = 64 * 2**20
-TINY_TEMPERATURE = 1e-45  # logits / t overflow to inf: the sampler's distribution is NaN
+FAILING = Path(__file__).with_name("proposer_that_fails.py")
 STORY = (
     "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps "
     "out loud as his father had taught him. At the top he"
@@ -45,7 +47,10 @@ STORY = (
 
 @pytest.fixture(scope="module")
 def server(serve):
-    return serve("--sink", str(SINK), "--window", str(WINDOW), "--capacity", "6")
+    return serve(
+        "--sink", str(SINK), "--window", str(WINDOW), "--capacity", "6",
+        "--proposer-module", str(FAILING),
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +116,10 @@ def test_engine_errors_map_to_clear_statuses_and_leave_sessions_untouched(
         before_info = client.info(sid, include_history=True)
         for _ in range(2):  # twice: the engine error does not wedge the session
             with pytest.raises(grpc.RpcError) as info:
-                client.generate(sid, 8, temperature=TINY_TEMPERATURE, seed=0)
+                client.generate(sid, 8, proposer="fails")
             assert info.value.code() is grpc.StatusCode.INTERNAL
             msg = info.value.details()
-            assert "engine error in Generate (RuntimeError)" in msg and "probability" in msg, msg
+            assert "engine error in Generate (RuntimeError)" in msg and "on purpose" in msg, msg
         with pytest.raises(grpc.RpcError) as info:
             client.generate(sid, 8, proposer="ngram:0")
         assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
@@ -133,12 +138,11 @@ def test_engine_errors_map_to_clear_statuses_and_leave_sessions_untouched(
             model=DEFAULT_MODEL,
             messages=messages,  # type: ignore[arg-type]
             max_tokens=4,
-            temperature=TINY_TEMPERATURE,
-            extra_body={"reuse": False},
+            extra_body={"reuse": False, "proposer": "fails"},
         )
     body = http_info.value.body
     assert http_info.value.status_code == 500 and isinstance(body, dict)
-    assert body["type"] == "engine_error" and "probability" in body["message"], body
+    assert body["type"] == "engine_error" and "on purpose" in body["message"], body
     with pytest.raises(openai.BadRequestError) as bad:
         oc.chat.completions.create(
             model=DEFAULT_MODEL,

@@ -28,8 +28,9 @@ class SessionState:
     id: str
     verifier: Verifier
     created_s: float
-    last_used_s: float
-    metadata: object = None  # what the creator attached (e.g. the server's per-session state)
+    last_used_s: float  # the last append or generation (what SessionInfo reports)
+    metadata: object = None
+    last_seen_s: float = 0.0  # the last call of any kind, reads too: idle TTL and LRU order  # what the creator attached (e.g. the server's per-session state)
     next_logits: torch.Tensor | None = None
     turns: int = 0
     generated_tokens: int = 0

@@ -178,6 +178,7 @@ class SessionStore:
                     verifier,
                     created_s=now,
                     last_used_s=now,
+                    last_seen_s=now,
                     metadata=metadata,
                     claimed=claimed,
                 )
@@ -304,7 +305,7 @@ class SessionStore:
         expired = [
             s.id
             for s in self._sessions.values()
-            if s.computing == 0 and now - s.last_used_s > self.idle_ttl_s
+            if s.computing == 0 and now - s.last_seen_s > self.idle_ttl_s
         ]
         return [self._drop(sid, f"evicted: idle longer than {self.idle_ttl_s}s") for sid in expired]
 
@@ -352,9 +353,14 @@ class SessionStore:
             session.next_logits = session.verifier.append([session.pending_token])
             session.pending_token = None
 
-    def _touch(self, session: SessionState) -> None:
+    def _touch(self, session: SessionState, *, read: bool = False) -> None:
+        """Mark a use (``read``: a read, which keeps the session alive and recent for the
+        idle TTL and LRU order but is not reported as its last use)."""
         with self._lock:
-            session.last_used_s = time.monotonic()
+            now = time.monotonic()
+            session.last_seen_s = now
+            if not read:
+                session.last_used_s = now
             if session.id in self._sessions:
                 self._sessions.move_to_end(session.id)
 
@@ -553,9 +559,10 @@ class SessionStore:
 
     # ------------------------------------------------------------------- query
     def info(self, session_id: str) -> SessionInfo:
-        """The session's state; reading it counts as use (idle TTL, LRU order)."""
+        """The session's state; reading it keeps the session alive and recent (idle TTL,
+        LRU order), while ``last_used_s`` stays its last append or generation."""
         s = self._session(session_id)
-        self._touch(s)
+        self._touch(s, read=True)
         with s.lock:
             self._live(s)
             v = s.verifier
@@ -574,9 +581,9 @@ class SessionStore:
 
     def next_token_logits(self, session_id: str) -> torch.Tensor | None:
         """A copy of the logits ``[vocab]`` after the session's history (None if empty);
-        reading them counts as use (idle TTL, LRU order)."""
+        reading them keeps the session alive and recent (idle TTL, LRU order)."""
         s = self._session(session_id)
-        self._touch(s)
+        self._touch(s, read=True)
         with s.lock:
             self._live(s)
             if s.open_stream() is None:

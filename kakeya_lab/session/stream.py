@@ -53,7 +53,7 @@ class GenerationStream(Iterator[Event]):
                 raise
             finally:
                 session.computing -= 1
-                session.last_used_s = time.monotonic()
+                session.last_used_s = session.last_seen_s = time.monotonic()
 
     def close(self) -> None:
         """Stop the stream; keep exactly the delivered tokens. Idempotent."""
