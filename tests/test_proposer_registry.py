@@ -166,3 +166,13 @@ def test_listing_and_checking_kinds_imports_no_tensor_library():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_the_docs_table_is_the_registry():
+    """docs/extending.md lists the package's kinds exactly as the registry declares them."""
+    from pathlib import Path
+
+    from kakeya_lab.proposers.registry import kinds_table
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "extending.md").read_text()
+    assert kinds_table() in page

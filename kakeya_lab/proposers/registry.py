@@ -244,7 +244,8 @@ def make_proposer(
     the other fields of :class:`ProposerRequest` (``draft_model``, ``shared_replies``,
     ``verifier_sha256``, ``draft_linear``, ``draft_window``), or pass a whole ``request``.
     The spec's grammar is checked before anything loads (:func:`check_proposer_spec`);
-    the kinds and what each takes are listed by :func:`proposer_kinds` (``docs/proposers.md``)."""
+    the kinds and what each takes are listed by :func:`proposer_kinds` (the table of
+    ``docs/extending.md``, :func:`kinds_table`)."""
     check_proposer_spec(spec)  # the grammar, before anything loads
     if spec in (None, "", "none"):
         return None
@@ -298,3 +299,13 @@ def load_proposer_module(source: str) -> Any:
         return importlib.import_module(source)
     except Exception as exc:
         raise ValueError(f"importing {source!r} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def kinds_table() -> str:
+    """The registered kinds as a Markdown table (spec, needs, drafts, what it drafts from):
+    the table of ``docs/extending.md``, which a test keeps equal to this."""
+    rows = ["| spec | needs | drafts | drafts from |", "|---|---|---|---|"]
+    for kind in proposer_kinds():
+        drafts = "a tree" if kind.tree else "a chain"
+        rows.append(f"| `{kind.usage}` | {kind.needs} | {drafts} | {kind.summary} |")
+    return "\n".join(rows) + "\n"
