@@ -95,6 +95,7 @@ def test_a_server_lists_and_serves_a_users_proposer(serve):
     assert reply("echo:64") == reply("none")
 
 
+@pytest.mark.slow
 def test_the_usage_example_of_the_page_runs(monkeypatch):
     """docs/extending.md's usage block, run as written (with docs/examples on the path)."""
     import re
