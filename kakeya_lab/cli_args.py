@@ -215,11 +215,11 @@ def check_sampling(args: argparse.Namespace) -> None:
     from kakeya_lab.sampling import SamplingConfig
 
     check_positive("--temperature", args.temperature, allow_zero=True)
-    try:
-        SamplingConfig(temperature=args.temperature, seed=args.seed)
-    except ValueError as exc:  # InputTypeError is one too
-        flag = "--seed" if "seed" in str(exc) else "--temperature"
-        raise UserError(f"{flag}: {exc}") from None
+    for flag, field in (("--temperature", "temperature"), ("--seed", "seed")):
+        try:
+            SamplingConfig(**{field: getattr(args, field)})
+        except ValueError as exc:  # InputTypeError is one too
+            raise UserError(f"{flag}: {exc}") from None
 
 
 def check_cache(args: argparse.Namespace) -> None:

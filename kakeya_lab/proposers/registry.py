@@ -21,8 +21,8 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal, cast, get_args
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
 from kakeya_lab.errors import InputTypeError
 
@@ -67,7 +67,6 @@ class ProposerKind:
     wraps: bool = False
     backends: tuple[str, ...] = ()
     example: str = ""
-    _builder: list[Builder] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -92,14 +91,11 @@ class ProposerKind:
         return self.needs == "nothing"
 
     def builder(self) -> Builder:
-        """The build function (a ``"module:function"`` path imported on first use)."""
-        if not self._builder:
-            if callable(self.build):
-                self._builder.append(self.build)
-            else:
-                module, _, name = cast(str, self.build).partition(":")
-                self._builder.append(getattr(importlib.import_module(module), name))
-        return self._builder[0]
+        """The build function (a ``"module:function"`` path is imported here, on first use)."""
+        if callable(self.build):
+            return self.build
+        module, _, name = self.build.partition(":")
+        return getattr(importlib.import_module(module), name)
 
 
 @dataclass(frozen=True)
