@@ -6,7 +6,9 @@
 * :mod:`~kakeya_lab.widgets.live_chat` — a conversation with a session, one reply at a
   time streamed on a background thread and stoppable mid-reply (no UI);
 * :mod:`~kakeya_lab.widgets.chat_panel` — :class:`ChatPanel`, the ipywidgets view of a
-  live chat: streamed tokens, Stop, proposer selector, cache strip, latency sparkline.
+  live chat: streamed tokens, Stop, proposer and sampling selectors, new conversation,
+  export, cache strip, latency sparkline;
+* :mod:`~kakeya_lab.widgets.message_box` — the panel's message box (Enter sends).
 """
 
 from kakeya_lab.widgets.cache_explorer import (
