@@ -143,6 +143,9 @@ def test_cache_explorer_has_one_frame_per_step_coloured_by_the_sink_window_rule(
     first = cache_status(steps[0], 4, cfg.sink, 24)
     assert first.count("unseen") == 20 and first.count("evicted") == 0
     assert "step 0" in fig.frames[0].layout.title.text and "step 5" in fig.layout.title.text
+    # the legend is outside the grid (right of the plot area, in a margin made for it)
+    assert fig.layout.legend.x >= 1 and fig.layout.legend.xanchor == "left"
+    assert fig.layout.margin.r >= 100
     with pytest.raises(ValueError, match="no steps"):
         cache_explorer_figure(tiny_model.tokenizer, ids, [], sink=2)
 
