@@ -227,7 +227,9 @@ class RunMonitor(_Poller):
 
     def _repr_mimebundle_(self, **kwargs):
         bundle = self.widget._repr_mimebundle_(**kwargs)
-        bundle["text/plain"] = f"RunMonitor({str(self.run_dir)!r}): a live widget"
+        bundle["text/plain"] = (
+            f"RunMonitor of {self.run_dir.name}: a live widget; run the notebook in JupyterLab"
+        )
         return bundle
 
 
