@@ -73,12 +73,14 @@ def _stream_text(chunks) -> str:
 
 
 def test_explicit_session_is_free_when_the_client_reads_done(server, http):
-    """20 streamed turns back to back on one session with the official client, which sends
-    the next turn as soon as it reads [DONE]: never 409 (the session is released first)."""
-    oc = server.openai()
-    sid = http.post("/v1/sessions").json()["session_id"]
-    messages = list(HAPPY)
-    try:
+    """Three clients, each 20 streamed turns back to back on its own session with the
+    official client, which sends the next turn as soon as it reads [DONE]: never 409 (the
+    session is released before [DONE] is sent), then a non-streamed turn at once."""
+    sids = [http.post("/v1/sessions").json()["session_id"] for _ in range(3)]
+
+    def client(sid: str) -> None:
+        oc = server.openai()
+        messages = list(HAPPY)
         for turn in range(20):
             stream = oc.chat.completions.create(
                 model=DEFAULT_MODEL,
@@ -93,13 +95,17 @@ def test_explicit_session_is_free_when_the_client_reads_done(server, http):
                 {"role": "assistant", "content": reply},
                 {"role": "user", "content": f"And another one, number {turn}?"},
             ]
-        # a non-streamed turn right after the streamed ones: free as well
         whole = oc.chat.completions.create(
             model=DEFAULT_MODEL, messages=messages, max_tokens=1, extra_body={"session_id": sid}
         )
         assert whole.model_extra["session_id"] == sid
+
+    try:
+        with ThreadPoolExecutor(len(sids)) as pool:
+            list(pool.map(client, sids))  # a 409 raises here
     finally:
-        http.delete(f"/v1/sessions/{sid}")
+        for sid in sids:
+            http.delete(f"/v1/sessions/{sid}")
 
 
 def test_concurrent_stateless_clients_at_capacity_reuse_their_sessions(servers):

@@ -419,7 +419,8 @@ class ServedSessions:
     ) -> Generator[Event, None, None]:
         """The session's events for one generation (arguments checked before the first event).
 
-        Stops before computing the next token once ``cancelled()`` is true; raises
+        Stops before computing the next token once ``cancelled()`` is true (and before
+        delivering a token computed meanwhile); raises
         :class:`ServerShuttingDown` between tokens when the server stops. On every exit the
         store stream is closed: the session keeps exactly the tokens yielded here; a text
         session's chat template records them as the assistant reply.
@@ -442,6 +443,7 @@ class ServedSessions:
             proposer=proposer,
             draft_length=options.draft_length,
             adaptive_draft_length=options.adaptive_draft_length,
+            cancelled=cancelled,  # also between computing a token and delivering it
         )
         turn = ChatTurn(stream, served.chat, self.store.eos_token_ids)
         return self._events(served, turn, cancelled)
@@ -478,6 +480,8 @@ class ServedSessions:
                         f"the server is shutting down: the stream ended after {len(delivered)} tokens "
                         "(the session keeps them until the server exits)"
                     )
+            if end != "done":  # the store ended it: cancelled after computing a token
+                end = "cancelled"
         except GeneratorExit:
             end = "cancelled"
             raise
