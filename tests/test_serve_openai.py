@@ -4,7 +4,7 @@ moment a client reads ``[DONE]``, body and token limits hold while reading and t
 a cancelled stream keeps exactly the tokens sent, ``stop`` strings, and OpenAI error
 objects (with the matching ``openai`` exception classes) on every error path.
 
-Two servers per module, started in parallel: ``server`` (capacity 8) for everything but
+The pure logic (stop matching, refused fields) runs in the fast loop. Two servers per module, started in parallel: ``server`` (capacity 8) for everything but
 the capacity test, which has its own ``full`` server (capacity ``CLIENTS``, reject) so no
 other test's sessions can take its slots.
 """
@@ -24,8 +24,10 @@ httpx = pytest.importorskip("httpx", reason="needs the serve extra")
 from conftest import Server  # noqa: E402
 
 from kakeya_lab.models import DEFAULT_MODEL  # noqa: E402
+from kakeya_lab.serve.openai_protocol import ChatCompletionRequest, InvalidParam  # noqa: E402
+from kakeya_lab.serve.stop_strings import StopMatcher  # noqa: E402
 
-pytestmark = pytest.mark.slow
+slow = pytest.mark.slow  # the tests with servers; the pure logic runs in the fast loop
 
 SINK, WINDOW = 4, 60
 MAX_BODY_BYTES = 8 * 2**20  # the server's default body limit
@@ -72,6 +74,7 @@ def _stream_text(chunks) -> str:
 # ------------------------------------------------------------ release before [DONE]
 
 
+@slow
 def test_explicit_session_is_free_when_the_client_reads_done(server, http):
     """Three clients, each 20 streamed turns back to back on its own session with the
     official client, which sends the next turn as soon as it reads [DONE]: never 409 (the
@@ -108,6 +111,7 @@ def test_explicit_session_is_free_when_the_client_reads_done(server, http):
             http.delete(f"/v1/sessions/{sid}")
 
 
+@slow
 def test_concurrent_stateless_clients_at_capacity_reuse_their_sessions(servers):
     """CLIENTS stateless clients (whole conversation each turn, prefix reuse) at
     --capacity CLIENTS: no 429, every later turn reuses its own session, none orphaned."""
@@ -166,6 +170,7 @@ def _chunked_body(total_bytes: int, piece: int = 64 * 1024):
     yield b'"}]}'
 
 
+@slow
 def test_chunked_body_over_the_limit_is_refused_while_reading(server, http):
     """A 24 MB chunked body (three times the 8 MiB limit): 413 as an OpenAI error object,
     the server holding at most the limit (it used to parse and tokenize the whole body:
@@ -185,6 +190,7 @@ def test_chunked_body_over_the_limit_is_refused_while_reading(server, http):
     assert http.get("/health").json()["status"] == "ok"
 
 
+@slow
 def test_long_prompt_is_refused_before_it_is_all_tokenized(server, http):
     """A 6 MB prompt under the body limit but far over the token limit: 400 with the limit,
     found from a prefix of the text (tokenizing all of it took seconds and ~GB)."""
@@ -202,6 +208,7 @@ def test_long_prompt_is_refused_before_it_is_all_tokenized(server, http):
 # ------------------------------------------------------------------- cancellation
 
 
+@slow
 def test_cancelled_stream_keeps_exactly_the_tokens_sent(server, http, default_model):
     """A client that disconnects after k content chunks: the session holds the prompt plus
     exactly the k tokens whose text it was sent, for several k."""
@@ -238,6 +245,7 @@ def test_cancelled_stream_keeps_exactly_the_tokens_sent(server, http, default_mo
 # ------------------------------------------------------------------- stop strings
 
 
+@slow
 def test_stop_strings_end_the_reply_before_the_stop_text(server, http, default_model):
     """Greedy reply first, then the same request with a stop string from its middle:
     content is the reply up to (excluding) the stop string, streamed and not; the session
@@ -312,6 +320,7 @@ def _assert_error_object(body: dict, status: int) -> dict:
     return error
 
 
+@slow
 def test_every_error_is_an_openai_error_object(server, http):
     oc = server.openai()
     user = [{"role": "user", "content": "hi"}]
@@ -380,3 +389,74 @@ def test_every_error_is_an_openai_error_object(server, http):
         assert response.status_code == status, (response.request.url, response.text[:200])
         _assert_error_object(response.json(), status)
     assert _open(server) == open_before  # nothing left behind by any refusal
+
+
+# ------------------------------------------------------------------ pure logic
+
+
+def _match(stops: list[str], pieces: list[str]) -> tuple[list[str], bool]:
+    matcher = StopMatcher(stops)
+    out = [matcher.feed(p) for p in pieces]
+    if not matcher.stopped:
+        out.append(matcher.flush())
+    return out, matcher.stopped
+
+
+def test_stop_matcher_holds_back_a_possible_stop_and_cuts_before_it():
+    assert _match(["END"], ["abc E", "N", "D more"]) == (["abc ", "", ""], True)
+    assert _match(["END"], ["abc E", "ND"]) == (["abc ", ""], True)
+    assert _match(["xyz"], ["ax", "b"]) == (["a", "xb", ""], False)  # not a stop after all
+    assert _match(["xyz"], ["ax"]) == (["a", "x"], False)  # the held tail, flushed
+    assert _match(["b c", "c"], ["a b", " c d"]) == (["a ", ""], True)  # the earliest wins
+    assert _match([], ["one ", "two"]) == (["one ", "two", ""], False)
+    with pytest.raises(ValueError):
+        StopMatcher([""])
+
+
+def test_stop_matcher_equals_cutting_the_text_where_a_stop_first_appears():
+    """For random texts, stops and splits: the shown text is the text so far, cut before
+    its earliest stop string, at the first delta after which the text holds one (the
+    generation ends there); all of it when none appears."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice("ab c") for _ in range(rng.randint(0, 14)))
+        stops = ["".join(rng.choice("ab c") for _ in range(rng.randint(1, 3))) for _ in range(2)]
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 5))))
+        pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+        expected, hit = text, False
+        for end in [*cuts, len(text)]:
+            found = [i for i in (text[:end].find(s) for s in stops) if i >= 0]
+            if found:
+                expected, hit = text[: min(found)], True
+                break
+        out, stopped = _match(stops, pieces)
+        assert "".join(out) == expected and stopped == hit, (text, stops, pieces, out)
+
+
+def test_request_fields_that_are_not_implemented_are_refused_by_name():
+    user = [{"role": "user", "content": "hi"}]
+    for param, value in [
+        ("logprobs", True),
+        ("top_logprobs", 1),
+        ("tools", []),
+        ("tool_choice", "auto"),
+        ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
+        ("response_format", {"type": "json_object"}),
+        ("n", 2),
+    ]:
+        req = ChatCompletionRequest(messages=user, **{param: value})
+        with pytest.raises(InvalidParam) as info:
+            req.refuse_unsupported()
+        assert info.value.param == param
+    ChatCompletionRequest(messages=user, response_format={"type": "text"}, logprobs=False)
+    for param in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(InvalidParam, match=param):
+            ChatCompletionRequest(messages=user, **{param: 0}).max_new_tokens()
+    assert ChatCompletionRequest(messages=user, max_tokens=3).max_new_tokens() == 3
+    assert ChatCompletionRequest(messages=user).max_new_tokens() == 256
+    with pytest.raises(InvalidParam, match="at most 4"):
+        ChatCompletionRequest(messages=user, stop=list("abcde")).stop_strings()
+    assert ChatCompletionRequest(messages=user, stop="x").stop_strings() == ["x"]

@@ -17,7 +17,9 @@ class StopMatcher:
     :meth:`feed` takes the next text of the reply and returns the part safe to show;
     :attr:`stopped` turns true once a stop string has appeared (then the generation should
     end); :meth:`flush` returns the held-back tail when the reply ended without a stop.
-    Joined, the shown text is the reply up to (excluding) the first stop string.
+    Joined, the shown text is the reply up to (excluding) its earliest stop string, as
+    the text stood at the delta that first completed one (the generation ends there, so
+    a longer stop string that started earlier but would complete later does not count).
     """
 
     def __init__(self, stops: Sequence[str]):
