@@ -460,3 +460,31 @@ def test_request_fields_that_are_not_implemented_are_refused_by_name():
     with pytest.raises(InvalidParam, match="at most 4"):
         ChatCompletionRequest(messages=user, stop=list("abcde")).stop_strings()
     assert ChatCompletionRequest(messages=user, stop="x").stop_strings() == ["x"]
+
+
+def test_store_stream_drops_a_token_computed_after_cancel(tiny_model):
+    """The engine half of the cancel fix: ``cancelled`` is asked after a token is computed
+    and before it is delivered, so a token computed while the client left is not kept;
+    generation then continues exactly as an uninterrupted run."""
+    from kakeya_lab.backends.config import SinkWindowConfig
+    from kakeya_lab.session import Done, SessionStore, Token
+
+    store = SessionStore(tiny_model.model, SinkWindowConfig(sink=4, window=24), capacity=2)
+    prompt = list(range(5, 45))
+    ref = store.create()
+    store.append(ref, prompt)
+    full = [e.id for e in store.generate(ref, 10) if isinstance(e, Token)]
+    sid = store.create()
+    store.append(sid, prompt)
+    left = [False]
+    got, events = [], []
+    for event in store.generate(sid, 10, cancelled=lambda: left[0]):
+        events.append(event)
+        if isinstance(event, Token):
+            got.append(event.id)
+            left[0] = len(got) == 3  # the client leaves while the 4th token is computed
+    assert got == full[:3] and not any(isinstance(e, Done) for e in events)
+    assert store.verifier(sid).history_token_ids == prompt + full[:3]
+    assert store.info(sid).generated_tokens == 3
+    rest = [e.id for e in store.generate(sid, 7) if isinstance(e, Token)]
+    assert got + rest == full
