@@ -2,9 +2,12 @@
 streamed as server-sent events (:mod:`kakeya_lab.serve.http_app` wires them to FastAPI).
 
 A client that disconnects mid-stream stops generation; its session keeps exactly the
-tokens sent. A client that disconnects during a non-streaming request stops it too (polled
-every ``DISCONNECT_POLL_S``): generation ends before the next token and the session keeps
-the tokens committed until then.
+tokens sent (a token computed while the client left is not committed). A client that
+disconnects during a non-streaming request stops it too (polled every
+``DISCONNECT_POLL_S``): generation ends before the next token and the session keeps the
+tokens committed until then. The session is released before the reply's end is sent
+(the last chunk and ``[DONE]``, or the whole body), so a client's next turn finds it free.
+``stop`` strings are matched on the detokenized text (:mod:`kakeya_lab.serve.stop_strings`).
 """
 
 from __future__ import annotations
