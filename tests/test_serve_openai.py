@@ -391,6 +391,45 @@ def test_every_error_is_an_openai_error_object(server, http):
     assert _open(server) == open_before  # nothing left behind by any refusal
 
 
+@slow
+def test_busy_and_full_map_to_conflict_and_rate_limit_errors(servers):
+    """409 while another request holds the session, 429 when no slot is free: OpenAI error
+    objects, raised by the official client as ConflictError and RateLimitError."""
+    main, full = servers["main"], servers["full"]
+    with httpx.Client(base_url=main.http_base, timeout=120) as http:
+        sid = http.post("/v1/sessions").json()["session_id"]
+        body = {
+            "messages": [{"role": "user", "content": STORY}],
+            "max_tokens": 200,
+            "stream": True,
+            "session_id": sid,
+        }
+        try:
+            with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                next(line for line in response.iter_lines() if line.startswith("data: {"))
+                with pytest.raises(openai.ConflictError) as info:
+                    main.openai().chat.completions.create(
+                        model=DEFAULT_MODEL, messages=HAPPY, extra_body={"session_id": sid}
+                    )
+                _assert_error_object(info.value.response.json(), 409)
+        finally:
+            http.delete(f"/v1/sessions/{sid}")
+    with httpx.Client(base_url=full.http_base, timeout=120) as http:
+        held = [http.post("/v1/sessions").json()["session_id"] for _ in range(CLIENTS)]
+        try:
+            with pytest.raises(openai.RateLimitError) as info:
+                full.openai().chat.completions.create(
+                    model=DEFAULT_MODEL, messages=HAPPY, extra_body={"reuse": False}
+                )  # (with reuse, an empty open session would be taken)
+            _assert_error_object(info.value.response.json(), 429)
+            r = http.post("/v1/sessions")
+            assert r.status_code == 429
+            _assert_error_object(r.json(), 429)
+        finally:
+            for sid in held:
+                http.delete(f"/v1/sessions/{sid}")
+
+
 # ------------------------------------------------------------------ pure logic
 
 
