@@ -109,6 +109,9 @@ class ChatTurn(Iterator[Event]):
         try:
             self.stream.close()
         finally:
+            # what the session kept (next() may have been interrupted after the stream
+            # handed a token out and before it was recorded here)
+            self.token_ids = list(self.stream.token_ids)
             if self.chat is not None:
                 self.text = self.chat.generated(self.token_ids, eos_token_ids=self.eos_token_ids)
 
