@@ -40,6 +40,7 @@ import kakeya_lab
 from kakeya_lab import SinkWindowConfig
 from kakeya_lab.proposers.ngram import NgramProposer
 from kakeya_lab.proposers.trees import NgramTreeProposer
+from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.session import SessionStore, Token, collect_reply
 
 CONFIG = SinkWindowConfig(sink=2, window=8)  # budget 10: the prompt alone evicts
@@ -131,7 +132,7 @@ class Clean:
             store.append(sid, history)
             logits = store.next_token_logits(sid)
             assert logits is not None
-            self._seen[key] = (logits, collect_reply(store.generate(sid, 3)).token_ids)
+            self._seen[key] = (logits, collect_reply(store.generate(sid, 2)).token_ids)
         return self._seen[key]
 
 
@@ -141,7 +142,10 @@ def broken(store: SessionStore, sid: str, history: list[int], clean: Clean) -> s
         info = store.info(sid)
         got = store.verifier(sid).history_token_ids
         if got != history:
-            return f"history has {len(got)} tokens, {len(history)} received (prompt included)"
+            at = next((i for i, (g, h) in enumerate(zip(got, history)) if g != h), None)
+            if at is None:
+                return f"history has {len(got)} tokens, {len(history)} received (prompt included)"
+            return f"history differs from what was received at position {at}"
         if info.history_len != len(history):
             return f"info() reports {info.history_len} tokens of history, {len(history)} received"
         logits = store.next_token_logits(sid)
@@ -150,7 +154,7 @@ def broken(store: SessionStore, sid: str, history: list[int], clean: Clean) -> s
         diff = (logits - want_logits).abs().max().item()
         if diff > TOL:
             return f"stale next-token logits (max diff {diff:.2e})"
-        reply = collect_reply(store.generate(sid, 3)).token_ids
+        reply = collect_reply(store.generate(sid, 2)).token_ids
         if reply != want_reply:
             return f"next greedy reply {reply}, a clean session's {want_reply}"
     except Exception as exc:  # e.g. "a provisional block is open": the session is wedged
@@ -158,11 +162,21 @@ def broken(store: SessionStore, sid: str, history: list[int], clean: Clean) -> s
     return None
 
 
+# How a stream is consumed: closed after that many tokens (None: to the end), and the
+# sampling (greedy accepts drafts; sampling makes a reply of distinct tokens, so a token
+# committed in place of another shows).
+CONSUMERS: dict[str, tuple[int | None, SamplingConfig | None]] = {
+    "greedy-to-the-end": (None, None),
+    "sampled-close-after-4": (4, SamplingConfig(temperature=1.0, seed=0)),
+}
+
+
 def interrupted_generate(
-    model, prompt: list[int], kind: str, at: int, stop_after: int | None
+    model, prompt: list[int], kind: str, at: int, consumer: str
 ) -> tuple[SessionStore, str, list[int], Interrupter]:
-    """One generate with SIGINT delivered at line ``at``, consumed to the end or closed
-    after ``stop_after`` tokens; the store, session and the tokens next() returned."""
+    """One generate with SIGINT delivered at line ``at``, consumed as ``consumer`` says;
+    the store, the session and the tokens next() returned."""
+    stop_after, sampling = CONSUMERS[consumer]
     store = SessionStore(model, CONFIG, eos_token_ids=[])
     sid = store.create()
     store.append(sid, prompt)
@@ -173,12 +187,10 @@ def interrupted_generate(
     with default_sigint():
         sys.settrace(interrupter.trace)
         try:
-            stream = store.generate(sid, REPLY, proposer=proposer, draft_length=DRAFT)
+            stream = store.generate(sid, REPLY, sampling, proposer=proposer, draft_length=DRAFT)
             for event in stream:
                 received.append(event)  # first: nothing can interrupt before it
-                if stop_after is not None and sum(isinstance(e, Token) for e in received) == (
-                    stop_after
-                ):
+                if sum(isinstance(e, Token) for e in received) == stop_after:
                     stream.close()
                     break
         except KeyboardInterrupt:
@@ -189,45 +201,38 @@ def interrupted_generate(
     return store, sid, [e.id for e in received if isinstance(e, Token)], interrupter
 
 
-def sweep(model, prompt, kind: str, stop_after: int | None, sample: int | None) -> None:
+def sweep(model, prompt, kind: str, consumer: str, sample: int | None) -> None:
+    """Deliver SIGINT at every executed line (``sample``: at about that many evenly
+    spaced lines) of one generate; assert the invariant after each."""
     clean = Clean(model)
-    _, _, tokens, counted = interrupted_generate(model, prompt, kind, 0, stop_after)
-    assert len(tokens) == (REPLY if stop_after is None else stop_after)
+    _, _, tokens, counted = interrupted_generate(model, prompt, kind, 0, consumer)
+    assert len(tokens) == (CONSUMERS[consumer][0] or REPLY)
     total = counted.lines
-    points = range(1, total + 1)
-    if sample is not None:
-        points = range(1, total + 1, max(1, total // sample))
+    points = range(1, total + 1, 1 if sample is None else max(1, total // sample))
     failures = []
     for at in points:
-        store, sid, received, interrupter = interrupted_generate(
-            model, prompt, kind, at, stop_after
-        )
+        store, sid, received, interrupter = interrupted_generate(model, prompt, kind, at, consumer)
         problem = broken(store, sid, prompt + received, clean)
         if problem is not None:
             failures.append(f"line {at} ({interrupter.where}): {problem}")
-    print(
-        f"{kind} stop_after={stop_after}: {len(points)} of {total} points, {len(failures)} broken"
-    )
+    print(f"{kind} {consumer}: {len(points)} of {total} points, {len(failures)} broken")
     assert not failures, f"{len(failures)} of {len(points)} points broken:\n" + "\n".join(
         failures[:20]
     )
-
-
-CONSUMERS = {"to-the-end": None, "close-after-4": 4}
 
 
 @pytest.mark.parametrize("consumer", list(CONSUMERS))
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_interrupt_at_sampled_lines(model, prompt, kind, consumer):
     """A dozen evenly spaced points of the sweep below (the fast loop's share)."""
-    sweep(model, prompt, kind, CONSUMERS[consumer], sample=12)
+    sweep(model, prompt, kind, consumer, sample=12)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("consumer", list(CONSUMERS))
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_interrupt_at_every_line(model, prompt, kind, consumer):
-    sweep(model, prompt, kind, CONSUMERS[consumer], sample=None)
+    sweep(model, prompt, kind, consumer, sample=None)
 
 
 # ------------------------------------------------------------ failing proposers
@@ -286,8 +291,9 @@ def _failing_generate(model, prompt, cls, failing: Failing) -> tuple[SessionStor
     sid = store.create()
     store.append(sid, prompt)
     received: list[int] = []
+    sampled = SamplingConfig(temperature=1.0, seed=0)  # a reply of distinct tokens
     try:
-        for event in store.generate(sid, REPLY, proposer=cls(failing), draft_length=DRAFT):
+        for event in store.generate(sid, REPLY, sampled, proposer=cls(failing), draft_length=DRAFT):
             if isinstance(event, Token):
                 received.append(event.id)
     except ProposerFailure:
