@@ -401,4 +401,4 @@ def test_real_sigint_soak(model, prompt):
         sender.join()
         signal.signal(signal.SIGINT, before)
     print(f"{interrupts} interrupts in {generates} generates ({sender.sent} SIGINTs sent)")
-    assert not failures, "\n".join(failures[:20])
+    assert not failures, f"{len(failures)} broken generates:\n" + "\n".join(failures[:20])
