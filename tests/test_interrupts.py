@@ -384,6 +384,9 @@ def test_real_sigint_soak(model, prompt):
                         received.append(event)  # first: nothing can interrupt before it
                 except KeyboardInterrupt:
                     got_interrupt = True
+                except Exception as exc:  # anything else escaping a generate is a defect
+                    failures.append(f"generate {generates + 1} ({kind}): {exc!r}")
+                    break
                 finally:
                     signal.signal(signal.SIGINT, _ignore)
                     sender.disarm()
