@@ -23,6 +23,7 @@ Tiny random model (mechanics only).
 
 from __future__ import annotations
 
+import linecache
 import os
 import random
 import signal
@@ -38,10 +39,11 @@ import torch
 
 import kakeya_lab
 from kakeya_lab import SinkWindowConfig
+from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.proposers.ngram import NgramProposer
 from kakeya_lab.proposers.trees import NgramTreeProposer
 from kakeya_lab.sampling import SamplingConfig
-from kakeya_lab.session import SessionStore, Token, collect_reply
+from kakeya_lab.session import SessionStore, Token, chat_turn, collect_reply
 
 CONFIG = SinkWindowConfig(sink=2, window=8)  # budget 10: the prompt alone evicts
 REPLY = 8
@@ -405,3 +407,41 @@ def test_real_sigint_soak(model, prompt):
         signal.signal(signal.SIGINT, before)
     print(f"{interrupts} interrupts in {generates} generates ({sender.sent} SIGINTs sent)")
     assert not failures, f"{len(failures)} broken generates:\n" + "\n".join(failures[:20])
+
+
+# ------------------------------------------------------------------- chat turns
+def test_a_chat_turn_records_what_the_session_kept(model, tiny_model):
+    """SIGINT right after the stream handed a token to :class:`ChatTurn` and before the turn
+    noted it: the template still records exactly the tokens the session committed."""
+    store = SessionStore(model, CONFIG, eos_token_ids=[])
+    sid = store.create()
+    chat = ChatTemplate(tiny_model.tokenizer)
+    turn = chat_turn(store, sid, chat, PROMPT_TEXT, REPLY)
+    turn_file = str(_PACKAGE / "session" / "turn.py")
+    seen = {"tokens": 0}
+
+    def trace(frame: FrameType, event: str, arg: object):
+        if frame.f_code.co_filename != turn_file or frame.f_code.co_name != "__next__":
+            return None
+
+        def line(frame: FrameType, event: str, arg: object):
+            text = linecache.getline(turn_file, frame.f_lineno).strip()
+            if event == "line" and text == "if isinstance(event, Token):":
+                seen["tokens"] += 1
+                if seen["tokens"] == 3:  # the third token is out of the stream, not noted
+                    signal.default_int_handler(signal.SIGINT, frame)
+            return line
+
+        return line
+
+    sys.settrace(trace)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in turn:
+                pass
+    finally:
+        sys.settrace(None)
+    history = store.verifier(sid).history_token_ids
+    assert seen["tokens"] == 3 and not chat.awaiting_reply
+    assert turn.token_ids == history[len(history) - 3 :]
+    assert tiny_model.tokenizer.decode(history, skip_special_tokens=False) == chat.rendered

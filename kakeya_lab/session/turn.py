@@ -92,14 +92,14 @@ class ChatTurn(Iterator[Event]):
             raise StopIteration
         try:
             event = next(self.stream)
-        except BaseException:
+            if isinstance(event, Token):
+                self.token_ids.append(event.id)
+            elif isinstance(event, Done):
+                self.done = event
+            return event
+        except BaseException:  # also an interrupt after the stream handed the event out
             self.close()
             raise
-        if isinstance(event, Token):
-            self.token_ids.append(event.id)
-        elif isinstance(event, Done):
-            self.done = event
-        return event
 
     def close(self) -> None:
         """Close the stream and record the delivered tokens in the template. Idempotent."""
