@@ -22,6 +22,16 @@ Delivery: a step's tokens stay *provisional* until handed out one by one with
 :meth:`Decoder.deliver`. :meth:`Decoder.settle` commits exactly the delivered tokens,
 rolls the rest of the step back (verifier block and proposer state) and leaves
 ``next_logits`` as the logits after the last delivered token, however the stream ended.
+
+Interrupts (docs/design.md, "Interrupts"): the forwards and the proposer's drafting run
+interruptibly and only ever produce *provisional* state (an open verifier block, a draft);
+every change of the decoder's own state, each together with the verifier commit it
+belongs to, runs as a short critical section with SIGINT deferred
+(:func:`~kakeya_lab.backends.seam.interrupts_deferred`). A ``KeyboardInterrupt`` (or any
+error) therefore leaves the decoder either before or after a step's bookkeeping, never in
+between, and :meth:`Decoder.settle` (idempotent) can always finish from there. The proposer
+is told what was accepted (``accept``) only after the commit, so a proposer that raises
+cannot leave the history and the decoder out of step.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from typing import cast
 import torch
 
 from kakeya_lab import inputs
+from kakeya_lab.backends.seam import interrupts_deferred
 from kakeya_lab.cost_model import CostAwareDraftLength, CostAwareTreeSize, CostModel
 from kakeya_lab.inputs import InputTypeError
 from kakeya_lab.proposers import Draft, Proposer, TreeProposer, check_proposer, is_tree_proposer
@@ -226,7 +237,8 @@ class Decoder:
         self._offered: list[int] = []
         self._in_block = 0
         self._taken = 0
-        self._drafted = False
+        self._drafted = False  # the proposer may hold a draft not yet answered with accept()
+        self._to_accept: int | None = None  # the answer owed to it (sent after the commit)
         self._path: list[int] | None = None  # a tree step: the accepted block nodes, root first
         self._last: int | None = None
         if proposer is not None:
@@ -256,6 +268,7 @@ class Decoder:
                 "advance() needs every offered token delivered and the stream unfinished"
             )
         self._close_step()
+        self._report_accept()
         if self.pending is None:  # the first token comes from the logits we already have
             self._offered = [self.sampling.choose(self.next_logits, self.generator)]
             return None
@@ -267,6 +280,7 @@ class Decoder:
         if proposer is not None and length > 0 and self.tree:
             return self._advance_tree(x, length, room)
         if proposer is not None and length > 0:
+            self._drafted = True  # before propose: however it ends, accept() follows
             draft = proposer.propose(
                 self.verifier.history_view([x]), length, self.sampling, self.generator
             )
@@ -278,7 +292,6 @@ class Decoder:
         verifier_s = time.perf_counter() - t0
         self.verifier_s += verifier_s
         self.verifier_forwards += 1
-        self._drafted = length > 0
         try:
             if self.sampling.greedy:
                 n, nxt = accept_greedy(rows, draft.tokens)
@@ -287,7 +300,6 @@ class Decoder:
         except BaseException:
             self._roll_back_block()
             raise
-        self._path = None
         return self._offer(
             rows, draft.tokens[:n], nxt, length, len(draft.tokens), draft.seconds, verifier_s
         )
@@ -297,6 +309,7 @@ class Decoder:
         "Draft trees"); the accepted root-to-node path is committed by :meth:`_close_step`."""
         proposer = cast(TreeProposer, self.proposer)
         t_draft = time.perf_counter()
+        self._drafted = True  # before propose_tree: however it ends, accept() follows
         tree = proposer.propose_tree(
             self.verifier.history_view([x]), length, self.sampling, self.generator
         )
@@ -312,12 +325,11 @@ class Decoder:
         try:
             rows = self.verifier.forward_tree(block)
         except BaseException:  # e.g. ids outside the vocabulary: nothing was written
-            proposer.accept(0)
+            self._roll_back_block()
             raise
         verifier_s = time.perf_counter() - t0
         self.verifier_s += verifier_s
         self.verifier_forwards += 1
-        self._drafted = True
         try:
             if self.sampling.greedy:
                 path, nxt = accept_greedy_tree(rows, block)
@@ -326,9 +338,10 @@ class Decoder:
         except BaseException:
             self._roll_back_block()
             raise
-        self._path = [0, *path]
         tokens = [block.tokens[i] for i in path]
-        return self._offer(rows, tokens, nxt, length, len(tree), seconds, verifier_s, tree.depth)
+        return self._offer(
+            rows, tokens, nxt, length, len(tree), seconds, verifier_s, tree.depth, [0, *path]
+        )
 
     def _offer(
         self,
@@ -340,14 +353,18 @@ class Decoder:
         proposer_s: float,
         verifier_s: float,
         depth: int | None = None,
+        path: list[int] | None = None,
     ) -> SpeculativeStep | None:
+        """Open the step: the verified block's ``rows`` and the tokens it offers (a tree
+        step: ``path``, the accepted block nodes, root first)."""
         n = len(accepted)
         offered = accepted + [nxt]  # never more than `room` tokens
         first_stop = next((j for j, t in enumerate(offered) if t in self.stop_token_ids), None)
         if first_stop is not None:
             offered = offered[: first_stop + 1]
-        self._rows, self._offered = rows, offered
-        self._in_block = min(len(offered), n)  # offered drafts are block positions 1..n
+        with interrupts_deferred():  # the step's state is set as a whole
+            self._rows, self._offered, self._taken, self._path = rows, offered, 0, path
+            self._in_block = min(len(offered), n)  # offered drafts are block positions 1..n
         if self.proposer is None:
             return None
         step = SpeculativeStep(
@@ -370,31 +387,36 @@ class Decoder:
         return step
 
     def deliver(self) -> int:
-        """Hand out the next token of :attr:`batch`; it will be committed."""
+        """Hand out the next token of :attr:`batch`; it will be committed. Atomic under
+        SIGINT; a caller handing the token on must make that hand-off atomic with this call
+        (:class:`~kakeya_lab.session.stream.GenerationStream` does)."""
         if not self.batch:
             raise RuntimeError("no offered token left to deliver: call advance()")
-        token = self._offered[self._taken]
-        self._taken += 1
-        self.delivered += 1
-        self.delivered_ids.append(token)
-        self._last = token
-        if token in self.stop_token_ids:
-            self.stop_reason = "stop"
+        with interrupts_deferred():
+            token = self._offered[self._taken]
+            self._taken += 1
+            self.delivered += 1
+            self.delivered_ids.append(token)
+            self._last = token
+            if token in self.stop_token_ids:
+                self.stop_reason = "stop"
         return token
 
     def settle(self) -> None:
         """Commit exactly the delivered tokens and drop the rest of the open step; then
         ``next_logits`` follows the last delivered token. Idempotent. A proposer with an
-        ``observe_reply(token_ids)`` method is then given the delivered tokens, once."""
+        ``observe_reply(token_ids)`` method is then given the delivered tokens, once.
+
+        Safe to call again after it was interrupted or after the proposer raised: each part
+        is done at most once (the last delivered token's forward is the only interruptible
+        part, and its commit and ``pending = None`` happen together)."""
         self._close_step()
-        if self.verifier.pending_len:
-            self.verifier.rollback()
+        self.verifier.rollback()  # the rest of the step (or a forward left open by an interrupt)
         if self.pending is not None:
             t0 = time.perf_counter()
-            self.next_logits = self.verifier.append([self.pending])
+            self.verifier.append([self.pending], on_commit=self._pending_committed)
             self.verifier_s += time.perf_counter() - t0
-            self.verifier_forwards += 1
-            self.pending = None
+        self._report_accept()
         observe = getattr(self.proposer, "observe_reply", None)
         if callable(observe) and not self._reply_reported:  # proposers that learn from replies
             self._reply_reported = True
@@ -412,35 +434,52 @@ class Decoder:
             self.settle()
 
     # ---------------------------------------------------------------- internals
+    def _pending_committed(self, logits: torch.Tensor) -> None:
+        """The last delivered token is in the cache (inside the verifier's commit section)."""
+        self.next_logits, self.pending = logits, None
+        self.verifier_forwards += 1
+
     def _roll_back_block(self) -> None:
-        self.verifier.rollback()
-        self._path = None
-        if self._drafted and self.proposer is not None:  # only a proposer drafts
-            self.proposer.accept(0)
-        self._drafted = False
+        """Drop the verified block of a step that fails before it opens; the proposer is
+        told nothing was accepted."""
+        with interrupts_deferred():
+            self.verifier.rollback()
+            self._path = None
+            if self._drafted:
+                self._to_accept, self._drafted = 0, False
+        self._report_accept()
+
+    def _report_accept(self) -> None:
+        """Tell the proposer how much of its draft was kept (after the commit, once)."""
+        n, self._to_accept = self._to_accept, None
+        if n is not None and self.proposer is not None:
+            self.proposer.accept(n)
 
     def _close_step(self) -> None:
-        """Commit the delivered part of the open step (block position 0 is the pending token)."""
-        taken, offered, rows = self._taken, self._offered, self._rows
-        self._rows, self._offered, self._taken = None, [], 0
-        if rows is None:  # first-token step: no block
-            if taken:
-                self.pending = offered[0]
-            return
-        keep = min(taken, self._in_block)  # delivered tokens that are accepted drafts
-        path, self._path = self._path, None
-        if path is None:
-            self.verifier.commit(1 + keep)
-        else:  # a tree: the accepted nodes need not be a prefix of the block
-            self.verifier.commit_path(path[: 1 + keep])
-        if self._drafted and self.proposer is not None:  # only a proposer drafts
-            self.proposer.accept(keep)
-        self._drafted = False
-        if taken > keep:  # the verifier's own token was delivered: it is next step's x
-            self.pending = offered[taken - 1]
-        else:
-            self.pending = None
-            self.next_logits = rows[keep if path is None else path[keep]]
+        """Commit the delivered part of the open step (block position 0 is the pending token).
+
+        One critical section: the verifier commit, the decoder's state after it and the
+        reset of the step happen together (SIGINT deferred) or not at all."""
+        with interrupts_deferred():
+            taken, offered, rows, path = self._taken, self._offered, self._rows, self._path
+            keep = 0
+            if rows is None:  # first-token step: no block
+                if taken:
+                    self.pending = offered[0]
+            else:
+                keep = min(taken, self._in_block)  # delivered tokens that are accepted drafts
+                if path is None:
+                    self.verifier.commit(1 + keep)
+                else:  # a tree: the accepted nodes need not be a prefix of the block
+                    self.verifier.commit_path(path[: 1 + keep])
+                if taken > keep:  # the verifier's own token was delivered: next step's x
+                    self.pending = offered[taken - 1]
+                else:
+                    self.pending = None
+                    self.next_logits = rows[keep if path is None else path[keep]]
+            if self._drafted:  # only a proposer drafts
+                self._to_accept, self._drafted = keep, False
+            self._rows, self._offered, self._taken, self._path = None, [], 0, None
 
 
 def plain_decode(verifier: Verifier, next_logits: torch.Tensor, **options) -> Decoder:

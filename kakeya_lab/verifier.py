@@ -11,7 +11,7 @@ token-by-token decoding agree.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -200,33 +200,54 @@ class Verifier:
             self.trace.record(start, ids, out.hidden)
         return out.logits
 
-    def append(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    def append(
+        self,
+        token_ids: Sequence[int] | torch.Tensor,
+        *,
+        on_commit: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
         """Commit ``token_ids`` and return the next-token logits ``[vocab]`` after them.
 
         All or nothing: the chunks of ``prefill_chunk`` tokens go through the cache as one
         growing provisional block that is committed (and evicted) once at the end, so any
         exception before that, ``KeyboardInterrupt`` included, rolls it back and leaves the
-        verifier exactly as before the call. The cost: the provisional K/V of the whole
-        append is held until the commit (``len(token_ids) × layers × kv_heads × head_dim ×
-        2 × dtype_bytes`` on top of the budget), and a later chunk's attention spans every
-        earlier chunk of the same append (masked to the window), so chunking bounds the
-        activations of one forward but not the K/V of one append.
+        verifier exactly as before the call. The commit runs with SIGINT deferred
+        (:func:`~kakeya_lab.backends.seam.interrupts_deferred`); ``on_commit(logits)`` runs
+        inside that same section, so a caller's bookkeeping is published together with the
+        commit or not at all (a deferred interrupt is raised after both). The cost: the
+        provisional K/V of the whole append is held until the commit (``len(token_ids) ×
+        layers × kv_heads × head_dim × 2 × dtype_bytes`` on top of the budget), and a later
+        chunk's attention spans every earlier chunk of the same append (masked to the
+        window), so chunking bounds the activations of one forward but not the K/V of one
+        append.
         """
         ids = check_token_ids(token_ids, self.vocab_size)
         if self._pending:
             raise RuntimeError("a provisional block is open: commit(n) or rollback() first")
+        self._discard_dangling()
         logits = None
+        committed = False
         try:
             for i in range(0, len(ids), self.prefill_chunk):
                 logits = self._forward(ids[i : i + self.prefill_chunk], all_rows=False)[-1]
+            assert logits is not None  # check_token_ids rejects an empty append
+            with interrupts_deferred():
+                self.backend.commit(len(ids))
+                self._history.extend(ids)
+                if on_commit is not None:
+                    on_commit(logits)
+                committed = True
         except BaseException:
-            self.backend.rollback()
+            if not committed:
+                self.backend.rollback()
             raise
-        with interrupts_deferred():
-            self.backend.commit(len(ids))
-            self._history.extend(ids)
-        assert logits is not None  # check_token_ids rejects an empty append
         return logits
+
+    def _discard_dangling(self) -> None:
+        """Drop provisional entries the verifier does not know about: a forward whose
+        result never reached ``_pending`` because an interrupt struck in between."""
+        if not self._pending and self.backend.pending_len:
+            self.rollback()
 
     def forward_block(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Score a provisional block: logits ``[k, vocab]``, row ``i`` predicting after ``ids[:i+1]``.
@@ -236,6 +257,7 @@ class Verifier:
         ids = check_token_ids(token_ids, self.vocab_size)
         if self._tree is not None:
             raise RuntimeError("a draft tree is open: commit_path(nodes) or rollback() first")
+        self._discard_dangling()
         logits = self._forward(ids, all_rows=True)
         self._pending.extend(ids)
         return logits
@@ -259,6 +281,7 @@ class Verifier:
         tree.check_vocab(self.vocab_size)
         if self._pending:
             raise RuntimeError("a provisional block is open: commit(n) or rollback() first")
+        self._discard_dangling()
         out = self.backend.forward(
             list(tree.tokens), all_rows=True, hidden=self.trace is not None, tree=tree
         )
@@ -312,10 +335,12 @@ class Verifier:
             self._pending = []
 
     def rollback(self) -> None:
-        """Drop the open block; the committed history and cache are unchanged."""
-        self.backend.rollback()
-        self._pending = []
-        self._tree, self._tree_hidden = None, None
+        """Drop the open block (also one a forward left behind unrecorded); the committed
+        history and cache are unchanged. Runs with SIGINT deferred, so it is never half done."""
+        with interrupts_deferred():
+            self.backend.rollback()
+            self._pending = []
+            self._tree, self._tree_hidden = None, None
 
     # ------------------------------------------------------------------- state
     @property

@@ -19,6 +19,7 @@ from kakeya_lab.verifier import Verifier
 
 if TYPE_CHECKING:
     from kakeya_lab.session.stream import GenerationStream
+    from kakeya_lab.speculative import Decoder
 
 
 @dataclass(eq=False)
@@ -29,15 +30,15 @@ class SessionState:
     verifier: Verifier
     created_s: float
     last_used_s: float  # the last append or generation (what SessionInfo reports)
-    metadata: object = None
-    last_seen_s: float = 0.0  # the last call of any kind, reads too: idle TTL and LRU order  # what the creator attached (e.g. the server's per-session state)
+    metadata: object = None  # what the creator attached (e.g. the server's per-session state)
+    last_seen_s: float = 0.0  # the last call of any kind, reads too: idle TTL and LRU order
     next_logits: torch.Tensor | None = None
     turns: int = 0
     generated_tokens: int = 0
     stats: dict = field(default_factory=dict)  # cumulative speculative figures
     lock: threading.RLock = field(default_factory=threading.RLock)
     stream: weakref.ref | None = None  # the open GenerationStream, if any
-    pending_token: int | None = None  # delivered but not yet appended (an interrupted settle)
+    decoder: Decoder | None = None  # the last generation, until its result is taken over
     closed_reason: str | None = None  # set once the store has dropped the session
     computing: int = 0  # > 0 while a stream computes an event (never expired then)
     claimed: bool = False  # held by a caller (SessionStore.claim): not evicted, not re-claimed

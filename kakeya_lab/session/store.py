@@ -25,6 +25,14 @@ Safety rules (docs/design.md, "Sessions"):
   (an abandoned, never-closed stream cannot pin a session forever).
 * ``append`` is all-or-nothing at the session level: counters, next-token logits, turn
   count and last-used time change only when the verifier's append succeeds.
+* Interrupts (docs/design.md, "Interrupts"): a ``KeyboardInterrupt`` (Ctrl-C, a notebook's
+  Stop button) or a proposer's error anywhere in a ``generate`` leaves the session's
+  history equal to the prompt plus exactly the tokens ``next()`` returned, with matching
+  cache and next-token logits, and no later call wedged. The stream's hand-off protocol
+  decides which tokens were received (:mod:`kakeya_lab.session.stream`); every commit and
+  the bookkeeping that goes with it run with SIGINT deferred; and the generation's result
+  is taken over by the session (:meth:`SessionStore._reconcile`, idempotent) in the
+  stream's cleanup or, if that was cut short, by the session's next call.
 * The table is the only one: callers that share it (the server) attach their per-session
   state as ``metadata`` at :meth:`SessionStore.create`, hold a session for a request with
   :meth:`SessionStore.claim` / :meth:`SessionStore.release`, and evict by the store's
@@ -49,6 +57,7 @@ from transformers import PreTrainedModel
 from kakeya_lab import inputs, speculative
 from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.backends.registry import vocab_size_of
+from kakeya_lab.backends.seam import interrupts_deferred
 from kakeya_lab.inputs import InputTypeError
 from kakeya_lab.proposers import check_proposer
 from kakeya_lab.sampling import SamplingConfig
@@ -297,6 +306,7 @@ class SessionStore:
             with session.lock:
                 session.verifier.release()
                 session.next_logits = None
+                session.decoder = None
 
     def _expire_idle(self) -> list[SessionState]:
         if self.idle_ttl_s is None:
@@ -347,11 +357,26 @@ class SessionStore:
             )
 
     @staticmethod
-    def _settle_pending(session: SessionState) -> None:
-        """Append a delivered token whose commit was interrupted (under the session's lock)."""
-        if session.pending_token is not None:
-            session.next_logits = session.verifier.append([session.pending_token])
-            session.pending_token = None
+    def _reconcile(session: SessionState) -> None:
+        """Take over the result of the session's last generation (under the session's lock,
+        no stream computing): settle its decoder (commit the delivered tokens, drop the rest
+        of the step, append the last delivered token) and copy its next-token logits and
+        counters; without one, drop a provisional block an interrupted call left open.
+        Idempotent: an interrupted reconcile is finished by the next call."""
+        decoder = session.decoder
+        if decoder is None:
+            session.verifier.rollback()
+            return
+        decoder.settle()
+        with interrupts_deferred():
+            if session.decoder is decoder:
+                session.decoder = None
+                session.next_logits = decoder.next_logits
+                session.generated_tokens += decoder.delivered
+                if decoder.proposer is not None:
+                    stats = session.stats
+                    stats["emitted"] = stats.get("emitted", 0) + decoder.delivered
+                    stats["forwards"] = stats.get("forwards", 0) + decoder.verifier_forwards
 
     def _touch(self, session: SessionState, *, read: bool = False) -> None:
         """Mark a use (``read``: a read, which keeps the session alive and recent for the
@@ -371,16 +396,19 @@ class SessionStore:
         session = self._session(session_id)
         with session.lock:
             self._live(session, idle=True)
-            self._settle_pending(session)
+            self._reconcile(session)
             verifier = session.verifier
             history_before = verifier.history_len
             dropped_before = verifier.history_len - verifier.cache_len
+
+            def committed(logits: torch.Tensor) -> None:  # in the verifier's commit section
+                session.next_logits = logits
+                session.turns += 1
+                self._touch(session)
+
             t0 = time.perf_counter()
-            logits = verifier.append(token_ids)
+            verifier.append(token_ids, on_commit=committed)
             latency = time.perf_counter() - t0
-            session.next_logits = logits
-            session.turns += 1
-            self._touch(session)
             self._check(session, expected_history=None)
             return AppendResult(
                 appended=verifier.history_len - history_before,
@@ -431,7 +459,7 @@ class SessionStore:
         session = self._session(session_id)
         with session.lock:
             self._live(session, idle=True)
-            self._settle_pending(session)
+            self._reconcile(session)
             if session.next_logits is None:
                 raise SessionError(
                     f"session {session_id!r} is empty: append a prompt before generate"
@@ -447,7 +475,14 @@ class SessionStore:
                 adaptive_draft_length=adaptive_draft_length,
                 cost_model=cost_model,
             )
-            stream = GenerationStream(session, self._run(session, decoder, cancelled))
+
+            def deliver() -> int:  # the stream's hand-off (session lock held, SIGINT deferred)
+                token = decoder.deliver()
+                self._touch(session)
+                return token
+
+            session.decoder = decoder
+            stream = GenerationStream(session, self._run(session, decoder, cancelled), deliver)
             session.stream = weakref.ref(stream)
             self._touch(session)
             return stream
@@ -458,14 +493,16 @@ class SessionStore:
         decoder: speculative.Decoder,
         cancelled: Callable[[], bool] | None = None,
     ) -> Generator[Event, None, None]:
-        """The body of a stream (runs under the session's lock, one event at a time)."""
+        """The body of a stream (runs under the session's lock, one event at a time).
+
+        Tokens are offered, not delivered: the stream delivers each once ``next()`` has
+        returned it, before it resumes (or closes) this body."""
         verifier = session.verifier
         start_history = verifier.history_len
         budget = self.config.budget
         truncation_reported = verifier.history_len > verifier.cache_len
         t_start = time.perf_counter()
         first_token_s = None
-        last = None
         try:
             while not decoder.finished:
                 step = decoder.advance()
@@ -481,29 +518,14 @@ class SessionStore:
                     if budget is not None and history_after > budget and not truncation_reported:
                         truncation_reported = True
                         yield HistoryTruncated(dropped=history_after - budget)
-                    last = decoder.deliver()
                     if first_token_s is None:
                         first_token_s = time.perf_counter() - t_start
-                    self._touch(session)
-                    yield Token(id=last)
+                    yield Token(id=decoder.batch[0])
         finally:
             if session.closed_reason is None:  # a dropped session's cache is gone: nothing to keep
-                try:
-                    decoder.settle()
-                finally:
-                    # settle appends the last delivered token; if that forward was interrupted
-                    # the token is kept aside and appended first by the next call
-                    session.pending_token = decoder.pending
-                    session.next_logits = decoder.next_logits if decoder.pending is None else None
-                    session.generated_tokens += decoder.delivered
-                    if decoder.proposer is not None:
-                        session.stats["emitted"] = (
-                            session.stats.get("emitted", 0) + decoder.delivered
-                        )
-                        session.stats["forwards"] = (
-                            session.stats.get("forwards", 0) + decoder.verifier_forwards
-                        )
+                self._reconcile(session)
                 self._check(session, expected_history=start_history + decoder.delivered)
+        last = decoder.delivered_ids[-1] if decoder.delivered_ids else None
         total = time.perf_counter() - t_start
         stop_reason = decoder.stop_reason
         if stop_reason == "stop" and last in self.eos_token_ids:
@@ -549,7 +571,7 @@ class SessionStore:
         session = self._session(session_id)
         with session.lock:
             self._live(session, idle=True)
-            self._settle_pending(session)
+            self._reconcile(session)
             verifier = session.verifier
             out: list[int] = []
             try:
@@ -574,6 +596,8 @@ class SessionStore:
         self._touch(s, read=True)
         with s.lock:
             self._live(s)
+            if s.open_stream() is None:
+                self._reconcile(s)
             v = s.verifier
             return SessionInfo(
                 id=s.id,
@@ -596,7 +620,7 @@ class SessionStore:
         with s.lock:
             self._live(s)
             if s.open_stream() is None:
-                self._settle_pending(s)
+                self._reconcile(s)
             return None if s.next_logits is None else s.next_logits.clone()
 
     def verifier(self, session_id: str) -> Verifier:

@@ -92,14 +92,14 @@ class ChatTurn(Iterator[Event]):
             raise StopIteration
         try:
             event = next(self.stream)
-        except BaseException:
+            if isinstance(event, Token):
+                self.token_ids.append(event.id)
+            elif isinstance(event, Done):
+                self.done = event
+            return event
+        except BaseException:  # also an interrupt after the stream handed the event out
             self.close()
             raise
-        if isinstance(event, Token):
-            self.token_ids.append(event.id)
-        elif isinstance(event, Done):
-            self.done = event
-        return event
 
     def close(self) -> None:
         """Close the stream and record the delivered tokens in the template. Idempotent."""
@@ -109,6 +109,9 @@ class ChatTurn(Iterator[Event]):
         try:
             self.stream.close()
         finally:
+            # what the session kept (next() may have been interrupted after the stream
+            # handed a token out and before it was recorded here)
+            self.token_ids = list(self.stream.token_ids)
             if self.chat is not None:
                 self.text = self.chat.generated(self.token_ids, eos_token_ids=self.eos_token_ids)
 
