@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import shutil
 import socket
@@ -224,14 +223,20 @@ KERNEL_DIALOG = ".jp-Dialog:has-text('Select Kernel')"
 IDLE = ".jp-Notebook-ExecutionIndicator[data-status='idle']"
 
 
+def _dismiss(dialog) -> None:
+    """Accept ``dialog`` and wait until that very dialog is gone (another may open next)."""
+    element = dialog.element_handle()
+    dialog.locator("button.jp-mod-accept").click()
+    element.wait_for_element_state("hidden")  # a detached element counts as hidden
+
+
 def _accept_kernel_dialog(page) -> bool:
     """JupyterLab sometimes asks which kernel to start even though the notebook names one:
     accept its choice (the notebook's kernel). Returns whether there was such a dialog."""
     dialog = page.locator(KERNEL_DIALOG)
     if not dialog.count():
         return False
-    dialog.first.locator("button.jp-mod-accept").click()
-    dialog.first.wait_for(state="detached")
+    _dismiss(dialog.first)
     return True
 
 
@@ -243,24 +248,36 @@ def _wait_kernel_idle(page) -> None:
             return
 
 
+RUN_TRIES = 10
+RETRY_S = 30  # a press the notebook has not taken by then was lost: press again
+
+
 def _run_cell(page, index: int) -> None:
     """Run cell ``index`` (Shift+Enter in its focused editor) and wait until the notebook
-    took it (its prompt shows ``[*]`` or a number). A kernel dialog that opens meanwhile
-    can swallow the key press: it is accepted and the cell run again."""
+    took it: its prompt shows ``[*]`` or a number. JupyterLab can drop a run request made
+    while the kernel connection is still settling (the press moves the selection but
+    nothing runs), and a kernel dialog can swallow it; the cell is run again only while its
+    prompt still shows nothing, so it never runs twice."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
-    prompt = cell.locator(".jp-InputPrompt").first
-    for _ in range(5):
+    taken = (
+        "i => { const c = document.querySelectorAll('.jp-Notebook .jp-Cell')[i];"
+        " const p = c && c.querySelector('.jp-InputPrompt');"
+        r" return !!p && /\[(\*|\d+)\]/.test(p.textContent) }"
+    )
+    for _ in range(RUN_TRIES):
         _accept_kernel_dialog(page)
         cell.locator(".jp-InputArea-editor").click()
-        cell.locator(".jp-InputArea-editor .cm-editor.cm-focused").wait_for()  # keys go here
+        cell.locator(".cm-editor.cm-focused").wait_for()  # the keys go to this cell
         page.keyboard.press("Shift+Enter")
-        page.wait_for_function(
-            r"([e, sel]) => /\[(\*|\d+)\]/.test(e.textContent) || !!document.querySelector(sel)",
-            arg=[prompt.element_handle(), ".jp-Dialog"],
-        )
-        if re.search(r"\[(\*|\d+)\]", prompt.text_content() or ""):
+        try:
+            page.wait_for_function(taken, arg=index, timeout=RETRY_S * 1000)
             return
-    raise AssertionError(f"cell {index} never started running: kernel dialogs kept coming")
+        except PlaywrightTimeout:
+            if page.evaluate(f"({taken})({index})"):  # taken just now
+                return
+    raise AssertionError(f"cell {index} never started running ({RUN_TRIES} presses)")
 
 
 def _wait_for_panel_or_error(page) -> None:
@@ -338,8 +355,7 @@ def test_cache_explorer_moves_with_no_kernel_running(browser, lab, own_copy):
         for _ in range(20):  # one per refused attempt; dismiss each until none is left
             if not dialog.count():
                 break
-            dialog.first.locator("button.jp-mod-accept").click()
-            dialog.first.wait_for(state="detached")
+            _dismiss(dialog.first)
         else:
             raise AssertionError("kernel-error dialogs keep coming")
         explorer = page.locator(".js-plotly-plot", has_text="Cache explorer").first

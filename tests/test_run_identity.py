@@ -197,3 +197,25 @@ def test_a_signal_while_a_resume_is_set_up_leaves_the_folder_as_it_was(
     assert info.value.signal == signal.Signals(sig).name
     assert _files(out) == before  # not "running": the record, checkpoint and report as they were
     assert signal.getsignal(signal.SIGTERM) == handler  # the handlers were put back
+
+
+@pytest.mark.slow  # the default model through the command, twice
+def test_the_command_stopped_while_resuming_exits_with_the_signal_and_changes_nothing(
+    tmp_path, signal_on_build, capsys
+):
+    from kakeya_lab.cli import main
+
+    out = tmp_path / "run"
+    argv = ["long-run", str(out), "--arms", "sink_window,speculative", "--proposer"]
+    argv += ["ngram-signal", "--sink", "4", "--window", "12", "--turns", "2"]
+    argv += ["--max-new-tokens", "2", "--probe-every", "0", "--quiet"]
+    assert main(argv) == 0
+    before = _files(out)
+    signal_on_build.append(signal.SIGTERM)
+    assert main(argv) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "kakeya-lab: stopped by SIGTERM before the first turn; nothing was written; "
+        "run again to resume"
+    )
+    assert _files(out) == before  # run.json still says completed

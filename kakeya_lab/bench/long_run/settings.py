@@ -83,7 +83,7 @@ class LongRunSettings(Settings):
         if self.backend != "torch" and self.linear != "aten":
             raise SettingsError(
                 "linear",
-                f"{self.linear!r} is a torch kernel; the {self.backend} backend has its own",
+                f"{self.linear} is a torch kernel; the {self.backend} backend has its own",
             )
         names = list(self.arms)
         _check_names("arms", names, ARM_NAMES)
