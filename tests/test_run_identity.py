@@ -66,6 +66,9 @@ def test_the_linear_kernel_is_part_of_the_identity(tiny_model, onednn_model, tmp
     with pytest.raises(ValueError, match="run 'onednn' but settings.linear is 'aten'"):
         run_long(onednn_model, _settings(), TURNS, out_dir=tmp_path / "other", progress=False)
     assert not (tmp_path / "other").exists()
+    with pytest.raises(ValueError, match="settings.linear"):  # and the folder's record stays
+        _record(onednn_model, _settings(), out)
+    assert _files(out) == before
 
 
 def test_a_checkpoint_from_before_the_kernel_was_recorded_is_taken_as_aten(

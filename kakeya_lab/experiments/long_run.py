@@ -72,9 +72,10 @@ def record_long_run(
     Returns the run (its :func:`outcome` is recorded). ``run.json`` says ``running`` from
     the first turn on (the checkpoint read and replayed); errors of ``run_long`` propagate
     after the record says ``failed`` (``partial`` for a second Ctrl-C during the turns). A
-    run refused before its first turn — a :class:`~kakeya_lab.resume.ResumeError` (other
-    settings, a damaged checkpoint) or a signal during the setup
-    (:class:`~kakeya_lab.bench.long_run.StoppedBeforeStart`) — leaves ``run.json`` as it was."""
+    run refused or failing before its first turn — a :class:`~kakeya_lab.resume.ResumeError`
+    (other settings, a damaged checkpoint), a signal during the setup
+    (:class:`~kakeya_lab.bench.long_run.StoppedBeforeStart`), any other error — leaves an
+    existing ``run.json`` as it was."""
     from kakeya_lab.bench.long_run import DegenerateRun, StoppedBeforeStart, run_long, save_long_run
     from kakeya_lab.results import now_iso
     from kakeya_lab.resume import ResumeError
@@ -127,9 +128,12 @@ def record_long_run(
 
 
 def _fail(record: RunRecord, begun: bool, status: str, message: str, error_type: str) -> None:
-    """End ``record`` with ``status`` (started first when the run failed in its setup, so
-    the record says what happened to this invocation)."""
+    """End ``record`` with ``status``. An error before the first turn leaves a folder's
+    existing record as it was (that run is where it was); a new folder gets a record of
+    the failed start."""
     if not begun:
+        if record.path.exists():
+            return
         record.start()
     record.finish(status, message, error_type)
 
