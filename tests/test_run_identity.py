@@ -124,6 +124,8 @@ def _damage(doc: dict, how: str) -> str:
         del doc["arms"]["sink_window"]["chat"]
     elif how == "an arm missing":
         del doc["arms"]["sink_window"]
+    elif how == "plant_len not counts":
+        doc["plant_len"] = {"sink_window": "x"}
     elif how == "a list":
         return "[]"
     return json.dumps(doc)
@@ -136,6 +138,7 @@ DAMAGES = [
     "history not ids",
     "chat state missing",
     "an arm missing",
+    "plant_len not counts",
     "a list",
 ]
 

@@ -89,8 +89,9 @@ def _problem(doc: object) -> str | None:
         return f"wall_s is {wall!r}, not a duration"
     if not isinstance(doc["rows"], list) or not all(isinstance(r, dict) for r in doc["rows"]):
         return "rows is not a list of objects"
-    if not isinstance(doc.get("plant_len", {}), dict):
-        return "plant_len is not an object"
+    plant = doc.get("plant_len", {})
+    if not isinstance(plant, dict) or not all(_is_int(n) for n in plant.values()):
+        return "plant_len is not an object of token counts"
     if not isinstance(doc["arms"], dict):
         return "arms is not an object"
     for name, arm in doc["arms"].items():
