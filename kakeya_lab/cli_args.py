@@ -39,7 +39,7 @@ _USER_ERRORS = (
     ("kakeya_lab.session", "SessionError"),
     ("kakeya_lab.align.rollouts", "RolloutError"),
     ("kakeya_lab.proposers.drafters.checkpoint", "CheckpointError"),
-    ("kakeya_lab.resume", "ResumeMismatch"),
+    ("kakeya_lab.resume", "ResumeError"),
 )
 
 

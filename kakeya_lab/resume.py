@@ -2,8 +2,10 @@
 
 Each resumable run (long run, sweep, drafter training) saves the settings that shape its
 numbers beside its checkpoint; on resume :func:`check_resume` compares them with the
-settings asked for now and raises :class:`ResumeMismatch` naming every difference. The way
-on is a new folder or ``--force-new`` (start over in the same folder).
+settings asked for now and raises :class:`ResumeMismatch` naming every difference; a
+checkpoint that cannot be read back is a :class:`DamagedCheckpoint`. Both are
+:class:`ResumeError`; the way on is a new folder or ``--force-new`` (start over in the same
+folder).
 """
 
 from __future__ import annotations
@@ -11,8 +13,17 @@ from __future__ import annotations
 from typing import Any
 
 
-class ResumeMismatch(ValueError):
+class ResumeError(ValueError):
+    """A checkpoint that cannot be resumed: the user's to settle (start over, another folder)."""
+
+
+class ResumeMismatch(ResumeError):
     """A checkpoint was made with other settings than the ones asked for now."""
+
+
+class DamagedCheckpoint(ResumeError):
+    """A checkpoint that cannot be read back as its run wrote it (truncated, not JSON, keys
+    missing or of the wrong type)."""
 
 
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:

@@ -135,7 +135,7 @@ def pytest_terminal_summary(terminalreporter):
 # ----------------------------------------------------------------- served runtime
 
 
-SERVER_START_TIMEOUT_S = 180
+SERVER_START_TIMEOUT_S = 600  # a bound on the readiness wait, generous for a busy machine
 
 
 class Server(ServerProcess):

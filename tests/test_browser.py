@@ -1,8 +1,14 @@
 """The notebooks in a real browser: JupyterLab from this environment, driven by Playwright.
 
-JupyterLab starts on 127.0.0.1 (a free port, a random token) over a temporary copy of
-``notebooks/``, with the project's kernel registered in a temporary prefix and isolated
-settings; it is stopped at the end of the module. Chromium is Debian's
+JupyterLab starts on 127.0.0.1 (a free port, a random token) over a temporary folder, with
+the project's kernel registered in a temporary prefix and isolated settings; it is stopped
+at the end of the module. Each test opens its own copy of ``notebooks/`` (``own_copy``: a
+folder of its own under the lab's root), so one test's edits or saves cannot change what
+the next one opens.
+
+Every wait is for a condition (a selector, the kernel's idle indicator, the widget's own
+state, the server's status API, a file settling), bounded by :data:`BOUND_S`, which only
+says when to give up: a busy machine makes the tests slower, not red. Chromium is Debian's
 (``/usr/bin/chromium``; ``playwright install`` is not used). Without it the tests skip
 locally and FAIL under ``CI=true`` (``.ci/run`` installs it). Screenshots go to
 ``tests/artifacts/`` (or ``$KAKEYA_LAB_ARTIFACTS``).
@@ -42,7 +48,8 @@ CHROMIUM_ARGS = [
 ]
 ARTIFACTS = Path(os.environ.get("KAKEYA_LAB_ARTIFACTS", REPO / "tests" / "artifacts"))
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-STARTUP_S = 60
+BOUND_S = 600  # give up on any one condition after this long (never a pacing delay)
+BOUND_MS = BOUND_S * 1000
 
 
 def _missing(reason: str):
@@ -78,16 +85,14 @@ def browser():
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """A running JupyterLab: ``(base_url, token, root)``; ``root/notebooks`` is a copy."""
+    """A running JupyterLab: ``(base_url, token, root)``; tests put their own copies of the
+    notebooks under ``root`` (:func:`own_copy`)."""
     jupyter = Path(sys.executable).parent / "jupyter"
     if not jupyter.exists():
         _missing(f"{jupyter} is missing (pip install -e .[lab])")
     work = tmp_path_factory.mktemp("lab")
     root = work / "root"
-    shutil.copytree(
-        REPO / "notebooks", root / "notebooks", ignore=shutil.ignore_patterns(".ipynb_checkpoints")
-    )
-    (root / "data").symlink_to(REPO / "data")
+    root.mkdir()
     subprocess.run(
         [
             sys.executable,
@@ -139,10 +144,10 @@ def lab(tmp_path_factory):
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
+        deadline = time.monotonic() + BOUND_S
+        while True:  # until the server answers its status API (or the process ended)
             try:
-                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=BOUND_S)
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
@@ -161,19 +166,36 @@ def lab(tmp_path_factory):
         log.close()
 
 
+@pytest.fixture
+def own_copy(lab, request) -> Path:
+    """This test's own copy of ``notebooks/`` (with ``data`` beside it, as in the repository)
+    in a folder of its own under the lab's root; returns that folder."""
+    _, _, root = lab
+    name = "".join(c if c.isalnum() else "_" for c in request.node.name)[:60]
+    folder = root / f"{name}-{secrets.token_hex(3)}"
+    shutil.copytree(
+        REPO / "notebooks",
+        folder / "notebooks",
+        ignore=shutil.ignore_patterns(".ipynb_checkpoints"),
+    )
+    (folder / "data").symlink_to(REPO / "data")
+    return folder
+
+
 def _api(base: str, token: str, path: str, method: str = "GET"):
     req = urllib.request.Request(
         f"{base}{path}", method=method, headers={"Authorization": f"token {token}"}
     )
-    with urllib.request.urlopen(req, timeout=10) as resp:
+    with urllib.request.urlopen(req, timeout=BOUND_S) as resp:
         body = resp.read()
     return json.loads(body) if body else None
 
 
-def _open(browser, lab, name: str, block_kernels: bool = False):
-    base, token, _ = lab
+def _open(browser, lab, folder: Path, name: str, block_kernels: bool = False):
+    """A new page with ``folder/notebooks/name`` open (and only it)."""
+    base, token, root = lab
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.set_default_timeout(60_000)
+    page.set_default_timeout(BOUND_MS)
     if block_kernels:
         page.route(
             "**/api/sessions**",
@@ -183,7 +205,8 @@ def _open(browser, lab, name: str, block_kernels: bool = False):
             "**/api/kernels**",
             lambda route: route.abort() if route.request.method == "POST" else route.continue_(),
         )
-    page.goto(f"{base}/lab/tree/notebooks/{name}?reset&token={token}")  # only this notebook open
+    where = (folder / "notebooks" / name).relative_to(root).as_posix()
+    page.goto(f"{base}/lab/tree/{where}?reset&token={token}")  # only this notebook open
     page.wait_for_selector(".jp-Notebook .jp-Cell")
     return page
 
@@ -196,62 +219,95 @@ def _close(page, lab) -> None:
         _api(base, token, f"/api/sessions/{session['id']}", method="DELETE")
 
 
-def _accept_kernel_dialog(page) -> None:
+KERNEL_DIALOG = ".jp-Dialog:has-text('Select Kernel')"
+IDLE = ".jp-Notebook-ExecutionIndicator[data-status='idle']"
+
+
+def _dismiss(dialog) -> None:
+    """Accept ``dialog`` and wait until that very dialog is gone (another may open next)."""
+    element = dialog.element_handle()
+    dialog.locator("button.jp-mod-accept").click()
+    element.wait_for_element_state("hidden")  # a detached element counts as hidden
+
+
+def _accept_kernel_dialog(page) -> bool:
     """JupyterLab sometimes asks which kernel to start even though the notebook names one:
-    accept its choice (the notebook's kernel)."""
-    dialog = page.locator(".jp-Dialog", has_text="Select Kernel")
-    if dialog.count():
-        dialog.first.locator("button.jp-mod-accept").click()
-        dialog.first.wait_for(state="detached", timeout=10_000)
+    accept its choice (the notebook's kernel). Returns whether there was such a dialog."""
+    dialog = page.locator(KERNEL_DIALOG)
+    if not dialog.count():
+        return False
+    _dismiss(dialog.first)
+    return True
 
 
 def _wait_kernel_idle(page) -> None:
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
-    _accept_kernel_dialog(page)
+    """Until the notebook's kernel reports idle (accepting a kernel dialog on the way)."""
+    while True:
+        page.wait_for_selector(f"{IDLE}, {KERNEL_DIALOG}")
+        if not _accept_kernel_dialog(page) and page.locator(IDLE).count():
+            return
+
+
+RUN_TRIES = 10
+RETRY_S = 30  # a press the notebook has not taken by then was lost: press again
 
 
 def _run_cell(page, index: int) -> None:
-    """Run cell ``index`` (Shift+Enter in its editor) and wait until the kernel took it: a
-    key press right after the kernel reports idle can be lost, so it is retried."""
+    """Run cell ``index`` (Shift+Enter in its focused editor) and wait until the notebook
+    took it: its prompt shows ``[*]`` or a number. JupyterLab can drop a run request made
+    while the kernel connection is still settling (the press moves the selection but
+    nothing runs), and a kernel dialog can swallow it; the cell is run again only while its
+    prompt still shows nothing, so it never runs twice."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
-    prompt = cell.locator(".jp-InputPrompt").first
-    for _ in range(5):
+    taken = (
+        "i => { const c = document.querySelectorAll('.jp-Notebook .jp-Cell')[i];"
+        " const p = c && c.querySelector('.jp-InputPrompt');"
+        r" return !!p && /\[(\*|\d+)\]/.test(p.textContent) }"
+    )
+    for _ in range(RUN_TRIES):
         _accept_kernel_dialog(page)
-        cell.locator(".jp-InputArea-editor").click(timeout=10_000)
+        cell.locator(".jp-InputArea-editor").click()
+        cell.locator(".cm-editor.cm-focused").wait_for()  # the keys go to this cell
         page.keyboard.press("Shift+Enter")
         try:
-            page.wait_for_function(
-                r"e => /\[(\*|\d+)\]/.test(e.textContent)",
-                arg=prompt.element_handle(),
-                timeout=5_000,
-            )
+            page.wait_for_function(taken, arg=index, timeout=RETRY_S * 1000)
             return
-        except Exception:
-            continue
-    raise AssertionError(f"cell {index} never started running")
+        except PlaywrightTimeout:
+            if page.evaluate(f"({taken})({index})"):  # taken just now
+                return
+    raise AssertionError(f"cell {index} never started running ({RUN_TRIES} presses)")
 
 
-def test_chat_panel_streams_and_stop_leaves_the_session_holding_the_text_shown(browser, lab):
-    page = _open(browser, lab, "05_chat.ipynb")
+def _wait_for_panel_or_error(page) -> None:
+    """Until the chat panel is drawn, failing at once if the cell raised instead."""
+    page.wait_for_selector(".kl-chat-panel, .jp-OutputArea-output[data-mime-type*='error']")
+    errors = page.locator(".jp-OutputArea-output[data-mime-type*='error']")
+    assert not errors.count(), f"the panel cell failed: {errors.first.inner_text()[-2000:]}"
+
+
+def test_chat_panel_streams_and_stop_leaves_the_session_holding_the_text_shown(
+    browser, lab, own_copy
+):
+    page = _open(browser, lab, own_copy, "05_chat.ipynb")
     try:
         _wait_kernel_idle(page)
         _run_cell(page, 1)  # parameters
-        _run_cell(page, 2)  # the panel
-        page.wait_for_selector(".kl-chat-panel", timeout=120_000)
+        _run_cell(page, 2)  # the panel: the kernel loads the model first, however long it takes
+        _wait_for_panel_or_error(page)
         _shot(page, "chat-panel-ready")
         page.locator(".kl-message input").fill(
             "Tell me a long story about a dragon who guards a library."
         )
         page.locator("button.kl-send").click()
         last_tokens = "() => { const r = [...document.querySelectorAll('.kl-chat-panel .kl-reply')].pop(); return r ? +r.dataset.tokens : -1 }"
-        page.wait_for_function(f"({last_tokens})() >= 2", timeout=60_000)
+        page.wait_for_function(f"({last_tokens})() >= 2")
         first_seen = page.evaluate(f"({last_tokens})()")
-        page.wait_for_function(
-            f"({last_tokens})() >= {first_seen + 2}", timeout=30_000
-        )  # it streams
+        page.wait_for_function(f"({last_tokens})() >= {first_seen + 2}")  # it streams
         _shot(page, "chat-streaming")
         page.locator("button.kl-stop").click()
-        page.wait_for_selector(".kl-chat-panel .kl-status[data-state='done']", timeout=30_000)
+        page.wait_for_selector(".kl-chat-panel .kl-status[data-state='done']")
         _shot(page, "chat-stopped")
         status = page.locator(".kl-chat-panel .kl-status")
         assert status.get_attribute("data-stop-reason") == "stopped"
@@ -275,7 +331,7 @@ def test_chat_panel_streams_and_stop_leaves_the_session_holding_the_text_shown(b
         )
         page.keyboard.press("Shift+Enter")
         out = page.locator(".jp-OutputArea-output pre", has_text="SESSION=").first
-        out.wait_for(timeout=30_000)
+        out.wait_for()
         session = json.loads(out.inner_text().split("SESSION=", 1)[1].strip())
         _shot(page, "chat-session-check")
         assert session["tokens"] == shown_tokens
@@ -287,22 +343,23 @@ def test_chat_panel_streams_and_stop_leaves_the_session_holding_the_text_shown(b
         _close(page, lab)
 
 
-def test_cache_explorer_moves_with_no_kernel_running(browser, lab):
+def test_cache_explorer_moves_with_no_kernel_running(browser, lab, own_copy):
     base, token, _ = lab
     assert _api(base, token, "/api/kernels") == []
     # The page may not start a kernel: JupyterLab would start the notebook's on open.
-    page = _open(browser, lab, "10_sink_window_cache.ipynb", block_kernels=True)
+    page = _open(browser, lab, own_copy, "10_sink_window_cache.ipynb", block_kernels=True)
     try:
         dialog = page.locator(".jp-Dialog")
-        dialog.wait_for(timeout=30_000)  # "Error Starting Kernel": the session request was refused
+        dialog.first.wait_for()  # "Error Starting Kernel": the session request was refused
         _shot(page, "cache-explorer-no-kernel-dialog")
-        deadline = time.monotonic() + 20
-        while dialog.count():  # one per refused attempt; dismiss them all
-            assert time.monotonic() < deadline, "kernel-error dialogs keep coming"
-            dialog.first.locator("button.jp-mod-accept").click()
-            time.sleep(0.5)
+        for _ in range(20):  # one per refused attempt; dismiss each until none is left
+            if not dialog.count():
+                break
+            _dismiss(dialog.first)
+        else:
+            raise AssertionError("kernel-error dialogs keep coming")
         explorer = page.locator(".js-plotly-plot", has_text="Cache explorer").first
-        explorer.scroll_into_view_if_needed(timeout=60_000)
+        explorer.scroll_into_view_if_needed()
         title = explorer.locator(".gtitle")
         before = title.text_content()
         assert before.startswith("Cache explorer") and "step 23" in before, before
@@ -311,7 +368,7 @@ def test_cache_explorer_moves_with_no_kernel_running(browser, lab):
         box = rail.bounding_box()
         page.mouse.click(box["x"] + 0.12 * box["width"], box["y"] + box["height"] / 2)
         page.wait_for_function(
-            "e => !e.textContent.includes('step 23')", arg=title.element_handle(), timeout=10_000
+            "e => !e.textContent.includes('step 23')", arg=title.element_handle()
         )
         after = title.text_content()
         _shot(page, "cache-explorer-moved")
@@ -326,7 +383,7 @@ def test_cache_explorer_moves_with_no_kernel_running(browser, lab):
         _close(page, lab)
 
 
-def _settled_bytes(path: Path, timeout_s: float = 20) -> bytes:
+def _settled_bytes(path: Path, timeout_s: float = BOUND_S) -> bytes:
     """The file once the server has finished writing it (complete JSON, unchanged twice)."""
     deadline = time.monotonic() + timeout_s
     last = None
@@ -344,17 +401,17 @@ def _settled_bytes(path: Path, timeout_s: float = 20) -> bytes:
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb")))
-def test_open_and_save_leaves_the_notebook_unchanged(browser, lab, name):
-    _, _, root = lab
-    path = root / "notebooks" / name
+def test_open_and_save_leaves_the_notebook_unchanged(browser, lab, own_copy, name):
+    path = own_copy / "notebooks" / name
     original = (REPO / "notebooks" / name).read_bytes()
+    assert path.read_bytes() == original  # its own copy, whatever other tests did
     before = path.stat().st_mtime_ns
-    page = _open(browser, lab, name)
+    page = _open(browser, lab, own_copy, name)
     try:
         _wait_kernel_idle(page)
         page.locator(".jp-Notebook:visible .jp-Cell").first.click()
         page.keyboard.press("Control+s")
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + BOUND_S
         while path.stat().st_mtime_ns == before:
             assert time.monotonic() < deadline, "JupyterLab did not save the notebook"
             time.sleep(0.2)
@@ -381,6 +438,7 @@ def test_html_export_shows_the_figures_offline(browser, tmp_path):
     }
     assert "10_sink_window_cache" in pages and len(list(tmp_path.glob("*.js"))) == 1
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(BOUND_MS)
     try:
         page.route(
             "**/*",
@@ -394,11 +452,11 @@ def test_html_export_shows_the_figures_offline(browser, tmp_path):
                 "[...document.querySelectorAll('.plotly-graph-div')]"
                 ".filter(d => d.querySelector('.main-svg')).length"
             )
-            page.wait_for_function(f"{drawn} >= {figures}", timeout=30_000)
+            page.wait_for_function(f"{drawn} >= {figures}")
             assert page.locator(".plotly-graph-div").count() == figures, name
         page.goto(pages["10_sink_window_cache"][0].as_uri())
         plots = page.locator(".js-plotly-plot")
-        plots.first.wait_for(timeout=30_000)
+        plots.first.wait_for()
         assert plots.count() == 2  # the NLL curves and the cache explorer
         explorer = page.locator(".js-plotly-plot", has_text="Cache explorer").first
         explorer.scroll_into_view_if_needed()
@@ -408,7 +466,8 @@ def test_html_export_shows_the_figures_offline(browser, tmp_path):
         box = rail.bounding_box()
         page.mouse.click(box["x"] + 0.5 * box["width"], box["y"] + box["height"] / 2)
         page.wait_for_function(
-            "([e, t]) => e.textContent !== t", arg=[title.element_handle(), before], timeout=10_000
+            "([e, t]) => e.textContent !== t",
+            arg=[title.element_handle(), before],
         )
         _shot(page, "html-export-explorer")
         assert "step 23" in before and "step 23" not in title.text_content()

@@ -8,8 +8,9 @@ report (``metrics.json``) written at every checkpoint, the results index refresh
 
 ``run.json`` (:class:`~kakeya_lab.experiments.run_record.RunRecord`) goes ``running`` →
 ``completed``, ``partial`` (a signal stopped the run: run the same command to resume) or
-``failed`` (the error says why); a resume refused for other settings leaves the folder's
-record as it was.
+``failed`` (the error says why); a resume refused for other settings or a damaged
+checkpoint, or stopped by a signal before its first turn, leaves the folder's record as it
+was.
 """
 
 from __future__ import annotations
@@ -68,12 +69,16 @@ def record_long_run(
     and a report (:func:`~kakeya_lab.bench.long_run.save_long_run`, the writer notebook 20
     uses too) at every checkpoint.
 
-    Returns the run (its :func:`outcome` is recorded); errors of ``run_long`` propagate
-    after the record says ``failed`` (``partial`` for a second Ctrl-C; untouched for
-    :class:`~kakeya_lab.resume.ResumeMismatch`)."""
-    from kakeya_lab.bench.long_run import DegenerateRun, run_long, save_long_run
+    Returns the run (its :func:`outcome` is recorded). ``run.json`` says ``running`` from
+    the first turn on (the checkpoint read and replayed); errors of ``run_long`` propagate
+    after the record says ``failed`` (``partial`` for a second Ctrl-C during the turns). A
+    run refused or failing before its first turn — a :class:`~kakeya_lab.resume.ResumeError`
+    (other settings, a damaged checkpoint), a signal during the setup
+    (:class:`~kakeya_lab.bench.long_run.StoppedBeforeStart`), any other error — leaves an
+    existing ``run.json`` as it was."""
+    from kakeya_lab.bench.long_run import DegenerateRun, StoppedBeforeStart, run_long, save_long_run
     from kakeya_lab.results import now_iso
-    from kakeya_lab.resume import ResumeMismatch
+    from kakeya_lab.resume import ResumeError
 
     started = now_iso()
     record = RunRecord(
@@ -82,13 +87,18 @@ def record_long_run(
         command=invocation.command,
         parameters=invocation.parameters,
     )
+    begun = False
+
+    def begin() -> None:
+        nonlocal begun
+        record.start()
+        begun = True
 
     def write_report(run: LongRun) -> None:
         save_long_run(out_dir, settings, loaded.description, run=run, started=started)
         if run.partial and run.abort_reason is None:
             record.progress(turns=int(run.turns["turn"].max()) + 1, duration_s=run.duration_s)
 
-    record.start()
     try:
         run = run_long(
             loaded,
@@ -98,23 +108,34 @@ def record_long_run(
             on_report=write_report,
             force_new=force_new,
             progress=progress,
+            on_start=begin,
         )
+    except (ResumeError, StoppedBeforeStart):
+        raise  # refused before the first turn, before the record was touched
     except DegenerateRun as exc:
-        record.finish("failed", " ".join(str(exc).split()), type(exc).__name__)
-        raise
-    except ResumeMismatch:
-        record.restore()  # the folder's run is untouched: its record stays as it was
+        _fail(record, begun, "failed", " ".join(str(exc).split()), type(exc).__name__)
         raise
     except KeyboardInterrupt:
-        record.finish("partial", "KeyboardInterrupt (a second Ctrl-C)", "KeyboardInterrupt")
+        _fail(record, begun, "partial", "KeyboardInterrupt (a second Ctrl-C)", "KeyboardInterrupt")
         raise
     except Exception as exc:
-        record.finish("failed", f"{type(exc).__name__}: {exc}", type(exc).__name__)
+        _fail(record, begun, "failed", f"{type(exc).__name__}: {exc}", type(exc).__name__)
         raise
     status, message = outcome(run)
     record.finish(status, message)
     index_results_root(out_dir)
     return run
+
+
+def _fail(record: RunRecord, begun: bool, status: str, message: str, error_type: str) -> None:
+    """End ``record`` with ``status``. An error before the first turn leaves a folder's
+    existing record as it was (that run is where it was); a new folder gets a record of
+    the failed start."""
+    if not begun:
+        if record.path.exists():
+            return
+        record.start()
+    record.finish(status, message, error_type)
 
 
 def record_served_long_run(

@@ -47,7 +47,6 @@ class RunRecord:
     ) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / RUN_RECORD
-        self._previous: dict | None = None
         self.record: dict[str, Any] = {
             "notebook": notebook,
             "notebook_sha256": notebook_sha256,
@@ -66,7 +65,7 @@ class RunRecord:
     def start(self, *, resume: bool = True) -> None:
         """Mark the run ``running`` (with ``resume``, a resumed run keeps its first start time)."""
         now = now_iso()
-        previous = self._previous = _read(self.path)
+        previous = _read(self.path)
         if (
             resume
             and previous is not None
@@ -102,14 +101,6 @@ class RunRecord:
             if error is None
             else {"type": error_type, "message": error, "traceback": traceback},
         )
-
-    def restore(self) -> None:
-        """Put back the record the folder held before :meth:`start` (none: remove it), for
-        an invocation refused before it ran anything (e.g. a resume with other settings)."""
-        if self._previous is None:
-            self.path.unlink(missing_ok=True)
-        else:
-            write_json_atomic(self.path, self._previous)
 
     def _set(self, **fields: Any) -> None:
         self.record.update(fields)

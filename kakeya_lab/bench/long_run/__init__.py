@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kakeya_lab.bench.long_run.arms import Arm, standard_arms
     from kakeya_lab.bench.long_run.checkpoint import ArmState, run_settings
-    from kakeya_lab.bench.long_run.driver import LongRun, run_long
+    from kakeya_lab.bench.long_run.driver import LongRun, StoppedBeforeStart, run_long
     from kakeya_lab.bench.long_run.probe import FactProbe, probe_recall
     from kakeya_lab.bench.long_run.records import (
         DegenerateRun,
@@ -68,6 +68,7 @@ _LAZY = {
     "run_settings": "checkpoint",
     "LongRun": "driver",
     "run_long": "driver",
+    "StoppedBeforeStart": "driver",
     "FactProbe": "probe",
     "probe_recall": "probe",
     "DegenerateRun": "records",
@@ -87,6 +88,7 @@ __all__ = [
     "FactProbe",
     "LongRun",
     "LongRunSettings",
+    "StoppedBeforeStart",
     "TurnRecord",
     "long_run_headline",
     "probe_recall",

@@ -1,51 +1,47 @@
 """Checkpoint and strict resume of a long run.
 
-``checkpoint.json`` holds the run's settings (:func:`run_settings`: model identity, arms
-and their caches, generation settings, the turn script), the per-turn rows so far, and
-each arm's committed history and chat state. Resuming replays each arm's history into a
-fresh session (which gives the same cache) — and only if the settings asked for now are
-the saved ones (:func:`~kakeya_lab.resume.check_resume` names every difference).
+``checkpoint.json`` holds the run's settings (:func:`run_settings`: model identity with
+the linear kernel, arms and their caches and proposers, generation settings, the turn
+script), the per-turn rows so far, and each arm's committed history and chat state.
+Resuming replays each arm's history into a fresh session (which gives the same cache) —
+and only if the settings asked for now are the saved ones and the file reads back whole
+(:func:`~kakeya_lab.bench.long_run.identity.check_checkpoint`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kakeya_lab.bench.long_run.arms import Arm
+from kakeya_lab.bench.long_run.identity import check_checkpoint, model_identity, saved_settings
 from kakeya_lab.bench.long_run.settings import OUTPUTS, LongRunSettings
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.durable import write_json_atomic
-from kakeya_lab.resume import check_resume
 from kakeya_lab.session import SessionStore
+
+
+def loaded_kernel(loaded) -> str:
+    """The kernel a loaded torch model's linear layers run ("" for another backend)."""
+    if getattr(loaded.description, "backend", "torch") != "torch":
+        return ""
+    from kakeya_lab.linear import linear_kernel_of
+
+    return linear_kernel_of(loaded.model)
 
 
 def run_settings(
     loaded, arms: Mapping[str, Arm], user_turns: Sequence[str], settings: LongRunSettings
 ) -> dict:
-    """Everything that shapes a long run's numbers, as the checkpoint saves it (not
-    ``duration_s`` or ``checkpoint_every``, which only say how long and how often to save)."""
-    script = hashlib.sha256(json.dumps(list(user_turns)).encode()).hexdigest()
-    model = {"name": loaded.description.name, "weight_sha256": loaded.description.weight_sha256}
-    backend = getattr(loaded.description, "backend", "torch")
-    if backend != "torch":  # torch checkpoints keep the settings they always saved
-        model["backend"] = backend
-    probe = settings.probe()
-    saved = {
-        "model": model,
-        "arms": {name: arm.to_dict() for name, arm in arms.items()},
-        "max_new_tokens": settings.max_new_tokens,
-        "turns": {"count": len(user_turns), "sha256": script},
-        "probe": asdict(probe) if probe is not None else None,
-        "reprefill_cap_s": settings.reprefill_cap_s,
-        "turns_per_bucket": settings.turns_per_bucket,
-    }
-    if settings.turn_spacing_s is not None:  # pacing shapes latencies: resume only with the same
-        saved["turn_spacing_s"] = settings.turn_spacing_s
-    return saved
+    """Everything that shapes a long run's numbers, as the checkpoint saves it
+    (:func:`~kakeya_lab.bench.long_run.identity.saved_settings` with the loaded model's
+    identity and the kernel it runs)."""
+    d = loaded.description
+    model = model_identity(
+        d.name, d.weight_sha256, getattr(d, "backend", "torch"), loaded_kernel(loaded)
+    )
+    return saved_settings(model, arms, user_turns, settings)
 
 
 @dataclass
@@ -105,9 +101,9 @@ def fresh_progress(loaded, arms: Mapping[str, Arm]) -> Progress:
 
 def load_progress(path: Path, loaded, arms: Mapping[str, Arm], settings: dict) -> Progress:
     """Resume from ``path``; raises :class:`~kakeya_lab.resume.ResumeMismatch` if it was
-    made with other settings."""
-    saved = json.loads(path.read_text())
-    check_resume(saved.get("settings"), json.loads(json.dumps(settings)), str(path))
+    made with other settings, :class:`~kakeya_lab.resume.DamagedCheckpoint` if it does not
+    read back whole."""
+    saved = check_checkpoint(path, settings)
     states = {}
     for name, arm in arms.items():
         s = saved["arms"][name]

@@ -16,6 +16,7 @@ import argparse
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kakeya_lab.cli_args import (
@@ -128,8 +129,11 @@ def run_command(args: argparse.Namespace) -> int:
     check_linear(args)
     out = check_out_dir(args.out_dir)
     check_model(args.model)
+    if not args.force_new:
+        check_resumable(args.model, settings, out)
 
-    from kakeya_lab.bench.long_run import DegenerateRun  # torch: once the cheap checks passed
+    # torch from here on: once the cheap checks passed
+    from kakeya_lab.bench.long_run import DegenerateRun, StoppedBeforeStart
     from kakeya_lab.experiments.long_run import failed_arms, outcome, record_long_run
     from kakeya_lab.models import load_model
 
@@ -149,6 +153,9 @@ def run_command(args: argparse.Namespace) -> int:
         message = " ".join(str(exc).split())
         print(f"{PROG}: run failed: {message} (checkpoint in {out})", file=sys.stderr)
         return EXIT_RUN_FAILED
+    except StoppedBeforeStart as exc:
+        print(f"{PROG}: {exc}; run again to resume", file=sys.stderr)
+        return 128 + int(getattr(signal, exc.signal))
     print_summary(run.summary)
     if run.abort_reason is not None:
         rounds = int(run.turns["turn"].max()) + 1 if len(run.turns) else 0
@@ -162,6 +169,25 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"{PROG}: {outcome(run)[1]}", file=sys.stderr)
         return EXIT_RUN_FAILED
     return 0
+
+
+def check_resumable(model: str, settings: LongRunSettings, out: Path) -> None:
+    """If ``out`` holds a checkpoint, refuse (a :class:`~kakeya_lab.resume.ResumeError`, exit
+    2, nothing changed) unless it reads back whole and was made with these settings and
+    this model — all before the model loads (its identity comes from its store folder)."""
+    from kakeya_lab.bench.long_run.arms import arms_for
+    from kakeya_lab.bench.long_run.identity import check_checkpoint, model_identity, saved_settings
+    from kakeya_lab.bench.long_run.settings import CHECKPOINT
+
+    path = out / CHECKPOINT
+    if not path.exists():
+        return
+    from kakeya_lab.models.load import resolve
+
+    found = resolve(model, pull_if_missing=False, progress=False)
+    identity = model_identity(found.name, found.weight_sha256, settings.backend, settings.linear)
+    now = saved_settings(identity, arms_for(settings), settings.user_turns(), settings)
+    check_checkpoint(path, now)
 
 
 def print_summary(summary: dict[str, dict]) -> None:

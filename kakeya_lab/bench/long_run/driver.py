@@ -22,6 +22,7 @@ from kakeya_lab.bench.long_run.checkpoint import (
     Progress,
     fresh_progress,
     load_progress,
+    loaded_kernel,
     run_settings,
     save_progress,
     start_over,
@@ -66,6 +67,16 @@ class LongRun:
         return state.store, state.sid
 
 
+class StoppedBeforeStart(Exception):
+    """SIGTERM or SIGINT arrived while a run was being set up (its checkpoint read and
+    replayed): the run stopped before its first turn and wrote nothing. ``signal``: the
+    signal's name, e.g. ``"SIGTERM"``."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(f"stopped by {signal_name} before the first turn; nothing was written")
+        self.signal = signal_name
+
+
 # What signal.signal() accepts and returns.
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
@@ -104,6 +115,7 @@ def run_long(
     catch_signals: bool = True,
     force_new: bool = False,
     progress: bool = True,
+    on_start: Callable[[], None] | None = None,
 ) -> LongRun:
     """Drive every arm of ``settings`` through ``user_turns`` (default: the standard script,
     :meth:`LongRunSettings.user_turns`; else exactly ``settings.turns`` of them), cycled
@@ -111,9 +123,11 @@ def run_long(
 
     With ``out_dir`` the run checkpoints there every ``settings.checkpoint_every`` turns
     and every ``settings.report_every_s`` seconds of wall time, and resumes from an
-    existing checkpoint — only with the same model, arms, caches, generation settings and
-    turns (else :class:`~kakeya_lab.resume.ResumeMismatch` names the difference);
-    ``force_new`` starts over instead. Every checkpoint also writes ``turns.csv`` and calls
+    existing checkpoint — only with the same model and linear kernel, arms, caches,
+    proposer and draft length, generation settings and turns (else
+    :class:`~kakeya_lab.resume.ResumeMismatch` names the difference; a checkpoint that does
+    not read back whole is a :class:`~kakeya_lab.resume.DamagedCheckpoint`; both before
+    anything is written); ``force_new`` starts over instead. Every checkpoint also writes ``turns.csv`` and calls
     ``on_report`` with a partial :class:`LongRun` (``partial=True``); the end of the run
     calls it once more.
 
@@ -122,6 +136,12 @@ def run_long(
     starts after that wall time. ``catch_signals``: SIGTERM / SIGINT stop the run after the
     turn under way, save the checkpoint, and return a report with ``partial=True`` and
     ``abort_reason`` the signal's name (a second SIGINT raises KeyboardInterrupt at once).
+    A signal while the checkpoint is read and replayed (before the first turn) raises
+    :class:`StoppedBeforeStart` instead, with nothing written. ``on_start`` is called once
+    that setup is done, just before the first turn (e.g. to mark a run record running).
+
+    ``settings.linear`` must be the kernel the loaded torch model runs (ValueError
+    otherwise): it is part of the run's identity (a latency series on one kernel).
 
     Raises :class:`~kakeya_lab.bench.long_run.records.DegenerateRun` on meaningless
     numbers (zero KV bytes, every turn failed). A failing turn stops its arm; the others go on.
@@ -131,17 +151,17 @@ def run_long(
         raise ValueError(
             f"{len(turns)} user turns given for settings.turns={settings.turns}: give as many"
         )
+    kernel = loaded_kernel(loaded)
+    if kernel and kernel != settings.linear:
+        raise ValueError(
+            f"the model's linear layers run {kernel!r} but settings.linear is "
+            f"{settings.linear!r}: load it with load_model(..., linear=settings.linear)"
+        )
     arms = arms_for(settings)
     probe = settings.probe()
     saved = run_settings(loaded, arms, turns, settings)
     out = Path(out_dir) if out_dir is not None else None
     checkpoint = out / CHECKPOINT if out is not None else None
-    if out is not None and force_new:
-        start_over(out)
-    if checkpoint is not None and checkpoint.exists():
-        state = load_progress(checkpoint, loaded, arms, saved)
-    else:
-        state = fresh_progress(loaded, arms)
     spacing_s, report_every_s = settings.turn_spacing_s, settings.report_every_s
 
     def report(wall_s: float, partial: bool, abort_reason: str | None = None) -> LongRun:
@@ -155,13 +175,32 @@ def run_long(
             on_report(run)
         return run
 
-    t0 = time.perf_counter() - state.wall_s
-    last_report = time.perf_counter()
-    limit = len(turns) if settings.duration_s is None else None
-    bar = tqdm(
-        total=limit, initial=state.next_turn, desc="long run", unit="turn", disable=not progress
-    )
     with _Signals() if catch_signals else _NoSignals() as signals:
+        # A signal while the checkpoint is read and replayed stops the run before it
+        # starts: nothing was written, so the folder stays as it was.
+        try:
+            if checkpoint is not None and checkpoint.exists() and not force_new:
+                state = load_progress(checkpoint, loaded, arms, saved)
+            else:
+                if out is not None and force_new:
+                    start_over(out)
+                state = fresh_progress(loaded, arms)
+        except KeyboardInterrupt:  # a second Ctrl-C during the replay
+            raise StoppedBeforeStart("SIGINT") from None
+        if signals.caught:
+            raise StoppedBeforeStart(signals.caught)
+        if on_start is not None:
+            on_start()
+        t0 = time.perf_counter() - state.wall_s
+        last_report = time.perf_counter()
+        limit = len(turns) if settings.duration_s is None else None
+        bar = tqdm(
+            total=limit,
+            initial=state.next_turn,
+            desc="long run",
+            unit="turn",
+            disable=not progress,
+        )
         while (limit is None or state.next_turn < limit) and not signals.caught:
             if spacing_s is not None:
                 _wait_until(t0 + state.next_turn * spacing_s, signals)

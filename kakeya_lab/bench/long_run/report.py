@@ -4,8 +4,9 @@ the figures) in its run folder.
 The CLI (at every checkpoint and at the end, :mod:`kakeya_lab.experiments.long_run`) and
 notebook 20 (its save cell) both call :func:`save_long_run`, so a run folder holds the same
 files with the same keys whichever made it. ``metrics.json``: the header
-(:func:`~kakeya_lab.results.run_header`) with ``settings`` (:meth:`LongRunSettings.to_dict`),
-``arms``, ``turns``, ``max_new_tokens``, ``turn_spacing_s``, ``duration_limit_s`` (and for
+(:func:`~kakeya_lab.results.run_header`, whose ``proposer`` is the speculative arm's spec
+and draft length) with ``settings`` (:meth:`LongRunSettings.to_dict`), ``linear`` (the
+in-process arms' kernel), ``arms``, ``turns``, ``max_new_tokens``, ``turn_spacing_s``, ``duration_limit_s`` (and for
 served arms ``served_arms``, ``server_cache``, ``endpoints``); ``metrics``: ``partial``,
 ``abort_reason``, ``duration_s`` and ``arms`` (every arm's summary); ``headline``: the
 index's numbers per arm plus the three run fields.
@@ -37,6 +38,20 @@ def run_fields(run: LongRun | None, served: ServedRun | None) -> dict[str, Any]:
     return {"partial": False, "abort_reason": None, "duration_s": float(max(wall, default=0.0))}
 
 
+def kernel_of(settings: LongRunSettings, run: LongRun | None) -> str | None:
+    """The linear kernel the in-process arms ran on (a torch model's; :func:`run_long`
+    checks it is ``settings.linear``); None without in-process arms (a served run's kernel
+    is the server's) or on another backend."""
+    return settings.linear if run is not None and settings.backend == "torch" else None
+
+
+def proposer_of(settings: LongRunSettings) -> dict[str, Any] | None:
+    """The speculative arm's proposer spec and draft length (None without that arm)."""
+    if "speculative" not in settings.arms:
+        return None
+    return {"spec": settings.proposer, "draft_length": settings.draft_length}
+
+
 def save_long_run(
     run_dir: str | Path,
     settings: LongRunSettings,
@@ -66,6 +81,7 @@ def save_long_run(
     cache = first_arm.config.to_dict() if first_arm is not None else (served and served.cache)
     extra: dict[str, Any] = {
         "settings": settings.to_dict(),
+        "linear": kernel_of(settings, run),
         "arms": list(run.arms) if run is not None else [],
         "turns": settings.turns,
         "max_new_tokens": settings.max_new_tokens,
@@ -83,6 +99,7 @@ def save_long_run(
         run_id=run_id or out.resolve().name,
         model=model,
         cache=cache or None,
+        proposer=proposer_of(settings),
         started=started,
         extra=extra,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kakeya_lab.linear_kernels import KERNELS
 from kakeya_lab.proposers.registry import check_proposer_spec, usage
 from kakeya_lab.settings import Settings, SettingsError, check_int, check_positive
 
@@ -32,7 +33,8 @@ class LongRunSettings(Settings):
     """Everything a long run is asked to do.
 
     ``model``/``backend``/``linear``: what :func:`kakeya_lab.models.load_model` loads (the
-    run's header records the loaded model's own identity). ``arms``: names from
+    run's header records the loaded model's own identity; ``linear``, the torch model's
+    linear kernel, is part of the run's identity: a resume must run the same). ``arms``: names from
     :data:`ARM_NAMES` (in-process); ``served_arms``: names from :data:`SERVED_ARMS`, driven
     through a running ``kakeya-lab serve`` (at least one arm in all); ``sink``/``window``/``positions``: the bounded arms' cache;
     ``proposer``/``draft_length``: the ``speculative`` arm's
@@ -73,6 +75,15 @@ class LongRunSettings(Settings):
         if self.backend not in BACKENDS:
             raise SettingsError(
                 "backend", f"must be one of {', '.join(BACKENDS)}, got {self.backend!r}"
+            )
+        if self.linear not in KERNELS:
+            raise SettingsError(
+                "linear", f"must be one of {', '.join(KERNELS)}, got {self.linear!r}"
+            )
+        if self.backend != "torch" and self.linear != "aten":
+            raise SettingsError(
+                "linear",
+                f"{self.linear} is a torch kernel; the {self.backend} backend has its own",
             )
         names = list(self.arms)
         _check_names("arms", names, ARM_NAMES)
