@@ -287,6 +287,38 @@ def _wait_for_panel_or_error(page) -> None:
     assert not errors.count(), f"the panel cell failed: {errors.first.inner_text()[-2000:]}"
 
 
+# the newest reply's token count (the transcript lists the newest first)
+NEWEST_TOKENS = (
+    "() => { const r = document.querySelector('.kl-chat-panel .kl-reply');"
+    " return r ? +r.dataset.tokens : -1 }"
+)
+
+
+def _ask_kernel(page, expression: str, marker: str) -> object:
+    """Evaluate ``expression`` in the notebook's kernel, in a new cell at the end, and
+    return its value (sent back as JSON after ``marker``)."""
+    cells = page.locator(".jp-Notebook .jp-Cell")
+    last = cells.count() - 1
+    cells.nth(last).locator(".jp-InputPrompt").first.click()  # select it, command mode
+    page.keyboard.press("Escape")
+    page.keyboard.press("b")  # a new code cell below, selected
+    cells.nth(last + 1).locator(".jp-InputArea-editor").click()
+    page.keyboard.insert_text(f"import json\nprint({marker!r} + json.dumps({expression}))")
+    page.keyboard.press("Shift+Enter")
+    out = page.locator(".jp-OutputArea-output pre", has_text=marker).first
+    out.wait_for()
+    return json.loads(out.inner_text().split(marker, 1)[1].strip())
+
+
+def _type_and_enter(page, box: str, text: str) -> None:
+    """Type ``text`` into the message box ``box`` (a selector) and press Enter, as a reader
+    does (no Send button)."""
+    area = page.locator(f"{box} textarea")
+    area.click()
+    page.keyboard.insert_text(text)
+    page.keyboard.press("Enter")
+
+
 def test_chat_panel_streams_and_stop_leaves_the_session_holding_the_text_shown(
     browser, lab, own_copy
 ):
@@ -297,11 +329,11 @@ def test_chat_panel_streams_and_stop_leaves_the_session_holding_the_text_shown(
         _run_cell(page, 2)  # the panel: the kernel loads the model first, however long it takes
         _wait_for_panel_or_error(page)
         _shot(page, "chat-panel-ready")
-        page.locator(".kl-message input").fill(
+        page.locator(".kl-message textarea").fill(
             "Tell me a long story about a dragon who guards a library."
         )
         page.locator("button.kl-send").click()
-        last_tokens = "() => { const r = [...document.querySelectorAll('.kl-chat-panel .kl-reply')].pop(); return r ? +r.dataset.tokens : -1 }"
+        last_tokens = NEWEST_TOKENS
         page.wait_for_function(f"({last_tokens})() >= 2")
         first_seen = page.evaluate(f"({last_tokens})()")
         page.wait_for_function(f"({last_tokens})() >= {first_seen + 2}")  # it streams
@@ -312,7 +344,7 @@ def test_chat_panel_streams_and_stop_leaves_the_session_holding_the_text_shown(
         status = page.locator(".kl-chat-panel .kl-status")
         assert status.get_attribute("data-stop-reason") == "stopped"
         assert status.get_attribute("data-undelivered") == "0"
-        reply = page.locator(".kl-chat-panel .kl-reply").last
+        reply = page.locator(".kl-chat-panel .kl-reply").first  # newest first
         shown = reply.evaluate("e => e.textContent")
         shown_tokens = int(reply.get_attribute("data-tokens"))
         assert shown_tokens < 48 and shown.strip(), "the reply was not stopped mid-stream"
@@ -338,6 +370,146 @@ def test_chat_panel_streams_and_stop_leaves_the_session_holding_the_text_shown(
         assert session["text"] == shown
     except Exception:
         _shot(page, "chat-failure")
+        raise
+    finally:
+        _close(page, lab)
+
+
+def test_chat_panel_follows_the_conversation_enter_sends_exports_and_resets(browser, lab, own_copy):
+    """Ten turns sent with Enter: the newest reply stays in view while it streams; the
+    exported JSON's token ids are the session's history; New conversation empties the page
+    and the session."""
+    page = _open(browser, lab, own_copy, "05_chat.ipynb")
+    try:
+        _wait_kernel_idle(page)
+        _run_cell(page, 1)
+        _run_cell(page, 2)
+        _wait_for_panel_or_error(page)
+        replies = ".kl-chat-panel .kl-reply"
+        for turn in range(1, 11):
+            _type_and_enter(
+                page, ".kl-chat-panel .kl-message", f"Say one short thing, number {turn}."
+            )
+            page.wait_for_function(f"document.querySelectorAll('{replies}').length === {turn}")
+            page.wait_for_selector(".kl-chat-panel .kl-status[data-state='done']")
+        assert page.locator(".kl-chat-panel .kl-message textarea").input_value() == ""
+        _type_and_enter(page, ".kl-chat-panel .kl-message", "Tell me a long story about ships.")
+        page.wait_for_function(f"({NEWEST_TOKENS})() >= 3")
+        in_view = (
+            "() => { const box = document.querySelector('.kl-transcript').getBoundingClientRect();"
+            " const r = document.querySelector('.kl-chat-panel .kl-reply').getBoundingClientRect();"
+            " return r.bottom <= box.bottom + 1 && r.bottom >= box.top }"
+        )
+        page.wait_for_function(f"({NEWEST_TOKENS})() >= 8")
+        _shot(page, "chat-follows-turn-11")
+        assert page.evaluate(in_view), "the streaming reply is out of sight"
+        assert page.locator(".kl-user").first.get_attribute("data-turn") == "11"
+        page.locator("button.kl-stop").click()
+        page.wait_for_selector(".kl-chat-panel .kl-status[data-state='done']")
+        page.locator("button.kl-export").click()
+        link = page.locator(".kl-export-json")
+        link.wait_for()
+        exported = page.evaluate(
+            "e => JSON.parse(atob(e.href.split(',')[1])).history_token_ids",
+            link.element_handle(),
+        )
+        held = _ask_kernel(
+            page,
+            "list(panel.chat.store.verifier(panel.chat.session_id).history_token_ids)",
+            "HISTORY=",
+        )
+        assert exported == held and len(held) > 0
+        page.locator("button.kl-reset").click()
+        page.wait_for_function(f"document.querySelectorAll('{replies}').length === 0")
+        after = _ask_kernel(
+            page,
+            "[len(panel.chat.replies), panel.chat.cache_snapshot().history_tokens]",
+            "RESET=",
+        )
+        assert after == [0, 0]
+        _shot(page, "chat-reset")
+    except Exception:
+        _shot(page, "chat-follow-failure")
+        raise
+    finally:
+        _close(page, lab)
+
+
+def test_a_draft_models_first_use_shows_loading_and_stop_works(browser, lab, own_copy):
+    page = _open(browser, lab, own_copy, "05_chat.ipynb")
+    try:
+        _wait_kernel_idle(page)
+        _run_cell(page, 1)
+        _run_cell(page, 2)
+        _wait_for_panel_or_error(page)
+        spec = "draft:smollm2-135m-instruct:int4"
+        page.locator(".kl-chat-panel select").first.select_option(spec)
+        _type_and_enter(page, ".kl-chat-panel .kl-message", "Hello there!")
+        # the status says "loading" while the draft model loads (the load takes seconds; the
+        # status comes back from the kernel at once, before the first token)
+        page.wait_for_selector(".kl-chat-panel .kl-status[data-state='loading']")
+        _shot(page, "chat-draft-loading")
+        assert spec in page.locator(".kl-chat-panel .kl-status").inner_text()
+        page.locator("button.kl-stop").click()
+        page.wait_for_selector(".kl-chat-panel .kl-status[data-state='done']")
+        status = page.locator(".kl-chat-panel .kl-status")
+        assert "stopped while loading" in status.inner_text()
+        held = _ask_kernel(page, "panel.chat.cache_snapshot().history_tokens", "HELD=")
+        assert held == 0  # nothing was sent
+    except Exception:
+        _shot(page, "chat-draft-failure")
+        raise
+    finally:
+        _close(page, lab)
+
+
+def test_the_race_view_streams_both_lanes_with_the_same_greedy_tokens(browser, lab, own_copy):
+    page = _open(browser, lab, own_copy, "05_chat.ipynb")
+    try:
+        _wait_kernel_idle(page)
+        _run_cell(page, 1)
+        _run_cell(page, 2)
+        _wait_for_panel_or_error(page)
+        _run_cell(page, 13)  # the race view
+        page.wait_for_selector(".kl-race")
+        _type_and_enter(page, ".kl-race", "Count from one to twenty, in words, commas between.")
+        lane = "l => +(document.querySelector(`.kl-lane[data-lane='${l}']`).dataset.tokens)"
+        page.wait_for_function(f"({lane})('plain') >= 1 && ({lane})('suffix') >= 1")
+        _shot(page, "race-streaming")
+        page.wait_for_selector(".kl-race-status[data-state='done']")
+        _shot(page, "race-done")
+        status = page.locator(".kl-race-status").inner_text()
+        assert "the same tokens in both lanes" in status, status
+        lanes = page.locator(".kl-lane")
+        plain, spec = (lanes.nth(i).inner_text().split("\n", 1)[1] for i in range(2))
+        assert plain == spec and plain.strip()
+    except Exception:
+        _shot(page, "race-failure")
+        raise
+    finally:
+        _close(page, lab)
+
+
+def test_the_monitor_follows_a_running_long_run(browser, lab, own_copy):
+    page = _open(browser, lab, own_copy, "25_monitor.ipynb")
+    try:
+        _wait_kernel_idle(page)
+        _run_cell(page, 1)
+        _run_cell(page, 2)  # starts a small long run on the command line and the monitor
+        page.wait_for_selector(".kl-monitor")
+        points = (
+            "() => { const p = document.querySelector('.kl-monitor .js-plotly-plot');"
+            " return p && p.calcdata && p.calcdata.length ? p.calcdata[0].length : 0 }"
+        )
+        page.wait_for_function(f"({points})() >= 1")
+        first = page.evaluate(points)
+        _shot(page, "monitor-first")
+        page.wait_for_function(f"({points})() > {first}")  # the figure grows as turns land
+        page.wait_for_selector(".kl-monitor-status[data-state='ended']")
+        _shot(page, "monitor-ended")
+        assert page.evaluate(points) == 8 > first
+    except Exception:
+        _shot(page, "monitor-failure")
         raise
     finally:
         _close(page, lab)
@@ -372,6 +544,9 @@ def test_cache_explorer_moves_with_no_kernel_running(browser, lab, own_copy):
         )
         after = title.text_content()
         _shot(page, "cache-explorer-moved")
+        legend = explorer.locator(".legend").bounding_box()
+        grid = explorer.locator(".nsewdrag").first.bounding_box()
+        assert legend["x"] >= grid["x"] + grid["width"], "the legend covers the grid"
         assert after != before and "evicted" in after
         assert _api(base, token, "/api/kernels") == [], (
             "a kernel started: the explorer must not need one"
