@@ -595,6 +595,18 @@ class SessionStore:
                 speculative=speculative_summary(s.stats),
             )
 
+    def kv_live_bytes(self) -> int:
+        """Bytes of K and V held by all open sessions' caches; a monitoring read that, unlike
+        :meth:`info`, keeps no session alive (a scrape must not defeat the idle TTL)."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+        total = 0
+        for s in sessions:
+            with s.lock:
+                if s.closed_reason is None:
+                    total += s.verifier.kv_live_bytes
+        return total
+
     def next_token_logits(self, session_id: str) -> torch.Tensor | None:
         """A copy of the logits ``[vocab]`` after the session's history (None if empty);
         reading them keeps the session alive and recent (idle TTL, LRU order)."""
