@@ -56,13 +56,19 @@ class Admission:
         self._releases = 0  # counts released() calls: a wake-up between try and wait is kept
         self.waiting = 0
 
-    def admit(self, take_slot: Callable[[], T]) -> tuple[T, float]:
+    def admit(
+        self, take_slot: Callable[[], T], cancelled: Callable[[], bool] = lambda: False
+    ) -> tuple[T, float]:
         """Call ``take_slot`` until it does not raise :class:`CapacityExceeded`; return its
-        value and the seconds spent queued (0.0 exactly when it did not wait)."""
+        value and the seconds spent queued (0.0 exactly when it did not wait). A caller
+        that went away (``cancelled()``, checked at every wake-up; call :meth:`released` to
+        wake it) stops waiting with :class:`AdmissionRejected`."""
         t0 = time.monotonic()
         deadline = t0 + (self.max_wait_s if self.policy == "queue" else 0.0)
         waited = False
         while True:
+            if cancelled():
+                raise AdmissionRejected("the caller went away while queued for a session slot")
             with self._freed:
                 seen = self._releases
             try:

@@ -98,9 +98,17 @@ class SessionService(pb_grpc.SessionServiceServicer):
     def CreateSession(self, request, context):
         def run():
             system = request.system_prompt if request.HasField("system_prompt") else None
+            gone = threading.Event()
+            context.add_callback(gone.set)  # the call ended (a client that gave up)
+            context.add_callback(self.served.admission.released)  # so its wait ends now
             served, queued_s = self.served.create(
-                origin="grpc", system_prompt=system, owner=grpc_owner(self.keys, context)
+                origin="grpc",
+                system_prompt=system,
+                owner=grpc_owner(self.keys, context),
+                cancelled=gone.is_set,
             )
+            if gone.is_set():  # nobody will receive its id: do not leak the session
+                self.served.close(served.id)
             return pb.CreateSessionReply(session_id=served.id, queued_s=queued_s)
 
         return self._call(context, "CreateSession", run)

@@ -205,10 +205,12 @@ class ServedSessions:
         system_prompt: str | None = None,
         claimed: bool = False,
         owner: str = ANONYMOUS,
+        cancelled: Callable[[], bool] = lambda: False,
     ) -> tuple[ServedSession, float]:
         """Admit and open a session for ``owner``; returns it and the seconds spent queued.
         ``claimed``: opened claimed for the calling request (release it with :meth:`detach`).
-        When full, an idle implicit session is evicted (with ``evict_lru``, any idle one)."""
+        When full, an idle implicit session is evicted (with ``evict_lru``, any idle one).
+        ``cancelled``: the caller went away (a queued wait ends; see :class:`Admission`)."""
         self.check_running()
         chat = ChatTemplate(self.tokenizer, system=system_prompt) if origin == "grpc" else None
         served = ServedSession(origin=origin, implicit=implicit, chat=chat, owner=owner)
@@ -225,7 +227,7 @@ class ServedSessions:
                 return self.store.create(metadata=served, claimed=claimed)
 
         try:
-            sid, queued_s = self.admission.admit(take_slot)
+            sid, queued_s = self.admission.admit(take_slot, cancelled)
         except Exception:
             self.metrics.admission.labels("rejected").inc()
             raise
