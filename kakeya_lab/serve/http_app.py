@@ -9,9 +9,9 @@ format is :mod:`kakeya_lab.serve.openai_protocol`; the work is
 
 Session binding of a chat completion (extension fields, e.g. the ``openai`` client's
 ``extra_body``): ``session_id`` — continue that session (the messages must extend its
-history); otherwise, unless ``reuse`` is false, an open HTTP session whose history is a
-prefix of the rendered conversation's token ids is reused, so only the new tokens are
-prefilled; ``reuse: false`` is stateless (a fresh session, closed after the reply). The
+history); otherwise, unless ``reuse`` is false, an idle implicit session of the same caller
+(API key) whose history is a prefix of the rendered conversation's token ids is reused, so
+only the new tokens are prefilled; ``reuse: false`` is stateless (a fresh session, closed after the reply). The
 reply carries ``session_id`` and ``usage.prompt_tokens_details.cached_tokens`` (prompt
 tokens not prefilled again), plus a ``kakeya`` object (appended tokens, prefill seconds).
 
