@@ -24,6 +24,12 @@ def client_key(api_key: str | None = None) -> str | None:
     return api_key if api_key is not None else (os.environ.get(KEY_ENV, "").strip() or None)
 
 
+def auth_headers(api_key: str | None = None) -> dict[str, str]:
+    """The HTTP ``Authorization`` header for :func:`client_key` (empty without a key)."""
+    key = client_key(api_key)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 

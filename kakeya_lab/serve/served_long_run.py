@@ -30,19 +30,14 @@ import openai
 import pandas as pd
 from openai.types.chat import ChatCompletionMessageParam
 
-from kakeya_lab.serve.api_keys import client_key
+from kakeya_lab.serve.api_keys import auth_headers, client_key
 from kakeya_lab.serve.client import SessionClient
 
 ARMS = ("grpc_session", "http_reuse", "http_stateless")
 
 
-def _auth_headers() -> dict[str, str]:
-    key = client_key()
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
 def _server_rss(http_base: str) -> int:
-    metrics = httpx.get(f"{http_base}/metrics", timeout=30, headers=_auth_headers())
+    metrics = httpx.get(f"{http_base}/metrics", timeout=30, headers=auth_headers())
     for line in metrics.text.splitlines():
         if line.startswith("process_resident_memory_bytes "):
             return int(float(line.split()[1]))
@@ -148,7 +143,7 @@ def run_served_long_run(
                     httpx.delete(
                         f"{http_base}/v1/sessions/{last[-1]['session_id']}",
                         timeout=30,
-                        headers=_auth_headers(),
+                        headers=auth_headers(),
                     )
     return pd.DataFrame(rows)
 
