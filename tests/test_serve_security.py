@@ -231,3 +231,20 @@ def test_reuse_and_session_ids_never_cross_keys(servers):
         assert client.delete(f"/v1/sessions/{s}").status_code == 200
     http1.close()
     http2.close()
+
+
+def test_the_projects_clients_send_the_key_from_the_environment(servers, monkeypatch):
+    """With ``$KAKEYA_LAB_API_KEY`` set, the project's gRPC client and the served long run
+    (gRPC, ``openai`` and httpx) work against a keyed server and leave nothing open."""
+    from kakeya_lab.serve.served_long_run import run_served_long_run
+
+    server = servers["keyed"]
+    open_before = server.metrics()["kakeya_sessions_open"]
+    monkeypatch.setenv("KAKEYA_LAB_API_KEY", KEY2)
+    with SessionClient(server.grpc_target, timeout_s=60) as client:
+        client.close_session(client.create())
+    table = run_served_long_run(
+        server.grpc_target, server.http_base, ["Hi.", "Name a fruit."], max_new_tokens=2
+    )
+    assert len(table) == 6 and set(table["arm"]) == {"grpc_session", "http_reuse", "http_stateless"}
+    assert server.metrics()["kakeya_sessions_open"] == open_before
