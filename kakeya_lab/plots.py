@@ -514,3 +514,108 @@ def spec_table_figure(long: pd.DataFrame) -> go.Figure:
         height=450,
     )
     return fig
+
+
+def run_monitor_figure(
+    turns: pd.DataFrame,
+    budget_bytes: int | None = None,
+    bucket_turns: int = 10,
+    title: str = "Long run, live",
+) -> go.Figure:
+    """What a running long run has written so far, one colour per arm: KV bytes after each
+    turn against the analytic ``budget_bytes``; turn latency (append + generate) p50 and p95
+    per bucket of ``bucket_turns`` turns; prefill (append latency) against history length;
+    and failed turns so far. ``turns`` has the rows of ``turns.csv``."""
+    fig = make_subplots(
+        rows=2,
+        cols=2,
+        subplot_titles=(
+            "KV bytes held (MiB)",
+            f"turn latency per {bucket_turns} turns (s): p50 solid, p95 dotted",
+            "prefill (append latency, ms) against history",
+            "failed turns so far",
+        ),
+        vertical_spacing=0.16,
+    )
+    for arm, df in turns.groupby("arm", sort=False):
+        colour = dict(color=_color(str(arm)))
+        common = dict(name=str(arm), legendgroup=str(arm), line=colour, marker=colour)
+        fig.add_trace(
+            go.Scatter(x=df["turn"], y=df["kv_live_bytes"] / 2**20, mode="lines", **common), 1, 1
+        )
+        latency = df["append_latency_s"] + df["generate_s"].fillna(0)
+        bucket = df["turn"] // bucket_turns
+        stats = latency.groupby(bucket).quantile([0.5, 0.95]).unstack()
+        x = (stats.index + 0.5) * bucket_turns
+        fig.add_trace(
+            go.Scatter(x=x, y=stats[0.5], mode="lines+markers", showlegend=False, **common), 1, 2
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=stats[0.95],
+                mode="lines+markers",
+                showlegend=False,
+                name=f"{arm} p95",
+                legendgroup=str(arm),
+                line=dict(color=_color(str(arm)), dash="dot"),
+                marker=colour,
+            ),
+            1,
+            2,
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=df["history_len"],
+                y=df["append_latency_s"] * 1e3,
+                mode="markers",
+                showlegend=False,
+                **common,
+            ),
+            2,
+            1,
+        )
+        failed = df["error"].notna() & (df["error"].astype(str) != "")
+        fig.add_trace(
+            go.Scatter(x=df["turn"], y=failed.cumsum(), mode="lines", showlegend=False, **common),
+            2,
+            2,
+        )
+    if budget_bytes:
+        fig.add_hline(
+            y=budget_bytes / 2**20,
+            line_dash="dash",
+            line_color="gray",
+            annotation_text="budget",
+            row=1,
+            col=1,
+        )
+    fig.update_xaxes(title_text="turn", row=1, col=1)
+    fig.update_xaxes(title_text="turn", row=1, col=2)
+    fig.update_xaxes(title_text="history (tokens)", row=2, col=1)
+    fig.update_xaxes(title_text="turn", row=2, col=2)
+    fig.update_yaxes(rangemode="tozero")
+    fig.update_layout(title=title, height=620)
+    return fig
+
+
+def server_monitor_figure(samples: pd.DataFrame, title: str = "Server, live") -> go.Figure:
+    """A server's ``/metrics`` sampled over time (the rows of
+    :func:`kakeya_lab.widgets.monitor.server_samples`): open sessions, KV bytes held,
+    tokens generated per second, and failed requests so far."""
+    fig = make_subplots(
+        rows=2,
+        cols=2,
+        subplot_titles=("open sessions", "KV bytes held (MiB)", "tokens/s", "failed requests"),
+        vertical_spacing=0.16,
+    )
+    t = samples["elapsed_s"]
+    line = dict(mode="lines+markers", showlegend=False)
+    fig.add_trace(go.Scatter(x=t, y=samples["sessions_open"], **line), 1, 1)
+    fig.add_trace(go.Scatter(x=t, y=samples["kv_live_bytes"] / 2**20, **line), 1, 2)
+    fig.add_trace(go.Scatter(x=t, y=samples["tokens_per_s"], **line), 2, 1)
+    fig.add_trace(go.Scatter(x=t, y=samples["errors_total"], **line), 2, 2)
+    fig.update_xaxes(title_text="seconds")
+    fig.update_yaxes(rangemode="tozero")
+    fig.update_layout(title=title, height=560)
+    return fig

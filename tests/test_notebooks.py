@@ -50,6 +50,21 @@ def test_there_are_notebooks():
     assert {"00_quickstart.ipynb", "05_chat.ipynb", "10_sink_window_cache.ipynb"} <= names
 
 
+def test_the_notebook_map_lists_every_notebook_with_its_committed_run_time():
+    """notebooks/README.md has a row per notebook whose CI size is the committed run's own
+    papermill duration (re-running a notebook means updating its row)."""
+    rows = {
+        line.split("|")[1].strip().strip("`"): line
+        for line in (NOTEBOOKS[0].parent / "README.md").read_text().splitlines()
+        if line.startswith("| `")
+    }
+    assert sorted(rows) == sorted(p.stem for p in NOTEBOOKS)
+    for path in NOTEBOOKS:
+        duration = json.loads(path.read_text())["metadata"]["papermill"]["duration"]
+        ci_size = rows[path.stem].split("|")[4].strip()
+        assert ci_size.startswith(f"{round(duration):,} s"), (path.stem, ci_size, duration)
+
+
 def test_the_notebooks_stay_small():
     total = sum(p.stat().st_size for p in NOTEBOOKS)
     assert total < NOTEBOOKS_MAX_BYTES, f"notebooks/ holds {total / 2**20:.1f} MiB"

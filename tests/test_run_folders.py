@@ -20,6 +20,7 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 # Small enough that the whole file runs in a few minutes on 2 cores.
 CI_PARAMETERS: dict[str, dict] = {
     "05_chat": {"max_new_tokens": 6, "scripted_turns": ["Hi!", "Why?"]},
+    "25_monitor": {"turns": 3, "max_new_tokens": 4, "turn_spacing_s": 0.2, "every_s": 0.5},
     "00_quickstart": {"turns": 5, "max_new_tokens": 6, "window": 60},
     "15_mlx_backend": {
         "oracle_tokens": 48,
@@ -90,7 +91,7 @@ def test_notebook_run_folder_identifies_itself(name, results_root):
         index = build_index(results_root)
         assert len(index) >= 1
         return
-    if name == "05_chat":  # an interactive demo: the executed notebook is its record
+    if name in ("05_chat", "25_monitor"):  # demos: the executed notebook is their record
         return
     doc = json.loads((run_dir / "metrics.json").read_text())
     validate_metrics(doc)

@@ -3,13 +3,16 @@ transcript, the cache explorer's frames and the notebook byte form (tiny random 
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 import time
 
 import pytest
 
 from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.notebook_format import KERNEL_NAME, jupyterlab_text
+from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.verifier import Verifier
 from kakeya_lab.widgets import (
     ChatPanel,
@@ -18,6 +21,8 @@ from kakeya_lab.widgets import (
     cache_status,
     record_cache_steps,
 )
+from kakeya_lab.widgets.chat_panel import status_html
+from kakeya_lab.widgets.live_chat import latency_drift, plural, token_latency_percentiles
 
 CONFIG = SinkWindowConfig(sink=2, window=14)  # small: a few turns evict
 
@@ -88,6 +93,16 @@ def test_the_panel_offers_the_registry_draft_model_and_it_decodes_losslessly(
     assert spec in panel.proposer.options and "suffix" in panel.proposer.options
     assert spec not in ChatPanel(tiny_model, CONFIG).proposer.options  # not a registry model
     panel.proposer.value = spec
+    # the draft model loads on the loader thread: "loading" at once, and Stop cancels the
+    # turn before anything reaches the session (the load is kept for the next turn)
+    seen: list[str | None] = []
+    record = panel.chat.send("Hi!", proposer=spec, on_loading=lambda r: seen.append(r.loading))
+    panel.stop()
+    panel.wait(120)
+    assert seen == [spec] and record.stop_reason == "stopped" and record.history_start is None
+    assert panel.chat.cache_snapshot().history_tokens == 0  # nothing was sent
+    assert "stopped while loading" in status_html(record, busy=False)
+    panel.reset()
     for message in ("Hi! How are you today?", "Tell me about your favourite book."):
         a = plain.send(message)
         plain.wait(120)
@@ -106,8 +121,10 @@ def test_the_panel_keeps_only_the_last_turns_on_the_page(tiny_model):
         panel.send(f"message {i}")
         panel.wait(30)
     assert len(panel.chat.replies) == 5
-    assert len(panel.transcript.children) == 4  # two turns: user + reply each
-    assert "message 4" in panel.transcript.children[-2].value
+    assert len(panel.transcript.children) == 4  # two turns: user + reply each, newest first
+    assert "message 4" in panel.transcript.children[1].value
+    assert "message 3" in panel.transcript.children[3].value
+    assert 'data-turn="5"' in panel.transcript.children[0].value  # user turns count from 1
     assert 'data-stop-reason="max_tokens"' in panel.status.value
     static = panel.transcript_html(last=1)
     assert "message 4" in static and "message 3" not in static
@@ -126,6 +143,9 @@ def test_cache_explorer_has_one_frame_per_step_coloured_by_the_sink_window_rule(
     first = cache_status(steps[0], 4, cfg.sink, 24)
     assert first.count("unseen") == 20 and first.count("evicted") == 0
     assert "step 0" in fig.frames[0].layout.title.text and "step 5" in fig.layout.title.text
+    # the legend is outside the grid (right of the plot area, in a margin made for it)
+    assert fig.layout.legend.x >= 1 and fig.layout.legend.xanchor == "left"
+    assert fig.layout.margin.r >= 100
     with pytest.raises(ValueError, match="no steps"):
         cache_explorer_figure(tiny_model.tokenizer, ids, [], sink=2)
 
@@ -170,3 +190,127 @@ def test_notebook_form_is_what_jupyterlab_writes():
     ]
     assert '"y": [\n' in text and " 1,\n" in text and "1e+22" in text
     assert jupyterlab_text(saved) == text  # a fixed point: saving again changes nothing
+
+
+def test_turns_count_from_one_and_the_readouts_are_defined(tiny_model):
+    panel = ChatPanel(tiny_model, CONFIG, max_new_tokens=6)
+    for message in ("one", "two", "three", "four"):
+        panel.send(message)
+        panel.wait(30)
+    assert [r.turn for r in panel.chat.replies] == [1, 2, 3, 4]
+    readout = panel.latency_view.value
+    p50, p95 = token_latency_percentiles(panel.chat.replies[-1])
+    assert p50 is not None and p95 is not None and 0 < p50 <= p95
+    assert f"turn 4: p50 {1e3 * p50:.1f} ms, p95 {1e3 * p95:.1f} ms" in readout
+    # the drift is a slope with its interval over the finished turns, not a two-point ratio
+    drift = latency_drift(panel.chat.latency_by_turn())
+    assert (
+        drift is not None and drift.turns == 4 and drift.low_ms <= drift.slope_ms <= drift.high_ms
+    )
+    assert f"{drift.slope_ms:+.2f} ms/token per turn" in readout
+    assert latency_drift([0.01, 0.02]) is None  # two turns give no interval
+    assert plural(1, "token") == "1 token" and plural(2, "token") == "2 tokens"
+
+
+def test_an_empty_message_gets_a_hint_and_enter_sends(tiny_model):
+    panel = ChatPanel(tiny_model, CONFIG, max_new_tokens=3)
+    panel.message.value = "   "
+    panel.message.submit()  # what Enter does in the page
+    assert 'data-state="hint"' in panel.status.value and panel.chat.replies == []
+    panel.message.value = "hello there"
+    panel.message.submit()
+    record = panel.wait(30)
+    assert record is not None and record.user_text == "hello there" and record.turn == 1
+    assert panel.message.value == ""
+
+
+def test_controls_are_disabled_while_a_reply_streams(tiny_model):
+    panel = ChatPanel(tiny_model, CONFIG, max_new_tokens=400)
+    assert panel.draft_length.disabled  # no proposer: no draft length
+    assert panel.top_p.disabled and panel.seed.disabled  # greedy: no top-p, no seed
+    record = panel.send("tell me everything")
+    assert record is not None
+    busy = [
+        panel.message,
+        panel.send_button,
+        panel.proposer,
+        panel.draft_length,
+        panel.temperature,
+        panel.reset_button,
+        panel.export_button,
+    ]
+    assert all(c.disabled for c in busy) and not panel.stop_button.disabled
+    assert panel.send("another") is None and len(panel.chat.replies) == 1  # refused, said so
+    assert "Stop it first" in panel.status.value
+    panel.stop()
+    panel.wait(30)
+    assert not any(c.disabled for c in busy if c is not panel.draft_length)
+    assert panel.stop_button.disabled
+    panel.proposer.value = "ngram"
+    assert not panel.draft_length.disabled
+    panel.temperature.value = 0.7
+    assert not panel.top_p.disabled and not panel.seed.disabled
+
+
+def test_sampling_controls_reach_the_session(tiny_model):
+    panel = ChatPanel(tiny_model, CONFIG, max_new_tokens=8)
+    assert panel.sampling() == SamplingConfig()
+    panel.temperature.value, panel.top_p.value, panel.seed.value = 1.0, 0.9, 7
+    assert panel.sampling() == SamplingConfig(temperature=1.0, top_p=0.9, seed=7)
+    first = panel.send("pick a word")
+    panel.wait(30)
+    again = ChatPanel(tiny_model, CONFIG, max_new_tokens=8)
+    again.temperature.value, again.top_p.value, again.seed.value = 1.0, 0.9, 7
+    second = again.send("pick a word")
+    again.wait(30)
+    greedy = ChatPanel(tiny_model, CONFIG, max_new_tokens=8)
+    plain = greedy.send("pick a word")
+    greedy.wait(30)
+    assert first is not None and second is not None and plain is not None
+    assert first.sampling.temperature == 1.0 and first.token_ids == second.token_ids  # seeded
+    assert first.token_ids != plain.token_ids  # and not greedy
+    panel.temperature.value = 1e-5  # below what the sampler accepts: a hint, nothing sent
+    assert panel.send("hi") is None and "temperature" in panel.status.value
+    assert len(panel.chat.replies) == 1
+
+
+def test_new_conversation_empties_the_page_and_the_session(tiny_model):
+    panel = ChatPanel(tiny_model, CONFIG, max_new_tokens=4)
+    panel.send("first")
+    panel.wait(30)
+    old = panel.chat.session_id
+    panel.reset()
+    assert panel.chat.replies == [] and panel.transcript.children == ()
+    assert panel.chat.session_id != old and old not in panel.chat.store.ids()
+    assert panel.chat.cache_snapshot().history_tokens == 0
+    record = panel.send("first")
+    panel.wait(30)
+    fresh = LiveChat(tiny_model, CONFIG, max_new_tokens=4)
+    clean = fresh.send("first")
+    fresh.wait(30)
+    assert record is not None and record.turn == 1 and record.token_ids == clean.token_ids
+
+
+def test_the_export_holds_the_session_history(tiny_model):
+    panel = ChatPanel(tiny_model, CONFIG, max_new_tokens=5)
+    for message, proposer in (("one two one two", "none"), ("one two one two", "ngram")):
+        panel.proposer.value = proposer
+        panel.send(message)
+        panel.wait(30)
+    data = panel.chat.transcript()
+    history = panel.chat.store.verifier(panel.chat.session_id).history_token_ids
+    assert data["history_token_ids"] == list(history)
+    assert data["cache"]["sink"] == CONFIG.sink and data["backend"] == "torch"
+    for turn, record in zip(data["turns"], panel.chat.replies):
+        assert turn["token_ids"] == panel.chat.session_reply_ids(record.turn - 1)
+        assert len(turn["token_kinds"]) == len(turn["token_latency_s"]) == len(turn["token_ids"])
+    assert data["turns"][1]["proposer"] == "ngram"
+    panel.show_export()
+    links = panel.export_view.value
+    match = re.search(
+        r'class="kl-export-json"[^>]*href="data:application/json;base64,([^"]+)"', links
+    )
+    assert match is not None
+    assert json.loads(base64.b64decode(match.group(1)))["history_token_ids"] == list(history)
+    markdown = panel.chat.transcript_markdown()
+    assert "## Turn 1" in markdown and "## Turn 2" in markdown and "**you:** one two" in markdown

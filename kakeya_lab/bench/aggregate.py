@@ -117,7 +117,7 @@ def kv_bounded(
     return out
 
 
-def _slope_ci(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
+def slope_ci(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
     """OLS slope and its 95% interval (t distribution)."""
     from scipy import stats
 
@@ -239,7 +239,7 @@ def prefill_bounded(
         adjusted = rows.assign(append_latency_s=y - per_message_token * (z - np.median(z)))
         out.update(covariate="user_tokens", message_s_per_token=per_message_token)
     else:
-        slope, lo, hi = _slope_ci(x, y)
+        slope, lo, hi = slope_ci(x, y)
         adjusted = rows
     drift = latency_drift_p50(adjusted, "append_latency_s", by=by, size=size)
     out.update(slope_s_per_token=slope, slope_ci95=[lo, hi], drift=drift)

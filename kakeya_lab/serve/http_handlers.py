@@ -2,9 +2,12 @@
 streamed as server-sent events (:mod:`kakeya_lab.serve.http_app` wires them to FastAPI).
 
 A client that disconnects mid-stream stops generation; its session keeps exactly the
-tokens sent. A client that disconnects during a non-streaming request stops it too (polled
-every ``DISCONNECT_POLL_S``): generation ends before the next token and the session keeps
-the tokens committed until then.
+tokens sent (a token computed while the client left is not committed). A client that
+disconnects during a non-streaming request stops it too (polled every
+``DISCONNECT_POLL_S``): generation ends before the next token and the session keeps the
+tokens committed until then. The session is released before the reply's end is sent
+(the last chunk and ``[DONE]``, or the whole body), so a client's next turn finds it free.
+``stop`` strings are matched on the detokenized text (:mod:`kakeya_lab.serve.stop_strings`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from starlette.requests import Request
 from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.serve.openai_protocol import (
     ChatCompletionRequest,
+    ModelNotFound,
     chunk_body,
     completion_body,
     error_body,
@@ -32,18 +36,21 @@ from kakeya_lab.serve.openai_protocol import (
     usage,
 )
 from kakeya_lab.serve.sessions import ANONYMOUS, Attached, GenerateOptions, ServedSessions
+from kakeya_lab.serve.stop_strings import StopMatcher
 from kakeya_lab.session import Done, Event, StreamingDetokenizer, Token
 
 DISCONNECT_POLL_S = 0.05  # how often a non-streaming request checks for a hung-up client
 
 
 def options_of(served: ServedSessions, req: ChatCompletionRequest) -> GenerateOptions:
-    """The generation options of a request, checked against the server's limits."""
-    if req.n != 1:
-        raise ValueError(f"n must be 1 (one choice per request), got {req.n}")
-    if req.stop:
-        raise ValueError("stop strings are not supported: pass stop_token_ids (an extension field)")
-    max_new = req.max_completion_tokens or req.max_tokens or 256
+    """The generation options of a request, checked against the server's limits (fields
+    this server does not implement are refused, not ignored)."""
+    req.refuse_unsupported()
+    req.stop_strings()  # checked here; matched on the reply's text by the handlers
+    if req.model not in (None, "", served.model_name):
+        raise ModelNotFound(
+            f"model {req.model!r} is not served here; this server serves {served.model_name!r}"
+        )
     temperature = 0.0 if req.temperature is None else req.temperature
     sampling = SamplingConfig(
         temperature=temperature,
@@ -52,17 +59,13 @@ def options_of(served: ServedSessions, req: ChatCompletionRequest) -> GenerateOp
         seed=req.seed,
     )
     options = GenerateOptions(
-        max_new_tokens=max_new,
+        max_new_tokens=req.max_new_tokens(),
         sampling=sampling,
         stop_token_ids=tuple(req.stop_token_ids or ()),
         proposer=req.proposer,
         draft_length=req.draft_length,
     )
     served.check_options(options)
-    if req.model not in (None, "", served.model_name):
-        raise ValueError(
-            f"model {req.model!r} is not served here; this server serves {served.model_name!r}"
-        )
     return options
 
 
@@ -102,21 +105,32 @@ async def complete(
     request: Request,
     t0: float,
 ) -> dict:
-    """A whole completion's body; stops early if the client disconnects. The session is
-    released (closed for a stateless request) on every exit; ``t0`` is when the request
-    arrived (``time.perf_counter()``, for the latency metric)."""
+    """A whole completion's body; stops early if the client disconnects or a stop string
+    appears. The session is released (closed for a stateless request) on every exit,
+    before the body is returned; ``t0`` is when the request arrived
+    (``time.perf_counter()``, for the latency metric)."""
     base = response_base(served, att)
+    stops = req.stop_strings()
     gone = threading.Event()  # the client disconnected, or the reply is ready
 
-    def run() -> tuple[list[int], Done | None]:
-        ids: list[int] = []
+    def run() -> tuple[str, int, Done | None, bool]:
+        detok = detokenizer(served)
+        matcher = StopMatcher(stops)
+        shown: list[str] = []
         done = None
-        for event in served.generate(att.session.id, options, cancelled=gone.is_set):
-            if isinstance(event, Token):
-                ids.append(event.id)
-            elif isinstance(event, Done):
-                done = event
-        return ids, done
+        events = served.generate(att.session.id, options, cancelled=gone.is_set)
+        try:
+            for event in events:
+                if isinstance(event, Token):
+                    shown.append(matcher.feed(detok.add(event.id)))
+                    if matcher.stopped:
+                        break  # the session keeps the tokens up to the stop string's end
+                elif isinstance(event, Done):
+                    done = event
+        finally:
+            events.close()
+        text = "".join(shown) if matcher.stopped else detok.decode(detok.ids)
+        return text, len(detok.ids), done, matcher.stopped
 
     async def watch_disconnect() -> None:
         # no stream to fail on: poll, so a client that hangs up stops generation
@@ -129,13 +143,14 @@ async def complete(
 
     watcher = asyncio.ensure_future(watch_disconnect())
     try:
-        ids, done = await run_in_threadpool(run)
+        text, n_tokens, done, stopped = await run_in_threadpool(run)
     finally:
         gone.set()
         watcher.cancel()
-        served.detach(att.session, close=stateless(req))
+        with anyio.CancelScope(shield=True):
+            await run_in_threadpool(served.detach, att.session, close=stateless(req))
         served.metrics.request_latency.labels("http:chat").observe(time.perf_counter() - t0)
-    return completion_body(base, att, detokenizer(served).decode(ids), len(ids), done)
+    return completion_body(base, att, text, n_tokens, done, stopped)
 
 
 async def stream_chunks(
@@ -148,7 +163,10 @@ async def stream_chunks(
 ) -> AsyncIterator[str]:
     """The server-sent events of a streamed completion of ``events`` (what
     :meth:`ServedSessions.generate` returned). Errors after the headers are reported
-    in-band; ``cancel`` is set and the session released on every exit; ``t0`` is when the
+    in-band; ``cancel`` is set and the session released on every exit. When the reply
+    ends normally the session is released *before* the last chunk and ``[DONE]`` are
+    sent, so a client may send its next turn the moment it reads ``[DONE]``. Text that
+    may be the start of a stop string is held back until it is clear; ``t0`` is when the
     request arrived."""
     base = response_base(served, att)
     loop = asyncio.get_running_loop()
@@ -165,7 +183,17 @@ async def stream_chunks(
         daemon=True,
     )
     detok = detokenizer(served)
+    matcher = StopMatcher(req.stop_strings())
     done = None
+    released = False
+
+    async def release() -> None:
+        # the engine thread has ended (the stream is closed): free the session
+        nonlocal released
+        if not released:
+            released = True
+            await anyio.to_thread.run_sync(lambda: served.detach(att.session, close=stateless(req)))
+
     try:
         yield _sse(chunk_body(base, {"role": "assistant", "content": ""}))
         producer.start()
@@ -176,19 +204,26 @@ async def stream_chunks(
                     raise event.error
                 break
             if isinstance(event, Token):
-                delta = detok.add(event.id)
+                delta = matcher.feed(detok.add(event.id))
                 if delta:
                     yield _sse(chunk_body(base, {"content": delta}))
+                if matcher.stopped:
+                    cancel.set()  # a stop string: the engine ends before the next token
             elif isinstance(event, Done):
                 done = event
             credit.release()  # handed on: the engine may pull the next event
-        n_tokens = len(detok.ids)
+        await anyio.to_thread.run_sync(producer.join)
+        with anyio.CancelScope(shield=True):
+            await release()
+        rest = matcher.flush()
+        if rest:
+            yield _sse(chunk_body(base, {"content": rest}))
         yield _sse(
             chunk_body(
                 base,
                 {},
-                finish_reason(done),
-                usage=usage(att, n_tokens),
+                finish_reason(done, matcher.stopped),
+                usage=usage(att, len(detok.ids)),
                 kakeya=extension(att, done),
             )
         )
@@ -203,11 +238,11 @@ async def stream_chunks(
         with anyio.CancelScope(shield=True):  # also on disconnect: keep exactly what was sent
             if producer.is_alive():
                 await anyio.to_thread.run_sync(producer.join)
-            else:
+            elif producer.ident is None:  # never started
                 close = getattr(events, "close", None)
-                if close is not None:  # never started
+                if close is not None:
                     await anyio.to_thread.run_sync(close)
-            await anyio.to_thread.run_sync(lambda: served.detach(att.session, close=stateless(req)))
+            await release()
         served.metrics.request_latency.labels("http:chat_stream").observe(time.perf_counter() - t0)
 
 

@@ -3,8 +3,10 @@ response and error bodies).
 
 Requests: :class:`ChatCompletionRequest` with the extension fields ``session_id``,
 ``reuse``, ``top_k``, ``stop_token_ids``, ``proposer`` and ``draft_length`` (e.g. the
-``openai`` client's ``extra_body``). Errors use OpenAI's shape
-``{"error": {"message", "type", "code"}}`` with the statuses of :func:`status_of`.
+``openai`` client's ``extra_body``). OpenAI fields this server does not implement
+(:data:`UNSUPPORTED`) are refused with 400, never silently ignored. Errors use OpenAI's
+shape ``{"error": {"message", "type", "param", "code"}}`` (``code``: the HTTP status) with
+the statuses of :func:`status_of`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,34 @@ from kakeya_lab.session import (
     SessionInUse,
     UnknownSession,
 )
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+
+# OpenAI request fields this server does not implement: refused with 400 when set
+# (``response_format`` only when it asks for more than plain text).
+UNSUPPORTED = {
+    "logprobs": "log probabilities are not returned by this server",
+    "top_logprobs": "log probabilities are not returned by this server",
+    "tools": "tool calls are not supported",
+    "tool_choice": "tool calls are not supported",
+    "functions": "function calls are not supported",
+    "function_call": "function calls are not supported",
+    "response_format": "only plain text replies are supported (response_format type 'text')",
+}
+
+
+class InvalidParam(ValueError):
+    """A request field with a value this server refuses (400); ``param`` names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class ModelNotFound(LookupError):
+    """A request names a model this server does not serve (404)."""
+
+    param = "model"
 
 
 class ChatMessage(BaseModel):
@@ -60,6 +90,14 @@ class ChatCompletionRequest(BaseModel):
     n: int = 1
     stream: bool = False
     stop: str | list[str] | None = None
+    # OpenAI fields that are refused when set (see UNSUPPORTED)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
     # extensions
     session_id: str | None = None
     reuse: bool = True
@@ -68,9 +106,44 @@ class ChatCompletionRequest(BaseModel):
     proposer: str = "none"
     draft_length: int = 4
 
+    def refuse_unsupported(self) -> None:
+        """:class:`InvalidParam` for the first OpenAI field this server does not implement."""
+        for name, why in UNSUPPORTED.items():
+            value = getattr(self, name)
+            if value is None or value is False:
+                continue
+            if name == "response_format" and value.get("type", "text") == "text":
+                continue
+            raise InvalidParam(name, f"{name} is not supported: {why}; leave it out")
+        if self.n != 1:
+            raise InvalidParam("n", f"n must be 1 (one choice per request), got {self.n}")
+
+    def stop_strings(self) -> list[str]:
+        """The ``stop`` field as a list (at most :data:`MAX_STOP_STRINGS` non-empty strings)."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise InvalidParam(
+                "stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}"
+            )
+        if any(not s for s in stops):
+            raise InvalidParam("stop", "stop strings must be non-empty")
+        return stops
+
+    def max_new_tokens(self) -> int:
+        """``max_completion_tokens``, else ``max_tokens``, else 256 (0 is refused later)."""
+        for name in ("max_completion_tokens", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None:
+                if value < 1:
+                    raise InvalidParam(name, f"{name} must be at least 1, got {value}")
+                return value
+        return 256
+
 
 def status_of(exc: BaseException) -> tuple[int, str]:
     """The HTTP status and OpenAI error type for an exception of the serving layer."""
+    if isinstance(exc, ModelNotFound):
+        return 404, "model_not_found"
     if isinstance(exc, (UnknownSession, SessionClosed)):
         return 404, "not_found"
     if isinstance(exc, AdmissionRejected):
@@ -87,14 +160,23 @@ def status_of(exc: BaseException) -> tuple[int, str]:
 
 
 def error_body(exc: BaseException) -> tuple[int, dict]:
-    """The status and OpenAI-shaped error body for ``exc``."""
+    """The status and OpenAI-shaped error body for ``exc`` (``param``: the field at fault,
+    when the exception names one)."""
     status, kind = status_of(exc)
     message = " ".join(str(exc).split()) or type(exc).__name__
-    return status, {"error": {"message": message, "type": kind, "code": status}}
+    return status, error_object(status, kind, message, getattr(exc, "param", None))
 
 
-def finish_reason(done: Done | None) -> str:
-    """``length`` when the reply hit its token limit (or was cut short), else ``stop``."""
+def error_object(status: int, kind: str, message: str, param: str | None = None) -> dict:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def finish_reason(done: Done | None, stopped: bool = False) -> str:
+    """``stop`` when a stop string ended the reply (``stopped``) or the model stopped;
+    ``length`` when it hit its token limit (or was cut short)."""
+    if stopped:
+        return "stop"
     return "length" if done is None or done.stop_reason == "max_tokens" else "stop"
 
 
@@ -124,15 +206,18 @@ def extension(att: Attached, done: Done | None) -> dict:
     }
 
 
-def completion_body(base: dict, att: Attached, text: str, n_tokens: int, done: Done | None) -> dict:
-    """A non-streaming ``chat.completion``; ``base`` holds id, created, model, session_id."""
+def completion_body(
+    base: dict, att: Attached, text: str, n_tokens: int, done: Done | None, stopped: bool = False
+) -> dict:
+    """A non-streaming ``chat.completion``; ``base`` holds id, created, model, session_id;
+    ``stopped``: a stop string ended the reply."""
     return {
         **base,
         "object": "chat.completion",
         "choices": [
             {
                 "index": 0,
-                "finish_reason": finish_reason(done),
+                "finish_reason": finish_reason(done, stopped),
                 "message": {"role": "assistant", "content": text},
             }
         ],

@@ -334,7 +334,33 @@ class ServedSessions:
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
+        self._check_prompt_text(text)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _check_prompt_text(self, text: str) -> None:
+        """Refuse a prompt that cannot fit before tokenizing all of it: a prompt may be the
+        longest open session's history plus ``max_append_tokens``, so a text with more
+        tokens than that is refused as soon as a prefix shows it (tokenized in pieces)."""
+        longest = 0
+        for sid in self.store.ids():
+            try:
+                longest = max(longest, self.store.verifier(sid).history_len)
+            except SessionError:
+                pass
+        bound = longest + self.limits.max_append_tokens
+        if len(text.encode()) <= bound:  # a token covers at least one byte
+            return
+        piece, margin = 16 * 1024, 64  # a cut can split at most one token into a few
+        counted = 0
+        for start in range(0, len(text), piece):
+            chunk = text[start : start + piece]
+            counted += len(self.tokenizer(chunk, add_special_tokens=False)["input_ids"]) - margin
+            if counted > bound:
+                raise ValueError(
+                    f"the conversation has more than {bound} tokens, more than this server's "
+                    f"limit of {self.limits.max_append_tokens} new tokens in one append allows: "
+                    "send a shorter conversation (or continue a session)"
+                )
 
     def attach(
         self,
@@ -475,7 +501,8 @@ class ServedSessions:
     ) -> Generator[Event, None, None]:
         """The session's events for one generation (arguments checked before the first event).
 
-        Stops before computing the next token once ``cancelled()`` is true; raises
+        Stops before computing the next token once ``cancelled()`` is true (and before
+        delivering a token computed meanwhile); raises
         :class:`ServerShuttingDown` between tokens when the server stops. On every exit the
         store stream is closed: the session keeps exactly the tokens yielded here; a text
         session's chat template records them as the assistant reply.
@@ -492,6 +519,7 @@ class ServedSessions:
             proposer=proposer,
             draft_length=options.draft_length,
             adaptive_draft_length=options.adaptive_draft_length,
+            cancelled=cancelled,  # also between computing a token and delivering it
         )
         turn = ChatTurn(stream, served.chat, self.store.eos_token_ids)
         return self._events(served, turn, cancelled)
@@ -528,6 +556,8 @@ class ServedSessions:
                         f"the server is shutting down: the stream ended after {len(delivered)} tokens "
                         "(the session keeps them until the server exits)"
                     )
+            if end != "done":  # the store ended it: cancelled after computing a token
+                end = "cancelled"
         except GeneratorExit:
             if end != "done":  # closed right after Done: a whole stream
                 end = "cancelled"

@@ -417,6 +417,7 @@ class SessionStore:
         draft_length: int = 4,
         adaptive_draft_length: bool = False,
         cost_model: CostModel | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> GenerationStream:
         """Generate up to ``max_new_tokens`` tokens; a stream of events.
 
@@ -427,6 +428,9 @@ class SessionStore:
         most expected tokens per second, at most ``draft_length``) vary it per step. The session keeps exactly the tokens delivered as
         :class:`Token` events (EOS included), also if the caller stops early. Arguments are
         checked here, before the first event. Collect a whole reply with :func:`collect_reply`.
+        ``cancelled``: asked after each token is computed, before it is delivered; once it
+        is true the stream ends without that token (and without :class:`Done`), e.g. when
+        the consumer's client left while the token was being computed.
         """
         if sampling is None:
             sampling = SamplingConfig()
@@ -459,13 +463,16 @@ class SessionStore:
                 adaptive_draft_length=adaptive_draft_length,
                 cost_model=cost_model,
             )
-            stream = GenerationStream(session, self._run(session, decoder))
+            stream = GenerationStream(session, self._run(session, decoder, cancelled))
             session.stream = weakref.ref(stream)
             self._touch(session)
             return stream
 
     def _run(
-        self, session: SessionState, decoder: speculative.Decoder
+        self,
+        session: SessionState,
+        decoder: speculative.Decoder,
+        cancelled: Callable[[], bool] | None = None,
     ) -> Generator[Event, None, None]:
         """The body of a stream (runs under the session's lock, one event at a time)."""
         verifier = session.verifier
@@ -484,6 +491,8 @@ class SessionStore:
                     session.stats["accepted"] = session.stats.get("accepted", 0) + step.accepted
                     yield step
                 while decoder.batch:
+                    if cancelled is not None and cancelled():
+                        return  # the computed token is not delivered; settle drops it
                     history_after = start_history + decoder.delivered + 1
                     if budget is not None and history_after > budget and not truncation_reported:
                         truncation_reported = True

@@ -163,8 +163,9 @@ def cache_explorer_figure(
         xaxis={"visible": False, "range": [-0.7, columns - 0.3]},
         yaxis={"visible": False, "range": [-rows + 0.3, 0.7]},
         height=170 + 38 * rows,
-        margin={"l": 10, "r": 10, "t": 80, "b": 10},
+        # the legend sits right of the grid, in its own margin, never over a token cell
+        margin={"l": 10, "r": 110, "t": 80, "b": 10},
         plot_bgcolor="white",
-        legend={"orientation": "h", "y": 1.02, "x": 1, "xanchor": "right"},
+        legend={"orientation": "v", "x": 1.01, "xanchor": "left", "y": 1, "yanchor": "top"},
     )
     return fig

@@ -1,13 +1,19 @@
 """The chat panel: talk to a session in a notebook (ipywidgets).
 
-``ChatPanel(load_model(...), SinkWindowConfig(...))`` shows a message box with Send and
-Stop, a proposer and draft-length selector, a live strip of the cache (sink / window /
-evicted tokens, ``kv_live_bytes`` against the analytic budget), a per-token latency
-sparkline over the conversation and the transcript. Replies stream token by token from a
-background thread (:class:`~kakeya_lab.widgets.live_chat.LiveChat`), so Stop is handled
-mid-reply. In speculative mode accepted draft tokens are green and the verifier's own
-tokens orange. Only the last ``keep_turns`` turns stay in the page (bounded DOM), so the
-panel stays responsive over hundreds of turns.
+``ChatPanel(load_model(...), SinkWindowConfig(...))`` shows a message box (Enter sends,
+Shift+Enter breaks the line) with Send and Stop, a proposer, draft-length and sampling
+(temperature, top-p, seed; greedy by default) selector, New conversation and Export
+(Markdown and JSON downloads), a live strip of the cache (sink / window / evicted tokens,
+``kv_live_bytes`` against the analytic budget), a per-token latency sparkline with the
+latest reply's p50/p95 and the drift of the per-turn mean over the last turns, and the
+transcript, which follows the newest text unless the reader has scrolled up. Replies
+stream token by token from a background thread
+(:class:`~kakeya_lab.widgets.live_chat.LiveChat`), so Stop is handled mid-reply, and a
+proposer that loads weights loads there too, with a "loading" status that Stop cancels.
+In speculative mode accepted draft tokens are green and the verifier's own tokens orange
+(a legend says so). Controls are disabled while a reply streams. Only the last
+``keep_turns`` turns stay in the page (bounded DOM), so the panel stays responsive over
+hundreds of turns.
 
 The HTML it renders is plain markup with stable class names (``kl-reply``, ``kl-cache``,
 ``kl-status``) so a browser test can read what is shown.
@@ -15,11 +21,23 @@ The HTML it renders is plain markup with stable class names (``kl-reply``, ``kl-
 
 from __future__ import annotations
 
+import base64
 import html
+import json
 
 from kakeya_lab.backends import registry
 from kakeya_lab.backends.config import SinkWindowConfig
-from kakeya_lab.widgets.live_chat import STOPPED_BY_USER, CacheSnapshot, LiveChat, ReplyRecord
+from kakeya_lab.sampling import SamplingConfig
+from kakeya_lab.widgets.live_chat import (
+    STOPPED_BY_USER,
+    CacheSnapshot,
+    LiveChat,
+    ReplyRecord,
+    latency_drift,
+    plural,
+    token_latency_percentiles,
+)
+from kakeya_lab.widgets.message_box import MessageBox
 
 KIND_STYLE = {"draft": "background:#c7e9c0", "verifier": "background:#fdd0a2"}
 _MIB = 2**20
@@ -43,8 +61,21 @@ def reply_html(record: ReplyRecord, *, colour_kinds: bool) -> str:
 
 def user_html(record: ReplyRecord) -> str:
     return (
-        f'<div class="kl-user" style="white-space:pre-wrap;padding:4px 8px;background:#f0f0f0;'
-        f'border-radius:4px;margin-top:6px"><b>you</b> {html.escape(record.user_text)}</div>'
+        f'<div class="kl-user" data-turn="{record.turn}" style="white-space:pre-wrap;'
+        f'padding:4px 8px;background:#f0f0f0;border-radius:4px;margin-top:6px">'
+        f"<b>you · turn {record.turn}</b> {html.escape(record.user_text)}</div>"
+    )
+
+
+def legend_html() -> str:
+    """What the colours of a speculative reply mean."""
+    swatch = '<span style="{}; padding:0 6px; margin:0 4px 0 10px">&nbsp;</span>'
+    return (
+        '<div class="kl-legend" style="font-size:85%">'
+        + swatch.format(KIND_STYLE["draft"])
+        + "accepted draft token"
+        + swatch.format(KIND_STYLE["verifier"])
+        + "verifier token (decoded or corrected; every token without a proposer)</div>"
     )
 
 
@@ -80,10 +111,18 @@ def cache_strip_html(snap: CacheSnapshot) -> str:
 
 
 def sparkline_html(
-    latencies: list[tuple[int, float]], by_turn: list[float], width: int = 600, height: int = 48
+    latencies: list[tuple[int, float]],
+    by_turn: list[float],
+    width: int = 600,
+    height: int = 48,
+    *,
+    latest: ReplyRecord | None = None,
+    drift_turns: int = 20,
 ) -> str:
-    """Per-token latency (ms) over the last tokens of the conversation, turn boundaries dashed;
-    with the mean ms/token of the first and the latest finished reply."""
+    """Per-token latency (ms) over the last tokens of the conversation, turn boundaries dashed,
+    with the readouts: p50 / p95 / max of the plotted tokens, the latest reply's p50 / p95
+    (``latest``), and the drift of the per-turn mean ms/token (``by_turn``) as the OLS slope
+    over the last ``drift_turns`` turns with its 95% interval."""
     if not latencies:
         return '<div class="kl-latency" style="font-size:85%;color:#777">per-token latency: no tokens yet</div>'
     ms = [1e3 * s for _, s in latencies]
@@ -97,27 +136,57 @@ def sparkline_html(
         for i in range(1, len(latencies))
         if latencies[i][0] != latencies[i - 1][0]
     )
-    drift = ""
-    if len(by_turn) >= 2:
-        first, last = 1e3 * by_turn[0], 1e3 * by_turn[-1]
-        drift = f" · mean ms/token first reply {first:.1f} → latest {last:.1f} ({100 * (last - first) / first:+.0f}%)"
-    elif by_turn:
-        drift = f" · mean ms/token {1e3 * by_turn[0]:.1f}"
+    ordered = sorted(ms)
+    overall = (
+        f"p50 {ordered[len(ordered) // 2]:.1f} ms · p95 "
+        f"{ordered[round(0.95 * (len(ordered) - 1))]:.1f} ms · max {ordered[-1]:.1f} ms"
+    )
+    turn = ""
+    if latest is not None:
+        p50, p95 = token_latency_percentiles(latest)
+        if p50 is not None and p95 is not None:
+            turn = f" · turn {latest.turn}: p50 {1e3 * p50:.1f} ms, p95 {1e3 * p95:.1f} ms"
+    trend = latency_drift(by_turn, drift_turns)
+    if trend is None:
+        drift = f" · drift: needs 3 finished turns ({len(by_turn)} so far)"
+    else:
+        drift = (
+            f" · drift over the last {trend.turns} turns {trend.slope_ms:+.2f} ms/token per turn "
+            f"(95% CI {trend.low_ms:+.2f} to {trend.high_ms:+.2f})"
+        )
     return (
         f'<div class="kl-latency"><svg width="{width}" height="{height}" style="background:#fafafa">'
         f'{marks}<polyline fill="none" stroke="#3182bd" stroke-width="1" points="{points}"/></svg>'
-        f'<div style="font-size:85%">per-token latency, last {len(ms)} tokens (top {top:.0f} ms)'
-        f"{drift}</div></div>"
+        f'<div style="font-size:85%">per-token latency, last {plural(len(ms), "token")}: '
+        f"{overall}{turn}{drift}</div></div>"
     )
 
 
-def status_html(record: ReplyRecord | None, busy: bool) -> str:
+def status_html(record: ReplyRecord | None, busy: bool, hint: str | None = None) -> str:
+    """The one-line status: idle (with an optional ``hint``), loading a proposer, streaming,
+    or how the last reply ended."""
+    if hint is not None:
+        return f'<div class="kl-status" data-state="hint">{html.escape(hint)}</div>'
     if record is None:
-        return '<div class="kl-status" data-state="idle">type a message and press Send</div>'
+        return (
+            '<div class="kl-status" data-state="idle">type a message and press Enter or Send</div>'
+        )
+    if busy and record.loading:
+        return (
+            f'<div class="kl-status" data-state="loading">turn {record.turn}: loading '
+            f"{html.escape(record.loading)} … (Stop cancels the turn; nothing is sent)</div>"
+        )
     if busy:
         return (
             f'<div class="kl-status" data-state="streaming">turn {record.turn}: streaming, '
-            f"{len(record.token_ids)} tokens</div>"
+            f"{plural(len(record.token_ids), 'token')}</div>"
+        )
+    if record.stop_reason == STOPPED_BY_USER and record.history_start is None:
+        return (
+            f'<div class="kl-status" data-state="done" data-stop-reason="{record.stop_reason}" '
+            f'data-undelivered="0">turn {record.turn}: stopped while loading '
+            f"{html.escape(record.proposer)}; nothing was sent (the load goes on in the "
+            f"background for the next turn)</div>"
         )
     stop = (
         "stopped by you" if record.stop_reason == STOPPED_BY_USER else f"stop: {record.stop_reason}"
@@ -134,8 +203,34 @@ def status_html(record: ReplyRecord | None, busy: bool) -> str:
     spec = f" · {drafts} accepted draft tokens" if record.proposer != "none" else ""
     return (
         f'<div class="kl-status" data-state="done" data-stop-reason="{record.stop_reason}" '
-        f'data-undelivered="{record.undelivered_tokens}">turn {record.turn}: {len(record.token_ids)} tokens, '
+        f'data-undelivered="{record.undelivered_tokens}">turn {record.turn}: '
+        f"{plural(len(record.token_ids), 'token')}, "
         f"{stop}{spec} · {held}{error}</div>"
+    )
+
+
+def export_links_html(chat: LiveChat) -> str:
+    """Download links for the conversation as Markdown and as JSON
+    (:meth:`LiveChat.transcript_markdown`, :meth:`LiveChat.transcript`), as data URLs, so
+    they work without a file on the server."""
+
+    def link(cls: str, name: str, mime: str, text: str) -> str:
+        data = base64.b64encode(text.encode()).decode()
+        return (
+            f'<a class="{cls}" download="{name}" href="data:{mime};base64,{data}" '
+            f'style="margin-left:10px">{name}</a>'
+        )
+
+    return (
+        '<span class="kl-export-links">'
+        + link("kl-export-md", "conversation.md", "text/markdown", chat.transcript_markdown())
+        + link(
+            "kl-export-json",
+            "conversation.json",
+            "application/json",
+            json.dumps(chat.transcript(), indent=1),
+        )
+        + "</span>"
     )
 
 
@@ -237,19 +332,25 @@ class ChatPanel:
                 registry.name_of(self.chat.store.model),
             )
         self.keep_turns = keep_turns
-        self.message = w.Text(placeholder="type a message", layout=w.Layout(width="60%"))
+        self.message = MessageBox()
         self.message.add_class("kl-message")
+        self.message.on_submit(lambda _: self._send_from_page())
         self.send_button = w.Button(description="Send", button_style="primary", icon="paper-plane")
         self.send_button.add_class("kl-send")
         self.stop_button = w.Button(
             description="Stop", button_style="danger", icon="stop", disabled=True
         )
         self.stop_button.add_class("kl-stop")
+        self.reset_button = w.Button(description="New conversation", icon="refresh")
+        self.reset_button.add_class("kl-reset")
+        self.export_button = w.Button(description="Export", icon="download")
+        self.export_button.add_class("kl-export")
+        longest = max(len(spec) for spec in proposers)
         self.proposer = w.Dropdown(
             options=list(proposers),
             value=proposers[0],
             description="proposer",
-            layout=w.Layout(width="220px"),
+            layout=w.Layout(width=f"{min(640, 110 + 8 * longest)}px"),
         )
         self.draft_length = w.Dropdown(
             options=list(draft_lengths),
@@ -258,51 +359,173 @@ class ChatPanel:
             layout=w.Layout(width="170px"),
             style={"description_width": "initial"},
         )
+        self.temperature = w.BoundedFloatText(
+            value=0.0,
+            min=0.0,
+            max=5.0,
+            step=0.1,
+            description="temperature",
+            layout=w.Layout(width="170px"),
+            style={"description_width": "initial"},
+        )
+        self.top_p = w.BoundedFloatText(
+            value=1.0,
+            min=0.01,
+            max=1.0,
+            step=0.05,
+            description="top-p",
+            layout=w.Layout(width="130px"),
+            style={"description_width": "initial"},
+        )
+        self.seed = w.BoundedIntText(
+            value=0,
+            min=0,
+            max=2**31 - 1,
+            description="seed",
+            layout=w.Layout(width="150px"),
+            style={"description_width": "initial"},
+        )
         self.cache_view = w.HTML(
             cache_strip_html(self.chat.cache_snapshot())
             if self.chat.replies
             else '<div class="kl-cache">cache: empty session</div>'
         )
         self.latency_view = w.HTML(sparkline_html([], []))
+        self.legend = w.HTML(legend_html())
         self.status = w.HTML(status_html(None, False))
-        self.transcript = w.VBox(layout=w.Layout(max_height="420px", overflow="auto"))
+        self.export_view = w.HTML("")
+        # newest first in a column-reverse box: the browser keeps it scrolled to the newest
+        # text while it grows, and leaves it alone once the reader scrolls up
+        self.transcript = w.VBox(
+            layout=w.Layout(max_height="420px", overflow="auto", flex_flow="column-reverse")
+        )
+        self.transcript.add_class("kl-transcript")
         self._reply_view: w.HTML | None = None
         self._w = w
-        self.send_button.on_click(lambda _: self.send())
+        self.send_button.on_click(lambda _: self._send_from_page())
         self.stop_button.on_click(lambda _: self.stop())
-        controls = w.HBox([self.message, self.send_button, self.stop_button])
+        self.reset_button.on_click(lambda _: self.reset())
+        self.export_button.on_click(lambda _: self.show_export())
+        self.proposer.observe(lambda _: self._set_busy(False), "value")
+        self.temperature.observe(lambda _: self._set_busy(False), "value")
+        controls = w.HBox(
+            [self.message, self.send_button, self.stop_button],
+            layout=w.Layout(align_items="center"),
+        )
+        self.message.layout = w.Layout(width="60%")
         options = w.HBox([self.proposer, self.draft_length])
+        sampling = w.HBox([self.temperature, self.top_p, self.seed])
+        actions = w.HBox([self.reset_button, self.export_button, self.export_view])
         self.widget = w.VBox(
-            [options, self.cache_view, self.latency_view, self.transcript, controls, self.status]
+            [
+                options,
+                sampling,
+                self.cache_view,
+                self.latency_view,
+                self.legend,
+                self.transcript,
+                controls,
+                self.status,
+                actions,
+            ]
         )
         self.widget.add_class("kl-chat-panel")
+        self._set_busy(False)
 
     # -------------------------------------------------------------- actions
+    def sampling(self) -> SamplingConfig:
+        """The sampling the controls set: greedy at temperature 0 (top-p and seed unused),
+        else temperature with top-p (below 1) and the seed. Raises ValueError for values
+        the sampler refuses."""
+        temperature = float(self.temperature.value)
+        if temperature == 0:
+            return SamplingConfig()
+        top_p = float(self.top_p.value)
+        return SamplingConfig(
+            temperature=temperature,
+            top_p=top_p if top_p < 1 else None,
+            seed=int(self.seed.value),
+        )
+
     def send(self, text: str | None = None) -> ReplyRecord | None:
-        """Send ``text`` (default: the message box) and stream the reply; returns its record."""
+        """Send ``text`` (default: the message box) and stream the reply; returns its record,
+        or None (with a hint in the status line) when nothing can be sent: an empty
+        message, a reply still streaming, or sampling values the sampler refuses."""
         text = self.message.value if text is None else text
-        if self.chat.streaming or not text.strip():
+        if self.chat.streaming:
+            self.status.value = status_html(None, False, "a reply is streaming: Stop it first")
+            return None
+        if not text.strip():
+            self.status.value = status_html(None, False, "type a message first")
+            return None
+        try:
+            sampling = self.sampling()
+        except ValueError as exc:
+            self.status.value = status_html(None, False, str(exc))
             return None
         self.message.value = ""
-        self.send_button.disabled = True
-        self.stop_button.disabled = False
+        self.export_view.value = ""
         record = self.chat.send(
             text,
             proposer=self.proposer.value,
             draft_length=int(self.draft_length.value),
+            sampling=sampling,
             on_token=self._on_token,
             on_done=self._on_done,
+            on_loading=self._on_loading,
         )
+        self._set_busy(True)
         self._add_turn(record)
         return record
 
     def stop(self) -> None:
-        """Stop the streaming reply after the current token."""
+        """Stop the streaming reply after the current token (or the proposer's load)."""
         self.chat.stop()
 
     def wait(self, timeout: float | None = None) -> ReplyRecord | None:
         """Block until the streaming reply has finished (scripted use in a notebook)."""
         return self.chat.wait(timeout)
+
+    def reset(self) -> None:
+        """A new conversation: a fresh session and an empty page (ignored while a reply
+        streams; Stop it first)."""
+        if self.chat.streaming:
+            self.status.value = status_html(None, False, "a reply is streaming: Stop it first")
+            return
+        self.chat.reset()
+        for old in self.transcript.children:
+            old.close()
+        self.transcript.children = ()
+        self._reply_view = None
+        self.export_view.value = ""
+        self.cache_view.value = '<div class="kl-cache">cache: empty session</div>'
+        self.latency_view.value = sparkline_html([], [])
+        self.status.value = status_html(None, False)
+
+    def show_export(self) -> None:
+        """Offer the conversation as Markdown and JSON downloads (links in the panel)."""
+        self.export_view.value = export_links_html(self.chat)
+
+    def _send_from_page(self) -> None:
+        self.send()
+
+    def _set_busy(self, busy: bool) -> None:
+        """Disable what must not change while a reply streams; draft length only with a
+        proposer, top-p and seed only when sampling."""
+        for control in (
+            self.message,
+            self.send_button,
+            self.proposer,
+            self.reset_button,
+            self.export_button,
+            self.temperature,
+        ):
+            control.disabled = busy
+        self.stop_button.disabled = not busy
+        self.draft_length.disabled = busy or self.proposer.value == "none"
+        greedy = float(self.temperature.value or 0) == 0
+        self.top_p.disabled = busy or greedy
+        self.seed.disabled = busy or greedy
 
     # ---------------------------------------------------------------- views
     def transcript_html(self, last: int | None = None) -> str:
@@ -313,17 +536,29 @@ class ChatPanel:
             user_html(r) + reply_html(r, colour_kinds=r.proposer != "none") for r in records
         )
         snap = cache_strip_html(self.chat.cache_snapshot())
-        spark = sparkline_html(list(self.chat.token_latencies), self.chat.latency_by_turn())
-        return f'<div class="kl-chat-static">{snap}{spark}{body}</div>'
+        legend = legend_html() if any(r.proposer != "none" for r in records) else ""
+        return f'<div class="kl-chat-static">{snap}{self._sparkline()}{legend}{body}</div>'
+
+    def _sparkline(self) -> str:
+        finished = [r for r in self.chat.replies if r.finished]
+        return sparkline_html(
+            list(self.chat.token_latencies),
+            self.chat.latency_by_turn(),
+            latest=finished[-1] if finished else None,
+        )
 
     def _add_turn(self, record: ReplyRecord) -> None:
         w = self._w
         self._reply_view = w.HTML(reply_html(record, colour_kinds=record.proposer != "none"))
-        children = list(self.transcript.children) + [w.HTML(user_html(record)), self._reply_view]
+        # newest first (see the transcript's column-reverse layout)
+        children = [self._reply_view, w.HTML(user_html(record))] + list(self.transcript.children)
         keep = 2 * self.keep_turns
-        for old in children[:-keep]:
+        for old in children[keep:]:
             old.close()  # bounded DOM: only the last keep_turns turns stay rendered
-        self.transcript.children = children[-keep:]
+        self.transcript.children = children[:keep]
+        self.status.value = status_html(record, busy=True)
+
+    def _on_loading(self, record: ReplyRecord) -> None:
         self.status.value = status_html(record, busy=True)
 
     def _on_token(self, record: ReplyRecord) -> None:
@@ -332,20 +567,15 @@ class ChatPanel:
         self.cache_view.value = cache_strip_html(self.chat.cache_snapshot())
         self.status.value = status_html(record, busy=True)
         if len(record.token_ids) % 4 == 1:
-            self.latency_view.value = sparkline_html(
-                list(self.chat.token_latencies), self.chat.latency_by_turn()
-            )
+            self.latency_view.value = self._sparkline()
 
     def _on_done(self, record: ReplyRecord) -> None:
         if self._reply_view is not None:
             self._reply_view.value = reply_html(record, colour_kinds=record.proposer != "none")
         self.cache_view.value = cache_strip_html(self.chat.cache_snapshot())
-        self.latency_view.value = sparkline_html(
-            list(self.chat.token_latencies), self.chat.latency_by_turn()
-        )
+        self.latency_view.value = self._sparkline()
         self.status.value = status_html(record, busy=False)
-        self.send_button.disabled = False
-        self.stop_button.disabled = True
+        self._set_busy(False)
 
     def _repr_mimebundle_(self, **kwargs):
         bundle = self.widget._repr_mimebundle_(**kwargs)
