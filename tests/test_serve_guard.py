@@ -62,11 +62,13 @@ def test_host_check():
 class Slots:
     """A real capacity counter with the store's CapacityExceeded."""
 
-    def __init__(self, free: int):
+    def __init__(self, free: int, take_s: float = 0.0):
         self.free = free
+        self.take_s = take_s
         self.lock = threading.Lock()
 
     def take(self) -> str:
+        time.sleep(self.take_s)
         with self.lock:
             if self.free == 0:
                 raise CapacityExceeded("full")
@@ -116,3 +118,38 @@ def test_serve_refuses_a_non_loopback_bind_without_a_key():
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "give an API key" in lines[0], done.stderr
+
+
+def test_a_release_that_frees_nothing_keeps_the_queue_bound():
+    """Waiters woken by a release that freed nothing stay counted while they look again,
+    so a newcomer never slips past the bound (every ended call wakes the queue)."""
+    slots = Slots(0, take_s=0.01)  # a slow try: woken waiters spend a while looking again
+    admission = Admission("queue", max_wait_s=5, max_waiting=2)
+    results: list[object] = []
+    waiters = [
+        threading.Thread(target=lambda: results.append(admission.admit(slots.take)))
+        for _ in range(2)
+    ]
+    for w in waiters:
+        w.start()
+    deadline = time.monotonic() + 10
+    while admission.waiting < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    newcomers_in = 0
+    full = Slots(0)  # the newcomers find the store full at once
+    for _ in range(20):
+        admission.released()
+        time.sleep(0.002)  # the woken waiters are trying the store now
+        try:
+            admission.admit(full.take)
+            newcomers_in += 1
+        except AdmissionRejected as exc:
+            assert "queue is full" in str(exc)
+    assert newcomers_in == 0 and admission.waiting == 2
+    with slots.lock:
+        slots.free += 2
+    admission.released()
+    for w in waiters:
+        w.join(timeout=10)
+    assert len(results) == 2 and admission.waiting == 0

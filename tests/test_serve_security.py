@@ -248,3 +248,23 @@ def test_the_projects_clients_send_the_key_from_the_environment(servers, monkeyp
     )
     assert len(table) == 6 and set(table["arm"]) == {"grpc_session", "http_reuse", "http_stateless"}
     assert server.metrics()["kakeya_sessions_open"] == open_before
+
+
+def test_the_size_bound_of_a_refused_prompt_tells_nothing_of_other_keys(servers):
+    """A prompt too long for any of the caller's sessions is refused with a bound made of
+    the caller's own sessions only (before, the longest session of any key was added to it,
+    so the refusal revealed another key's conversation length)."""
+    server = servers["keyed"]
+    one = server.openai(api_key=KEY1)
+    first = _chat(one, [{"role": "user", "content": "Remember the number 7."}])
+    s1 = first.model_extra["session_id"]
+    huge = [{"role": "user", "content": "word " * 12000}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        _chat(server.openai(api_key=KEY2), huge)
+    assert "the conversation has more than 8192 tokens" in str(refused.value)
+    with pytest.raises(openai.BadRequestError) as own:
+        _chat(one, huge)
+    assert f"more than {8192 + first.usage.total_tokens} tokens" in str(own.value)
+    http1 = httpx.Client(base_url=server.http_base, timeout=60, headers=server.headers(KEY1))
+    assert http1.delete(f"/v1/sessions/{s1}").status_code == 200
+    http1.close()

@@ -65,36 +65,37 @@ class Admission:
         wake it) stops waiting with :class:`AdmissionRejected`."""
         t0 = time.monotonic()
         deadline = t0 + (self.max_wait_s if self.policy == "queue" else 0.0)
-        waited = False
-        while True:
-            if cancelled():
-                raise AdmissionRejected("the caller went away while queued for a session slot")
-            with self._freed:
-                seen = self._releases
-            try:
-                value = take_slot()
-                return value, (time.monotonic() - t0) if waited else 0.0
-            except CapacityExceeded as exc:
-                reason = exc
-            with self._freed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    how = (
-                        "policy 'reject'"
-                        if self.policy == "reject"
-                        else f"queued {time.monotonic() - t0:.1f}s"
-                    )
-                    raise AdmissionRejected(
-                        f"no free session slot ({how}): {reason}; close a session or retry later"
-                    )
-                if not waited and self.waiting >= self.max_waiting:
-                    raise AdmissionRejected(
-                        f"no free session slot and the admission queue is full ({self.waiting} "
-                        f"requests already wait): {reason}; close a session or retry later"
-                    )
-                waited = True
-                self.waiting += 1
+        waited = False  # counted in ``waiting`` from its first wait until it returns
+        try:
+            while True:
+                if cancelled():
+                    raise AdmissionRejected("the caller went away while queued for a session slot")
+                with self._freed:
+                    seen = self._releases
                 try:
+                    value = take_slot()
+                    return value, (time.monotonic() - t0) if waited else 0.0
+                except CapacityExceeded as exc:
+                    reason = exc
+                with self._freed:
+                    if deadline - time.monotonic() <= 0:
+                        how = (
+                            "policy 'reject'"
+                            if self.policy == "reject"
+                            else f"queued {time.monotonic() - t0:.1f}s"
+                        )
+                        raise AdmissionRejected(
+                            f"no free session slot ({how}): {reason}; close a session or retry later"
+                        )
+                    if not waited:
+                        if self.waiting >= self.max_waiting:
+                            raise AdmissionRejected(
+                                f"no free session slot and the admission queue is full "
+                                f"({self.waiting} requests already wait): {reason}; close a "
+                                "session or retry later"
+                            )
+                        waited = True
+                        self.waiting += 1
                     while self._releases == seen:
                         left = deadline - time.monotonic()
                         if left <= 0:
@@ -102,7 +103,9 @@ class Admission:
                         step = left if self.recheck_s is None else min(left, self.recheck_s)
                         if not self._freed.wait(timeout=step) and self.recheck_s is not None:
                             break  # look again: an idle TTL may have freed a slot
-                finally:
+        finally:
+            if waited:
+                with self._freed:
                     self.waiting -= 1
 
     def released(self) -> None:

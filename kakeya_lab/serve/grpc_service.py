@@ -98,15 +98,23 @@ class SessionService(pb_grpc.SessionServiceServicer):
     def CreateSession(self, request, context):
         def run():
             system = request.system_prompt if request.HasField("system_prompt") else None
-            gone = threading.Event()
-            context.add_callback(gone.set)  # the call ended (a client that gave up)
-            context.add_callback(self.served.admission.released)  # so its wait ends now
-            served, queued_s = self.served.create(
-                origin="grpc",
-                system_prompt=system,
-                owner=grpc_owner(self.keys, context),
-                cancelled=gone.is_set,
-            )
+            gone, answered = threading.Event(), threading.Event()
+
+            def ended() -> None:  # the call ended: if before its answer, the client gave up
+                if not answered.is_set():
+                    gone.set()
+                    self.served.admission.released()  # so its queued wait ends now
+
+            context.add_callback(ended)
+            try:
+                served, queued_s = self.served.create(
+                    origin="grpc",
+                    system_prompt=system,
+                    owner=grpc_owner(self.keys, context),
+                    cancelled=gone.is_set,
+                )
+            finally:
+                answered.set()
             if gone.is_set():  # nobody will receive its id: do not leak the session
                 self.served.close(served.id)
             return pb.CreateSessionReply(session_id=served.id, queued_s=queued_s)

@@ -328,22 +328,26 @@ class ServedSessions:
         self.metrics.append_latency.observe(result.latency_s)
 
     # ------------------------------------------------------------ HTTP reuse
-    def render_ids(self, messages: list[dict]) -> list[int]:
+    def render_ids(self, messages: list[dict], owner: str | None = None) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template, ending with
-        the assistant generation prompt."""
+        the assistant generation prompt (a size bound from ``owner``'s sessions: None, all)."""
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
-        self._check_prompt_text(text)
+        self._check_prompt_text(text, owner)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _check_prompt_text(self, text: str) -> None:
+    def _check_prompt_text(self, text: str, owner: str | None = None) -> None:
         """Refuse a prompt that cannot fit before tokenizing all of it: a prompt may be the
         longest open session's history plus ``max_append_tokens``, so a text with more
-        tokens than that is refused as soon as a prefix shows it (tokenized in pieces)."""
+        tokens than that is refused as soon as a prefix shows it (tokenized in pieces).
+        Only ``owner``'s sessions count: the bound never tells of another key's sessions."""
         longest = 0
         for sid in self.store.ids():
             try:
+                served = self.store.metadata(sid)
+                if owner is not None and getattr(served, "owner", None) != owner:
+                    continue
                 longest = max(longest, self.store.verifier(sid).history_len)
             except SessionError:
                 pass
