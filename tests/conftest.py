@@ -139,26 +139,38 @@ SERVER_START_TIMEOUT_S = 600  # a bound on the readiness wait, generous for a bu
 
 
 class Server(ServerProcess):
-    """A real ``kakeya-lab serve`` subprocess on loopback, with the tests' clients."""
+    """A real ``kakeya-lab serve`` subprocess on loopback, with the tests' clients (which
+    send ``api_key``: the server's first key, when it was started with keys)."""
 
-    def client(self):
+    api_key: str | None = None
+
+    def client(self, api_key: str | None = None):
         from kakeya_lab.serve.client import SessionClient
 
-        return SessionClient(self.grpc_target, timeout_s=120)
+        return SessionClient(self.grpc_target, timeout_s=120, api_key=api_key or self.api_key)
 
-    def openai(self, **kw):
+    def openai(self, api_key: str | None = None, **kw):
         import openai
 
         return openai.OpenAI(
-            base_url=f"{self.http_base}/v1", api_key="x", max_retries=0, timeout=120, **kw
+            base_url=f"{self.http_base}/v1",
+            api_key=api_key or self.api_key or "x",
+            max_retries=0,
+            timeout=120,
+            **kw,
         )
+
+    def headers(self, api_key: str | None = None) -> dict[str, str]:
+        """The Authorization header of ``api_key`` (default: the server's first key)."""
+        key = api_key or self.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     def metrics(self) -> dict[str, float]:
         """The server's /metrics samples as ``name{label=value,...}`` -> value."""
         import httpx
         from prometheus_client.parser import text_string_to_metric_families
 
-        text = httpx.get(f"{self.http_base}/metrics", timeout=30).text
+        text = httpx.get(f"{self.http_base}/metrics", timeout=30, headers=self.headers()).text
         values = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -167,10 +179,23 @@ class Server(ServerProcess):
         return values
 
 
-def start_server(*extra: str, model: str = DEFAULT_MODEL) -> Server:
-    """:func:`kakeya_lab.serve.process.start_server`, with the tests' clients attached."""
-    p = start_process(*extra, model=model, timeout_s=SERVER_START_TIMEOUT_S)
-    return Server(p.proc, p.grpc_target, p.http_base, p.stderr)
+def start_server(
+    *extra: str, model: str = DEFAULT_MODEL, api_keys: tuple[str, ...] = (), key_dir=None
+) -> Server:
+    """:func:`kakeya_lab.serve.process.start_server`, with the tests' clients attached.
+    ``api_keys``: written to a key file in ``key_dir`` (``--api-key-file``); the clients
+    send the first."""
+    if api_keys:
+        if key_dir is None:
+            raise ValueError("api_keys need a key_dir (e.g. tmp_path) for the key file")
+        key_file = Path(key_dir) / "api-keys"
+        key_file.write_text("\n".join(api_keys) + "\n")
+        extra = (*extra, "--api-key-file", str(key_file))
+    env = {k: v for k, v in os.environ.items() if k != "KAKEYA_LAB_API_KEY"}
+    p = start_process(*extra, model=model, timeout_s=SERVER_START_TIMEOUT_S, env=env)
+    server = Server(p.proc, p.grpc_target, p.http_base, p.stderr)
+    server.api_key = api_keys[0] if api_keys else None
+    return server
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +204,8 @@ def serve():
     it started is stopped when the module ends, whatever happened."""
     started: list[Server] = []
 
-    def start(*extra: str, model: str = DEFAULT_MODEL) -> Server:
-        server = start_server(*extra, model=model)
+    def start(*extra: str, model: str = DEFAULT_MODEL, **keys) -> Server:
+        server = start_server(*extra, model=model, **keys)
         started.append(server)
         return server
 

@@ -7,7 +7,8 @@
         print(reply.text, client.info(sid).history_len)
 
 Errors arrive as ``grpc.RpcError`` with the status codes listed in
-:mod:`kakeya_lab.serve.grpc_service`.
+:mod:`kakeya_lab.serve.grpc_service`. A keyed server's key is ``api_key`` or, by default,
+``$KAKEYA_LAB_API_KEY``; it is sent with every call (``authorization`` metadata).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kakeya_lab.serve.api_keys import client_key
 from kakeya_lab.serve.proto import session_pb2 as pb
 from kakeya_lab.serve.proto import session_pb2_grpc as pb_grpc
 
@@ -34,10 +36,12 @@ class GeneratedReply:
 class SessionClient:
     """Thin wrapper over the generated stub (one channel)."""
 
-    def __init__(self, target: str, *, timeout_s: float = 120.0):
+    def __init__(self, target: str, *, timeout_s: float = 120.0, api_key: str | None = None):
         self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.SessionServiceStub(self.channel)
         self.timeout_s = timeout_s
+        key = client_key(api_key)
+        self.metadata = (("authorization", f"Bearer {key}"),) if key else ()
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
@@ -46,19 +50,22 @@ class SessionClient:
         request = pb.CreateSessionRequest()
         if system_prompt is not None:
             request.system_prompt = system_prompt
-        return self.stub.CreateSession(request, timeout=self.timeout_s).session_id
+        return self.stub.CreateSession(
+            request, timeout=self.timeout_s, metadata=self.metadata
+        ).session_id
 
     def append_ids(self, session_id: str, token_ids: Sequence[int]) -> pb.AppendReply:
         return self.stub.AppendTokens(
             pb.AppendRequest(session_id=session_id, token_ids=pb.TokenIds(ids=list(token_ids))),
             timeout=self.timeout_s,
+            metadata=self.metadata,
         )
 
     def append_text(self, session_id: str, text: str, role: str = "user") -> pb.AppendReply:
         field = {"user": "user_text", "assistant": "assistant_text"}[role]
         request = pb.AppendRequest(session_id=session_id)
         setattr(request, field, text)  # one member of the request's text oneof
-        return self.stub.AppendTokens(request, timeout=self.timeout_s)
+        return self.stub.AppendTokens(request, timeout=self.timeout_s, metadata=self.metadata)
 
     def stream(
         self,
@@ -85,6 +92,7 @@ class SessionClient:
                 stop_token_ids=list(stop_token_ids),
             ),
             timeout=self.timeout_s,
+            metadata=self.metadata,
         )
 
     def generate(self, session_id: str, max_new_tokens: int, **options) -> GeneratedReply:
@@ -107,10 +115,13 @@ class SessionClient:
         return self.stub.GetSessionInfo(
             pb.SessionInfoRequest(session_id=session_id, include_history=include_history),
             timeout=self.timeout_s,
+            metadata=self.metadata,
         )
 
     def close_session(self, session_id: str) -> None:
-        self.stub.CloseSession(pb.SessionRef(session_id=session_id), timeout=self.timeout_s)
+        self.stub.CloseSession(
+            pb.SessionRef(session_id=session_id), timeout=self.timeout_s, metadata=self.metadata
+        )
 
     def close(self) -> None:
         self.channel.close()

@@ -51,8 +51,48 @@ def build_parser() -> argparse.ArgumentParser:
         "or close the least recently used session",
     )
     p.add_argument("--max-wait-s", type=float, default=10.0, help="queue admission: longest wait")
-    p.add_argument("--idle-ttl-s", type=float, default=None, help="close sessions idle this long")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=8,
+        help="queue admission: callers waiting at once (more are refused at once; 0..16)",
+    )
+    p.add_argument(
+        "--idle-ttl-s", type=float, default=None, help="close any session idle this long"
+    )
+    p.add_argument(
+        "--implicit-ttl-s",
+        type=float,
+        default=600.0,
+        help="close implicit sessions (those of stateless HTTP requests) idle this long; 0: never",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind; anything but loopback needs an API key",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="accepted API keys, one a line (also $KAKEYA_LAB_API_KEY); clients send "
+        "'Authorization: Bearer KEY' (HTTP header, gRPC metadata). Keys are never taken on "
+        "the command line, where other users see them",
+    )
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="an HTTP Host name to accept besides this server's address (repeatable)",
+    )
+    p.add_argument(
+        "--allowed-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a web origin (scheme://host[:port]) whose pages may call the server (repeatable)",
+    )
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--max-append-tokens", type=int, default=8192, help="largest single append")
@@ -82,8 +122,21 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
         raise UserError(
             f"--host must be an IP address such as 127.0.0.1, got {args.host!r}"
         ) from None
+    from kakeya_lab.serve.api_keys import read_keys
+
+    try:
+        args.api_keys = tuple(read_keys(args.api_key_file))
+    except ValueError as exc:
+        raise UserError(f"--api-key-file: {exc}") from None
+    if not args.api_keys and not ipaddress.ip_address(args.host).is_loopback:
+        raise UserError(
+            f"--host {args.host} serves other machines: give an API key "
+            "(--api-key-file PATH or $KAKEYA_LAB_API_KEY), or bind 127.0.0.1"
+        )
     checks = [
         (args.capacity >= 1, f"--capacity must be >= 1, got {args.capacity}"),
+        (0 <= args.max_queued <= 16, f"--max-queued must be in 0..16, got {args.max_queued}"),
+        (args.implicit_ttl_s >= 0, f"--implicit-ttl-s must be >= 0, got {args.implicit_ttl_s}"),
         (args.max_wait_s >= 0, f"--max-wait-s must be >= 0, got {args.max_wait_s}"),
         (
             args.idle_ttl_s is None or args.idle_ttl_s > 0,
@@ -124,6 +177,11 @@ def serve_options(args: argparse.Namespace) -> tuple[SinkWindowConfig, ServeOpti
         admission=args.admission,
         max_wait_s=args.max_wait_s,
         idle_ttl_s=args.idle_ttl_s,
+        implicit_ttl_s=args.implicit_ttl_s or None,
+        max_queued=args.max_queued,
+        api_keys=args.api_keys,
+        allowed_hosts=tuple(args.allowed_host),
+        allowed_origins=tuple(args.allowed_origin),
         limits=ServeLimits(
             max_append_tokens=args.max_append_tokens, max_new_tokens=args.max_new_tokens_limit
         ),

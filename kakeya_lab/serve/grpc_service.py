@@ -13,7 +13,13 @@ engine error                                ``INTERNAL``
 
 ``Generate`` streams events; when the client cancels, generation stops before the next
 token and the session keeps exactly the tokens the server sent (a client may not have
-read the last ones still in flight when it cancelled).
+read the last ones still in flight when it cancelled). The session is released before the
+stream's last message (``done``) is sent, so a client's next call right after it never
+finds the session busy.
+
+Every call is authenticated (:class:`~kakeya_lab.serve.guard.GrpcAuth`: ``UNAUTHENTICATED``
+without a valid key) and acts for the key's owner: another owner's session is
+``NOT_FOUND``.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import grpc
 
 from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.serve.admission import AdmissionRejected
+from kakeya_lab.serve.api_keys import ApiKeys
+from kakeya_lab.serve.guard import GrpcAuth, grpc_owner
 from kakeya_lab.serve.proto import session_pb2 as pb
 from kakeya_lab.serve.proto import session_pb2_grpc as pb_grpc
 from kakeya_lab.serve.sessions import GenerateOptions, ServedSessions, ServerShuttingDown
@@ -64,8 +72,9 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
 class SessionService(pb_grpc.SessionServiceServicer):
     """Servicer: each method maps one request onto :class:`ServedSessions`."""
 
-    def __init__(self, served: ServedSessions):
+    def __init__(self, served: ServedSessions, keys: ApiKeys | None = None):
         self.served = served
+        self.keys = keys if keys is not None else ApiKeys()
 
     def _fail(self, context: grpc.ServicerContext, exc: BaseException, method: str):
         code = status_of(exc)
@@ -89,19 +98,40 @@ class SessionService(pb_grpc.SessionServiceServicer):
     def CreateSession(self, request, context):
         def run():
             system = request.system_prompt if request.HasField("system_prompt") else None
-            served, queued_s = self.served.create(origin="grpc", system_prompt=system)
+            gone, answered = threading.Event(), threading.Event()
+
+            def ended() -> None:  # the call ended: if before its answer, the client gave up
+                if not answered.is_set():
+                    gone.set()
+                    self.served.admission.released()  # so its queued wait ends now
+
+            context.add_callback(ended)
+            try:
+                served, queued_s = self.served.create(
+                    origin="grpc",
+                    system_prompt=system,
+                    owner=grpc_owner(self.keys, context),
+                    cancelled=gone.is_set,
+                )
+            finally:
+                answered.set()
+            if gone.is_set():  # nobody will receive its id: do not leak the session
+                self.served.close(served.id)
             return pb.CreateSessionReply(session_id=served.id, queued_s=queued_s)
 
         return self._call(context, "CreateSession", run)
 
     def AppendTokens(self, request, context):
         def run():
+            owner = grpc_owner(self.keys, context)
             which = request.WhichOneof("input")
             if which == "token_ids":
-                result = self.served.append_ids(request.session_id, list(request.token_ids.ids))
+                ids = list(request.token_ids.ids)
+                result = self.served.append_ids(request.session_id, ids, owner)
             elif which in ("user_text", "assistant_text"):
                 role = "user" if which == "user_text" else "assistant"
-                result = self.served.append_text(request.session_id, role, getattr(request, which))
+                text = getattr(request, which)
+                result = self.served.append_text(request.session_id, role, text, owner)
             else:
                 raise ValueError("AppendTokens needs token_ids, user_text or assistant_text")
             return pb.AppendReply(
@@ -134,7 +164,12 @@ class SessionService(pb_grpc.SessionServiceServicer):
                 draft_length=request.draft_length or 4,
                 adaptive_draft_length=request.adaptive_draft_length,
             )
-            events = self.served.generate(request.session_id, options, cancelled=stop.is_set)
+            events = self.served.generate(
+                request.session_id,
+                options,
+                cancelled=stop.is_set,
+                owner=grpc_owner(self.keys, context),
+            )
         except Exception as exc:
             self._fail(context, exc, "Generate")
             return
@@ -143,7 +178,10 @@ class SessionService(pb_grpc.SessionServiceServicer):
         detok = StreamingDetokenizer.for_tokenizer(self.served.tokenizer, skip_special_tokens=False)
         try:
             for event in events:
-                yield self._event(event, detok)
+                message = self._event(event, detok)
+                if isinstance(event, Done):
+                    events.close()  # release the session before the client sees the end
+                yield message
         except Exception as exc:
             self._fail(context, exc, "Generate")
         finally:
@@ -189,7 +227,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
 
     def GetSessionInfo(self, request, context):
         def run():
-            info = self.served.info(request.session_id)
+            info = self.served.info(request.session_id, grpc_owner(self.keys, context))
             if not request.include_history:
                 info["history"] = []
             return pb.SessionInfo(**info)
@@ -198,20 +236,32 @@ class SessionService(pb_grpc.SessionServiceServicer):
 
     def CloseSession(self, request, context):
         def run():
-            self.served.close(request.session_id)
+            self.served.close(request.session_id, grpc_owner(self.keys, context))
             return pb.CloseReply()
 
         return self._call(context, "CloseSession", run)
 
 
+GRPC_WORKERS = 32  # the server's threads (the admission queue holds fewer: see admission.py)
+
+
 def start_grpc_server(
-    served: ServedSessions, host: str, port: int, *, max_workers: int = 32
+    served: ServedSessions,
+    host: str,
+    port: int,
+    *,
+    max_workers: int = GRPC_WORKERS,
+    keys: ApiKeys | None = None,
 ) -> tuple[grpc.Server, int]:
-    """Start the service on ``host:port`` (0: a free port); returns the server and its port."""
+    """Start the service on ``host:port`` (0: a free port), every call checked against
+    ``keys`` (none: open, one anonymous owner); returns the server and its port."""
+    keys = keys if keys is not None else ApiKeys()
+    auth = GrpcAuth(keys, on_refuse=lambda: served.metrics.errors.labels("UNAUTHENTICATED").inc())
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc")
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=[auth],
     )
-    pb_grpc.add_SessionServiceServicer_to_server(SessionService(served), server)
+    pb_grpc.add_SessionServiceServicer_to_server(SessionService(served, keys), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind the gRPC port {host}:{port} (in use?)")

@@ -9,9 +9,9 @@ format is :mod:`kakeya_lab.serve.openai_protocol`; the work is
 
 Session binding of a chat completion (extension fields, e.g. the ``openai`` client's
 ``extra_body``): ``session_id`` — continue that session (the messages must extend its
-history); otherwise, unless ``reuse`` is false, an open HTTP session whose history is a
-prefix of the rendered conversation's token ids is reused, so only the new tokens are
-prefilled; ``reuse: false`` is stateless (a fresh session, closed after the reply). The
+history); otherwise, unless ``reuse`` is false, an idle implicit session of the same caller
+(API key) whose history is a prefix of the rendered conversation's token ids is reused, so
+only the new tokens are prefilled; ``reuse: false`` is stateless (a fresh session, closed after the reply). The
 reply carries ``session_id`` and ``usage.prompt_tokens_details.cached_tokens`` (prompt
 tokens not prefilled again), plus a ``kakeya`` object (appended tokens, prefill seconds).
 
@@ -36,6 +36,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kakeya_lab.serve import http_handlers
+from kakeya_lab.serve.api_keys import ApiKeys
+from kakeya_lab.serve.guard import HostCheck, HttpGuard, owner_of
 from kakeya_lab.serve.openai_protocol import (
     ChatCompletionRequest,
     ModelNotFound,
@@ -45,9 +47,17 @@ from kakeya_lab.serve.openai_protocol import (
 from kakeya_lab.serve.sessions import ServedSessions, served_proposer_kinds
 
 
-def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> FastAPI:
+def create_app(
+    served: ServedSessions,
+    *,
+    max_body_bytes: int = 8 * 2**20,
+    keys: ApiKeys | None = None,
+    hosts: HostCheck | None = None,
+    allowed_origins: tuple[str, ...] = (),
+) -> FastAPI:
     """The ASGI app serving ``served`` (see the module docstring); request bodies larger
-    than ``max_body_bytes`` are refused with 413."""
+    than ``max_body_bytes`` are refused with 413; every request passes
+    :class:`~kakeya_lab.serve.guard.HttpGuard` (``keys``, ``hosts``, ``allowed_origins``)."""
     app = FastAPI(title="kakeya_lab", docs_url=None, redoc_url=None)
     metrics = served.metrics
 
@@ -141,24 +151,26 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
         }
 
     @app.post("/v1/sessions")
-    async def create_session() -> JSONResponse:
+    async def create_session(request: Request) -> JSONResponse:
         try:
-            session, queued_s = await run_in_threadpool(served.create, origin="http")
+            session, queued_s = await run_in_threadpool(
+                served.create, origin="http", owner=owner_of(request)
+            )
         except Exception as exc:
             return fail(exc)
         return JSONResponse({"session_id": session.id, "queued_s": queued_s})
 
     @app.get("/v1/sessions/{session_id}")
-    async def session_info(session_id: str) -> JSONResponse:
+    async def session_info(session_id: str, request: Request) -> JSONResponse:
         try:
-            return JSONResponse(await run_in_threadpool(served.info, session_id))
+            return JSONResponse(await run_in_threadpool(served.info, session_id, owner_of(request)))
         except Exception as exc:
             return fail(exc)
 
     @app.delete("/v1/sessions/{session_id}")
-    async def close_session(session_id: str) -> JSONResponse:
+    async def close_session(session_id: str, request: Request) -> JSONResponse:
         try:
-            await run_in_threadpool(served.close, session_id)
+            await run_in_threadpool(served.close, session_id, owner_of(request))
         except Exception as exc:
             return fail(exc)
         return JSONResponse({"session_id": session_id, "closed": True})
@@ -167,7 +179,9 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         t0 = time.perf_counter()
         try:
-            options, att = await run_in_threadpool(http_handlers.prepare, served, req)
+            options, att = await run_in_threadpool(
+                http_handlers.prepare, served, req, owner_of(request)
+            )
         except Exception as exc:
             return fail(exc)
         if not req.stream:
@@ -191,6 +205,13 @@ def create_app(served: ServedSessions, *, max_body_bytes: int = 8 * 2**20) -> Fa
         BodyLimit,
         max_body_bytes=max_body_bytes,
         on_refuse=lambda: metrics.errors.labels("413").inc(),
+    )
+    app.add_middleware(  # outermost: refuses before anything else runs
+        HttpGuard,
+        keys=keys if keys is not None else ApiKeys(),
+        hosts=hosts if hosts is not None else HostCheck("127.0.0.1"),
+        allowed_origins=allowed_origins,
+        on_refuse=lambda status: metrics.errors.labels(str(status)).inc(),
     )
     return app
 

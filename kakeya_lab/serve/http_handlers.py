@@ -35,7 +35,7 @@ from kakeya_lab.serve.openai_protocol import (
     finish_reason,
     usage,
 )
-from kakeya_lab.serve.sessions import Attached, GenerateOptions, ServedSessions
+from kakeya_lab.serve.sessions import ANONYMOUS, Attached, GenerateOptions, ServedSessions
 from kakeya_lab.serve.stop_strings import StopMatcher
 from kakeya_lab.session import Done, Event, StreamingDetokenizer, Token
 
@@ -69,12 +69,17 @@ def options_of(served: ServedSessions, req: ChatCompletionRequest) -> GenerateOp
     return options
 
 
-def prepare(served: ServedSessions, req: ChatCompletionRequest) -> tuple[GenerateOptions, Attached]:
-    """Check the request and bind its session (the conversation's new tokens appended)."""
+def prepare(
+    served: ServedSessions, req: ChatCompletionRequest, owner: str = ANONYMOUS
+) -> tuple[GenerateOptions, Attached]:
+    """Check the request and bind a session of ``owner`` (the conversation's new tokens
+    appended)."""
     options = options_of(served, req)
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    prompt_ids = served.render_ids(messages)
-    return options, served.attach(prompt_ids, session_id=req.session_id, reuse=req.reuse)
+    prompt_ids = served.render_ids(messages, owner)
+    return options, served.attach(
+        prompt_ids, session_id=req.session_id, reuse=req.reuse, owner=owner
+    )
 
 
 def detokenizer(served: ServedSessions) -> StreamingDetokenizer:

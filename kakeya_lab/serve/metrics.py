@@ -2,7 +2,10 @@
 
 Names carry their units (``_seconds``, ``_bytes``, ``_total``). Gauges of live state
 (open sessions, ``kv_live_bytes`` summed over sessions) are computed at scrape time from
-the store, so they can never drift from it.
+the store, so they can never drift from it. Admission outcomes are ``admitted``,
+``evicted`` (a slot freed by evicting an idle session), ``queued`` (waited) and
+``rejected``; closed sessions carry their reason (``closed``, ``evicted_implicit``,
+``evicted_lru``, ``expired_implicit``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,12 @@ _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 1
 class ServeMetrics:
     """Counters and histograms updated by :class:`~kakeya_lab.serve.sessions.ServedSessions`."""
 
-    def __init__(self, open_sessions: Callable[[], float], kv_live_bytes: Callable[[], float]):
+    def __init__(
+        self,
+        open_sessions: Callable[[], float],
+        kv_live_bytes: Callable[[], float],
+        admission_waiting: Callable[[], float] = lambda: 0.0,
+    ):
         disable_created_metrics()  # no *_created series: they only add noise to scrapes
         self.registry = CollectorRegistry()
         r = self.registry
@@ -33,6 +41,9 @@ class ServeMetrics:
         Gauge(
             "kakeya_kv_live_bytes", "Bytes of K and V held by all sessions' caches", registry=r
         ).set_function(kv_live_bytes)
+        Gauge(
+            "kakeya_admission_waiting", "Session creations waiting in the queue", registry=r
+        ).set_function(admission_waiting)
         self.sessions_created = Counter(
             "kakeya_sessions_created_total", "Sessions created", ["origin"], registry=r
         )

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,15 +42,20 @@ class ServerProcess:
 
 
 def start_server(
-    *extra: str, model: str = DEFAULT_MODEL, timeout_s: float = 180.0
+    *extra: str,
+    model: str = DEFAULT_MODEL,
+    timeout_s: float = 180.0,
+    env: Mapping[str, str] | None = None,
 ) -> ServerProcess:
     """``kakeya-lab serve --model MODEL --grpc-port 0 --http-port 0 *extra`` (free loopback
-    ports unless ``extra`` names them), one torch thread, this package first on the path;
-    returns once the ready line is printed, or kills the process and raises RuntimeError
-    (with the end of its stderr) after ``timeout_s``."""
+    ports unless ``extra`` names them), one torch thread, this package first on the path,
+    in ``env`` (default: this process's environment); returns once the ready line is
+    printed, or kills the process and raises RuntimeError (with the end of its stderr)
+    after ``timeout_s``."""
     root = Path(__file__).resolve().parents[2]
-    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    base = dict(os.environ if env is None else env)
+    path = os.pathsep.join(p for p in (str(root), base.get("PYTHONPATH", "")) if p)
+    env = {**base, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     ports = [] if "--grpc-port" in extra else ["--grpc-port", "0", "--http-port", "0"]
     cmd = [sys.executable, "-m", "kakeya_lab.cli", "serve", "--model", model, *ports, *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

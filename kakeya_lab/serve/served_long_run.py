@@ -30,13 +30,15 @@ import openai
 import pandas as pd
 from openai.types.chat import ChatCompletionMessageParam
 
+from kakeya_lab.serve.api_keys import auth_headers, client_key
 from kakeya_lab.serve.client import SessionClient
 
 ARMS = ("grpc_session", "http_reuse", "http_stateless")
 
 
 def _server_rss(http_base: str) -> int:
-    for line in httpx.get(f"{http_base}/metrics", timeout=30).text.splitlines():
+    metrics = httpx.get(f"{http_base}/metrics", timeout=30, headers=auth_headers())
+    for line in metrics.text.splitlines():
         if line.startswith("process_resident_memory_bytes "):
             return int(float(line.split()[1]))
     return 0
@@ -74,7 +76,9 @@ def run_served_long_run(
         if value is not None and not value > 0:
             raise ValueError(f"{name} must be > 0 (got {value})")
     active = list(arms)
-    oc = openai.OpenAI(base_url=f"{http_base}/v1", api_key="unused", max_retries=0, timeout=600)
+    oc = openai.OpenAI(  # a keyed server's key from $KAKEYA_LAB_API_KEY
+        base_url=f"{http_base}/v1", api_key=client_key() or "unused", max_retries=0, timeout=600
+    )
     model = model or oc.models.list().data[0].id
     rows: list[dict] = []
     t0 = time.perf_counter()
@@ -136,7 +140,11 @@ def run_served_long_run(
             if "http_reuse" in arms and rows:
                 last = [r for r in rows if r["arm"] == "http_reuse"]
                 if last:
-                    httpx.delete(f"{http_base}/v1/sessions/{last[-1]['session_id']}", timeout=30)
+                    httpx.delete(
+                        f"{http_base}/v1/sessions/{last[-1]['session_id']}",
+                        timeout=30,
+                        headers=auth_headers(),
+                    )
     return pd.DataFrame(rows)
 
 

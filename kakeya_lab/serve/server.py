@@ -5,23 +5,29 @@ ready, waits for SIGTERM/SIGINT, then shuts down: new work is refused, active st
 with a clear status (gRPC ``UNAVAILABLE``, an in-band HTTP error event), both servers
 stop and the process exits 0. Sessions live in memory only: after a restart every old
 session id is reported unknown (``NOT_FOUND`` / 404), never silently reset.
+
+Exposure: with ``api_keys`` every call but ``GET /health`` needs one of them; a
+non-loopback ``host`` is refused without a key; HTTP requests must name this server in
+their Host header and carry no Origin header but an allowed one (:mod:`~kakeya_lab.serve.guard`).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import signal
 import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Literal
 
 import uvicorn
 
 from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.serve.admission import Admission
+from kakeya_lab.serve.api_keys import ApiKeys
 from kakeya_lab.serve.grpc_service import start_grpc_server
+from kakeya_lab.serve.guard import HostCheck
 from kakeya_lab.serve.http_app import create_app
 from kakeya_lab.serve.sessions import ServedSessions, ServeLimits
 from kakeya_lab.session import SessionStore
@@ -31,8 +37,13 @@ from kakeya_lab.session import SessionStore
 class ServeOptions:
     """Where and how to serve. Port 0 picks a free port (printed in the progress line).
 
-    ``admission``: ``reject`` / ``queue`` (wait up to ``max_wait_s``) when all ``capacity``
-    slots are used, or ``evict_lru`` (the store closes the least recently used session)."""
+    ``admission``: ``reject`` / ``queue`` (wait up to ``max_wait_s``, at most
+    ``max_queued`` callers at once) when all ``capacity`` slots are used, or ``evict_lru``
+    (the least recently used idle session is closed). ``idle_ttl_s`` closes any session idle
+    that long, ``implicit_ttl_s`` the implicit ones (stateless HTTP requests'; None: never).
+    ``api_keys``: the accepted keys (empty: open to every caller, loopback only);
+    ``allowed_hosts`` / ``allowed_origins``: HTTP Host names and Origins accepted besides
+    this server's own address."""
 
     host: str = "127.0.0.1"
     grpc_port: int = 50051
@@ -41,23 +52,37 @@ class ServeOptions:
     admission: str = "reject"
     max_wait_s: float = 10.0
     idle_ttl_s: float | None = None
+    implicit_ttl_s: float | None = 600.0
+    max_queued: int = 8
     limits: ServeLimits = ServeLimits()
     shutdown_grace_s: float = 5.0
+    api_keys: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:  # never print the keys
+        return f"ServeOptions(host={self.host!r}, keys={len(self.api_keys)}, ...)"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP address) is a loopback address."""
+    return ipaddress.ip_address(host).is_loopback
 
 
 def build_served(loaded, cache: SinkWindowConfig, options: ServeOptions) -> ServedSessions:
     """The serving layer over a fresh store for ``loaded`` (a :class:`LoadedModel`)."""
-    store_policy: Literal["reject", "evict_lru"] = (
-        "evict_lru" if options.admission == "evict_lru" else "reject"
-    )
+    # the store rejects when full; the serving layer evicts (only idle sessions, counted)
     store = SessionStore(
-        loaded.model,
-        cache,
-        capacity=options.capacity,
-        policy=store_policy,
-        idle_ttl_s=options.idle_ttl_s,
+        loaded.model, cache, capacity=options.capacity, idle_ttl_s=options.idle_ttl_s
     )
-    admission = Admission("queue" if options.admission == "queue" else "reject", options.max_wait_s)
+    ttls = [t for t in (options.idle_ttl_s, options.implicit_ttl_s) if t is not None]
+    admission = Admission(
+        "queue" if options.admission == "queue" else "reject",
+        options.max_wait_s,
+        max_waiting=options.max_queued,
+        # an expiry frees a slot without any call: waiters look again this often
+        recheck_s=min(1.0, max(0.05, min(ttls) / 10)) if ttls else None,
+    )
     return ServedSessions(
         store,
         loaded.tokenizer,
@@ -65,19 +90,28 @@ def build_served(loaded, cache: SinkWindowConfig, options: ServeOptions) -> Serv
         options.limits,
         model_name=loaded.description.name,
         verifier_sha256=loaded.description.weight_sha256,
+        evict_lru=options.admission == "evict_lru",
+        implicit_ttl_s=options.implicit_ttl_s,
     )
 
 
 def run_server(
     loaded, cache: SinkWindowConfig, options: ServeOptions, *, prog: str = "kakeya-lab serve"
 ) -> int:
-    """Serve until SIGTERM/SIGINT; returns the exit status (0 after a clean shutdown)."""
+    """Serve until SIGTERM/SIGINT; returns the exit status (0 after a clean shutdown).
+    ValueError for a non-loopback ``host`` without an API key."""
+    if not options.api_keys and not is_loopback(options.host):
+        raise ValueError(
+            f"--host {options.host} serves other machines: give an API key "
+            "(--api-key-file PATH or $KAKEYA_LAB_API_KEY), or bind 127.0.0.1"
+        )
+    keys = ApiKeys(options.api_keys)
     served = build_served(loaded, cache, options)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
 
-    grpc_server, grpc_port = start_grpc_server(served, options.host, options.grpc_port)
+    grpc_server, grpc_port = start_grpc_server(served, options.host, options.grpc_port, keys=keys)
     sock = socket.socket(
         socket.AF_INET6 if ":" in options.host else socket.AF_INET, socket.SOCK_STREAM
     )
@@ -92,7 +126,12 @@ def run_server(
     http_port = sock.getsockname()[1]
     http = uvicorn.Server(
         uvicorn.Config(
-            create_app(served),
+            create_app(
+                served,
+                keys=keys,
+                hosts=HostCheck(options.host, options.allowed_hosts),
+                allowed_origins=options.allowed_origins,
+            ),
             log_level="warning",
             lifespan="off",
             # uvicorn annotates int, but uses it as asyncio.wait_for seconds (floats work)
@@ -116,6 +155,7 @@ def run_server(
         f"{prog}: ready: model {d.name} (weights sha256 {d.weight_sha256[:16]}, {getattr(d, 'backend', 'torch')}, {d.dtype}); "
         f"cache sink {cache.sink} window {cache.window} ({budget} tokens, {cache.positions} positions); "
         f"capacity {options.capacity} ({options.admission}); "
+        f"{'API key required' if keys.required else 'no API key (loopback only)'}; "
         f"gRPC {options.host}:{grpc_port}; HTTP http://{options.host}:{http_port}/v1",
         flush=True,
     )

@@ -5,17 +5,25 @@ the only session table: each session's serving state (:class:`ServedSession`) is
 store's metadata for it, a request holds its session with the store's claims, and
 eviction follows the store's least-recently-used order.
 
+* owners: every session records its creator's owner (a hash of the API key, or
+  :data:`ANONYMOUS` on a keyless server); a session of another owner is unknown to a caller
+  (as if it did not exist), so ids, histories and ``cached_tokens`` never reveal it;
 * admission (:mod:`kakeya_lab.serve.admission`) when the store is full; sessions that HTTP
-  opened implicitly (for stateless requests) are evicted least-recently-used first;
+  opened implicitly (for stateless requests) are evicted least-recently-used first (with
+  ``evict_lru``, any idle session); a session that is streaming or held by a request is
+  never evicted; implicit sessions idle longer than ``implicit_ttl_s`` are closed;
 * a :class:`~kakeya_lab.chat.ChatTemplate` per session for text appends (a session that
   receives raw token ids is in *token mode* afterwards and refuses text);
 * :meth:`ServedSessions.attach` — prefix reuse: the token ids of a rendered conversation
-  are matched against open HTTP sessions' histories, so only the new tokens are prefilled;
+  are matched against the histories of the caller's own *implicit* sessions (an explicit
+  session, made by CreateSession / ``POST /v1/sessions`` or named by its client, is never
+  matched), so only the new tokens are prefilled;
 * :meth:`ServedSessions.generate` — the store's stream with cancellation, shutdown and
   metrics, through the one chat-turn loop (:class:`~kakeya_lab.session.turn.ChatTurn`): it
   closes the store stream on every exit, so the session keeps exactly the tokens this
   generator yielded, and a text session's template records them as the reply;
-* limits on request sizes, checked before any state changes.
+* limits on request sizes and the proposer (built once to check it), checked before any
+  state changes.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from kakeya_lab.proposers import (
 )
 from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.serve.admission import Admission
+from kakeya_lab.serve.api_keys import ANONYMOUS
 from kakeya_lab.serve.metrics import ServeMetrics
 from kakeya_lab.session import (
     AppendResult,
@@ -101,20 +110,21 @@ class ServedSession:
     store's claims say which request holds it; its LRU order, when it was last used)."""
 
     origin: str  # "grpc" | "http"
-    implicit: bool  # opened by HTTP for a stateless request (evictable when full)
+    implicit: bool  # opened by HTTP for a stateless request (reusable, evictable, TTL)
     chat: ChatTemplate | None  # None: token mode (raw ids were appended)
+    owner: str = ANONYMOUS  # who made it: only this owner sees it
     id: str = ""  # the store's id, set once the store has opened the session
     appended_tokens: int = 0
     prefill_s: float = 0.0
     generations: int = 0
 
 
-def _is_http(metadata: object) -> bool:
-    return isinstance(metadata, ServedSession) and metadata.origin == "http"
-
-
 def _is_implicit(metadata: object) -> bool:
     return isinstance(metadata, ServedSession) and metadata.implicit
+
+
+def _any_session(metadata: object) -> bool:
+    return True
 
 
 @dataclass(frozen=True)
@@ -140,8 +150,15 @@ class ServedSessions:
         limits: ServeLimits = ServeLimits(),
         model_name: str = "model",
         verifier_sha256: str | None = None,
+        *,
+        evict_lru: bool = False,
+        implicit_ttl_s: float | None = 600.0,
     ):
+        if implicit_ttl_s is not None and not implicit_ttl_s > 0:
+            raise ValueError(f"implicit_ttl_s must be > 0 (None: never), got {implicit_ttl_s}")
         self.store = store
+        self.evict_lru = evict_lru  # when full, close the least recently used idle session
+        self.implicit_ttl_s = implicit_ttl_s
         self.verifier_sha256 = verifier_sha256  # lets requests name a drafter (drafter:NAME)
         self.tokenizer = tokenizer
         self.admission = admission
@@ -149,30 +166,34 @@ class ServedSessions:
         self.model_name = model_name
         self.shutting_down = threading.Event()
         self.metrics = ServeMetrics(
-            open_sessions=lambda: len(self.store), kv_live_bytes=self._kv_live_bytes
+            open_sessions=self._open_sessions,
+            kv_live_bytes=self._kv_live_bytes,
+            admission_waiting=lambda: admission.waiting,
         )
 
     # ---------------------------------------------------------------- helpers
+    def _open_sessions(self) -> float:
+        self.expire_implicit()
+        return float(len(self.store))
+
     def _kv_live_bytes(self) -> float:
-        total = 0
-        for sid in self.store.ids():
-            try:
-                total += self.store.info(sid).kv_live_bytes
-            except SessionError:
-                pass
-        return float(total)
+        return float(self.store.kv_live_bytes())  # a scrape keeps no session alive
 
     def check_running(self) -> None:
         if self.shutting_down.is_set():
             raise ServerShuttingDown("the server is shutting down; no new work is accepted")
 
-    def get(self, session_id: str) -> ServedSession:
-        """The served session, or :class:`UnknownSession` (also if the store dropped it)."""
+    def get(self, session_id: str, owner: str | None = None) -> ServedSession:
+        """The served session, or :class:`UnknownSession` (also if the store dropped it, and
+        if ``owner`` is given and the session is another owner's: the same message as for an
+        id that never existed). ``owner`` None: no check (the caller already holds it)."""
         if not isinstance(session_id, str) or not session_id:
             raise ValueError("session_id must be a non-empty string (what CreateSession returned)")
         served = self.store.metadata(session_id)  # UnknownSession with the store's reason
         if not isinstance(served, ServedSession):
             raise UnknownSession(f"unknown session id {session_id!r} (not a served session)")
+        if owner is not None and served.owner != owner:
+            raise UnknownSession(f"unknown session id {session_id!r}")
         return served
 
     # -------------------------------------------------------------- lifecycle
@@ -183,41 +204,67 @@ class ServedSessions:
         implicit: bool = False,
         system_prompt: str | None = None,
         claimed: bool = False,
+        owner: str = ANONYMOUS,
+        cancelled: Callable[[], bool] = lambda: False,
     ) -> tuple[ServedSession, float]:
-        """Admit and open a session; returns it and the seconds spent queued. ``claimed``:
-        opened claimed for the calling request (release it with :meth:`detach`)."""
+        """Admit and open a session for ``owner``; returns it and the seconds spent queued.
+        ``claimed``: opened claimed for the calling request (release it with :meth:`detach`).
+        When full, an idle implicit session is evicted (with ``evict_lru``, any idle one).
+        ``cancelled``: the caller went away (a queued wait ends; see :class:`Admission`)."""
         self.check_running()
         chat = ChatTemplate(self.tokenizer, system=system_prompt) if origin == "grpc" else None
-        served = ServedSession(origin=origin, implicit=implicit, chat=chat)
+        served = ServedSession(origin=origin, implicit=implicit, chat=chat, owner=owner)
+        evicted = []
 
         def take_slot() -> str:
+            self.expire_implicit()
             try:
                 return self.store.create(metadata=served, claimed=claimed)
             except CapacityExceeded:
-                if not self._evict_implicit():
+                if not (self._evict(_is_implicit, "evicted_implicit") or self._evict_any()):
                     raise
+                evicted.append(True)
                 return self.store.create(metadata=served, claimed=claimed)
 
         try:
-            sid, queued_s = self.admission.admit(take_slot)
+            sid, queued_s = self.admission.admit(take_slot, cancelled)
         except Exception:
             self.metrics.admission.labels("rejected").inc()
             raise
-        self.metrics.admission.labels("queued" if queued_s > 0.001 else "admitted").inc()
+        outcome = "queued" if queued_s > 0 else "evicted" if evicted else "admitted"
+        self.metrics.admission.labels(outcome).inc()
         served.id = sid
         self.metrics.sessions_created.labels(origin).inc()
         return served, queued_s
 
-    def _evict_implicit(self) -> bool:
-        """Close the least recently used unclaimed implicit session; False if there is none."""
-        victim = self.store.evict_lru(_is_implicit, "least recently used implicit HTTP session")
-        if victim is None:
+    def _evict_any(self) -> bool:
+        return self.evict_lru and self._evict(_any_session, "evicted_lru")
+
+    def _evict(
+        self, where: Callable[[object], bool], reason: str, idle_for_s: float | None = None
+    ) -> bool:
+        """Close the least recently used idle session ``where`` selects (``idle_for_s``:
+        only one idle that long); False if there is none."""
+        why = {
+            "evicted_implicit": "least recently used implicit HTTP session",
+            "evicted_lru": "least recently used session",
+            "expired_implicit": f"implicit session idle longer than {idle_for_s}s",
+        }[reason]
+        if self.store.evict_lru(where, why, idle_for_s=idle_for_s) is None:
             return False
-        self.metrics.sessions_closed.labels("evicted_implicit").inc()
+        self.metrics.sessions_closed.labels(reason).inc()
+        self.admission.released()
         return True
 
-    def close(self, session_id: str) -> None:
-        self.get(session_id)
+    def expire_implicit(self) -> None:
+        """Close the implicit sessions idle longer than ``implicit_ttl_s``."""
+        if self.implicit_ttl_s is not None:
+            while self._evict(_is_implicit, "expired_implicit", self.implicit_ttl_s):
+                pass
+
+    def close(self, session_id: str, owner: str | None = None) -> None:
+        """Close the session (``owner``: as :meth:`get`)."""
+        self.get(session_id, owner)
         self.store.close(session_id)  # an open stream ends with SessionClosed
         self.metrics.sessions_closed.labels("closed").inc()
         self.admission.released()
@@ -232,21 +279,27 @@ class ServedSessions:
             )
         return ids
 
-    def append_ids(self, session_id: str, token_ids: Sequence[int]) -> AppendResult:
+    def append_ids(
+        self, session_id: str, token_ids: Sequence[int], owner: str | None = None
+    ) -> AppendResult:
         """Commit raw token ids (the session is in token mode afterwards)."""
         self.check_running()
-        served = self.get(session_id)
+        served = self.get(session_id, owner)
         result = self._append(served, self._check_size(token_ids))
         served.chat = None
         return result
 
     def append_text(
-        self, session_id: str, role: Literal["user", "assistant"], text: str
+        self,
+        session_id: str,
+        role: Literal["user", "assistant"],
+        text: str,
+        owner: str | None = None,
     ) -> AppendResult:
         """Render a user or assistant message through the session's chat template and commit
         its ids; the template is unchanged if anything fails."""
         self.check_running()
-        served = self.get(session_id)
+        served = self.get(session_id, owner)
         if not isinstance(text, str):
             raise inputs.InputTypeError(f"message text must be a string, got {type(text).__name__}")
         chat = served.chat
@@ -275,22 +328,26 @@ class ServedSessions:
         self.metrics.append_latency.observe(result.latency_s)
 
     # ------------------------------------------------------------ HTTP reuse
-    def render_ids(self, messages: list[dict]) -> list[int]:
+    def render_ids(self, messages: list[dict], owner: str | None = None) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template, ending with
-        the assistant generation prompt."""
+        the assistant generation prompt (a size bound from ``owner``'s sessions: None, all)."""
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
-        self._check_prompt_text(text)
+        self._check_prompt_text(text, owner)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _check_prompt_text(self, text: str) -> None:
+    def _check_prompt_text(self, text: str, owner: str | None = None) -> None:
         """Refuse a prompt that cannot fit before tokenizing all of it: a prompt may be the
         longest open session's history plus ``max_append_tokens``, so a text with more
-        tokens than that is refused as soon as a prefix shows it (tokenized in pieces)."""
+        tokens than that is refused as soon as a prefix shows it (tokenized in pieces).
+        Only ``owner``'s sessions count: the bound never tells of another key's sessions."""
         longest = 0
         for sid in self.store.ids():
             try:
+                served = self.store.metadata(sid)
+                if owner is not None and getattr(served, "owner", None) != owner:
+                    continue
                 longest = max(longest, self.store.verifier(sid).history_len)
             except SessionError:
                 pass
@@ -309,18 +366,27 @@ class ServedSessions:
                     "send a shorter conversation (or continue a session)"
                 )
 
-    def attach(self, prompt_ids: list[int], *, session_id: str | None, reuse: bool) -> Attached:
-        """Bind a session to an HTTP request whose conversation renders to ``prompt_ids``.
+    def attach(
+        self,
+        prompt_ids: list[int],
+        *,
+        session_id: str | None,
+        reuse: bool,
+        owner: str = ANONYMOUS,
+    ) -> Attached:
+        """Bind a session of ``owner`` to an HTTP request whose conversation renders to
+        ``prompt_ids``.
 
-        ``session_id``: that session, whose history must be a prefix of ``prompt_ids``.
-        Else, with ``reuse``, the open HTTP session with the longest history that is a
-        prefix (then only the remainder is prefilled); else a new implicit session. The
-        session is marked in use until :meth:`detach`.
+        ``session_id``: that session (explicit from now on), whose history must be a prefix
+        of ``prompt_ids``. Else, with ``reuse``, the owner's idle implicit session with the
+        longest history that is a prefix (then only the remainder is prefilled); else a new
+        implicit session. The session is marked in use until :meth:`detach`.
         """
         self.check_running()
         inputs.token_ids(prompt_ids, self.store.vocab_size, "prompt")
+        self.expire_implicit()
         if session_id is not None:
-            served = self.get(session_id)
+            served = self.get(session_id, owner)
             self.store.claim(session_id)  # SessionInUse while another request holds it
             history = self.store.verifier(session_id).history_token_ids
             if prompt_ids[: len(history)] != history:
@@ -330,21 +396,26 @@ class ServedSessions:
                     f"({len(history)} tokens): send the whole conversation so far plus the new turn"
                 )
             served.chat = None
+            served.implicit = False  # named by its client: never matched by prefix again
             return self._attach_append(served, prompt_ids, len(history), 0.0)
-        claimed = self._claim_prefix(prompt_ids) if reuse else None
+        claimed = self._claim_prefix(prompt_ids, owner) if reuse else None
         if claimed is not None:
             reused = len(self.store.verifier(claimed.id).history_token_ids)
             self.metrics.prefix_reuse.labels("hit").inc()
             self.metrics.reused_tokens.inc(reused)
             return self._attach_append(claimed, prompt_ids, reused, 0.0)
         self.metrics.prefix_reuse.labels("miss" if reuse else "disabled").inc()
-        served, queued_s = self.create(origin="http", implicit=True, claimed=True)
+        served, queued_s = self.create(origin="http", implicit=True, claimed=True, owner=owner)
         return self._attach_append(served, prompt_ids, 0, queued_s)
 
-    def _claim_prefix(self, prompt_ids: list[int]) -> ServedSession | None:
-        """Claim the unclaimed HTTP session with the longest history that is a prefix of
-        ``prompt_ids`` (None if there is none)."""
-        candidates = self.store.claim_where(_is_http)
+    def _claim_prefix(self, prompt_ids: list[int], owner: str) -> ServedSession | None:
+        """Claim ``owner``'s unclaimed implicit session with the longest history that is a
+        prefix of ``prompt_ids`` (None if there is none)."""
+
+        def mine(metadata: object) -> bool:
+            return _is_implicit(metadata) and metadata.owner == owner  # type: ignore[attr-defined]
+
+        candidates = self.store.claim_where(mine)
         best, best_len = None, -1
         for sid in candidates:
             try:
@@ -356,6 +427,8 @@ class ServedSessions:
         for sid in candidates:
             if sid != best:
                 self.store.release(sid)
+        if len(candidates) > (best is not None):
+            self.admission.released()  # released again: evictable for a queued create
         if best is None:
             return None
         try:
@@ -382,13 +455,15 @@ class ServedSessions:
         )
 
     def detach(self, served: ServedSession, *, close: bool = False) -> None:
-        """Release a session bound by :meth:`attach` (closing it for stateless requests)."""
+        """Release a session bound by :meth:`attach` (closing it for stateless requests);
+        either way a queued create is woken (an idle implicit session can be evicted)."""
         self.store.release(served.id)
         if close:
             try:
                 self.close(served.id)
             except UnknownSession:
                 pass
+        self.admission.released()
 
     # --------------------------------------------------------------- generate
     def check_options(self, options: GenerateOptions) -> None:
@@ -410,12 +485,23 @@ class ServedSessions:
                 registry.check_tree_support(self.store.model)
             except NotImplementedError as exc:
                 raise ValueError(f"proposer {options.proposer!r}: {exc}") from None
+        self._make_proposer(spec)  # a spec only its builder refuses fails here, before a prefill
+
+    def _make_proposer(self, spec: str):
+        return make_proposer(
+            spec,
+            self.store.model,
+            self.store.config,
+            self.tokenizer,
+            verifier_sha256=self.verifier_sha256,
+        )
 
     def generate(
         self,
         session_id: str,
         options: GenerateOptions,
         cancelled: Callable[[], bool] = lambda: False,
+        owner: str | None = None,
     ) -> Generator[Event, None, None]:
         """The session's events for one generation (arguments checked before the first event).
 
@@ -427,14 +513,8 @@ class ServedSessions:
         """
         self.check_running()
         self.check_options(options)
-        served = self.get(session_id)
-        proposer = make_proposer(
-            options.proposer or "none",
-            self.store.model,
-            self.store.config,
-            self.tokenizer,
-            verifier_sha256=self.verifier_sha256,
-        )
+        served = self.get(session_id, owner)
+        proposer = self._make_proposer(options.proposer or "none")
         stream = self.store.generate(
             session_id,
             options.max_new_tokens,
@@ -483,16 +563,17 @@ class ServedSessions:
             if end != "done":  # the store ended it: cancelled after computing a token
                 end = "cancelled"
         except GeneratorExit:
-            end = "cancelled"
+            if end != "done":  # closed right after Done: a whole stream
+                end = "cancelled"
             raise
         finally:
             self.metrics.streams_ended.labels(end).inc()
             turn.close()  # the session keeps what was yielded; the template records it
 
     # ------------------------------------------------------------------ info
-    def info(self, session_id: str) -> dict:
+    def info(self, session_id: str, owner: str | None = None) -> dict:
         """What GetSessionInfo returns (a plain dict; ``history`` is the committed ids)."""
-        served = self.get(session_id)
+        served = self.get(session_id, owner)
         info = self.store.info(session_id)
         cfg = self.store.config
         verifier = self.store.verifier(session_id)

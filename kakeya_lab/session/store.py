@@ -17,8 +17,10 @@ Safety rules (docs/design.md, "Sessions"):
 * Locks: each session has its own lock, held while a stream computes its next event and
   released before the event is handed out (never held across a ``yield``). The store's
   lock guards only the session table. A paused stream blocks nobody.
-* Close, LRU eviction or idle expiry of a streaming session end its stream with
-  :class:`SessionClosed` (naming the reason) at the consumer's next ``next()``.
+* Close, ``evict_lru`` policy eviction or idle expiry of a streaming session end its
+  stream with :class:`SessionClosed` (naming the reason) at the consumer's next ``next()``;
+  :meth:`SessionStore.evict_lru` (what the server uses) picks only idle sessions
+  (unclaimed, no open stream), so a served session is never evicted mid-stream.
 * Idle TTL: a session is idle from its last store call or last event handed out. A stream
   that is computing an event is never expired (so never mid-token); a stream whose
   consumer has not asked for an event for ``idle_ttl_s`` is idle like any other session
@@ -271,16 +273,25 @@ class SessionStore:
         finally:
             self._free(dropped)
 
-    def evict_lru(self, where: Callable[[object], bool], reason: str) -> str | None:
-        """Close the least recently used unclaimed session whose metadata satisfies
-        ``where`` (an open stream of it ends with :class:`SessionClosed` naming ``reason``);
-        its id, or None if no session qualifies."""
+    def evict_lru(
+        self, where: Callable[[object], bool], reason: str, *, idle_for_s: float | None = None
+    ) -> str | None:
+        """Close the least recently used idle session (unclaimed, no open generation stream)
+        whose metadata satisfies ``where`` and, if ``idle_for_s`` is given, that was last
+        seen at least that long ago; its id, or None if no session qualifies."""
         dropped: list[SessionState] = []
         try:
             with self._lock:
                 dropped += self._expire_idle()
+                now = time.monotonic()
                 victim = next(
-                    (s for s in self._sessions.values() if not s.claimed and where(s.metadata)),
+                    (
+                        s
+                        for s in self._sessions.values()
+                        if self._idle(s)
+                        and where(s.metadata)
+                        and (idle_for_s is None or now - s.last_seen_s >= idle_for_s)
+                    ),
                     None,
                 )
                 if victim is None:
@@ -289,6 +300,11 @@ class SessionStore:
                 return victim.id
         finally:
             self._free(dropped)
+
+    @staticmethod
+    def _idle(session: SessionState) -> bool:
+        """Evictable: not claimed, not computing, no open stream (never evicted mid-stream)."""
+        return not session.claimed and session.computing == 0 and session.open_stream() is None
 
     def _drop(self, session_id: str, reason: str) -> SessionState:
         """Remove a session from the table (under the table lock); free it with :meth:`_free`."""
@@ -611,6 +627,18 @@ class SessionStore:
                 config=self.config.to_dict(),
                 speculative=speculative_summary(s.stats),
             )
+
+    def kv_live_bytes(self) -> int:
+        """Bytes of K and V held by all open sessions' caches; a monitoring read that, unlike
+        :meth:`info`, keeps no session alive (a scrape must not defeat the idle TTL)."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+        total = 0
+        for s in sessions:
+            with s.lock:
+                if s.closed_reason is None:
+                    total += s.verifier.kv_live_bytes
+        return total
 
     def next_token_logits(self, session_id: str) -> torch.Tensor | None:
         """A copy of the logits ``[vocab]`` after the session's history (None if empty);

@@ -354,7 +354,13 @@ def run_served(args: argparse.Namespace) -> int:
 def _served_model_name(http_base: str) -> str:
     import httpx
 
-    return str(httpx.get(f"{http_base}/v1/models", timeout=30).json()["data"][0]["id"])
+    from kakeya_lab.serve.api_keys import auth_headers
+
+    return str(
+        httpx.get(f"{http_base}/v1/models", timeout=30, headers=auth_headers()).json()["data"][0][
+            "id"
+        ]
+    )
 
 
 def main(argv: Sequence[str]) -> int:

@@ -211,12 +211,15 @@ def run_served(
     server must serve (ValueError if it serves another, or if no served arm is asked for)."""
     import httpx
 
+    from kakeya_lab.serve.api_keys import auth_headers
     from kakeya_lab.serve.served_long_run import run_served_long_run
 
     if not settings.served_arms:
         raise ValueError("run_served: settings.served_arms names no arm")
     turns = settings.user_turns() if user_turns is None else list(user_turns)
-    served_model = httpx.get(f"{endpoints.http_base}/v1/models", timeout=30).json()["data"][0]["id"]
+    served_model = httpx.get(
+        f"{endpoints.http_base}/v1/models", timeout=30, headers=auth_headers()
+    ).json()["data"][0]["id"]
     if model is not None and served_model != model:
         raise ValueError(f"the server runs {served_model!r}, not {model!r}")
     cache = server_cache(endpoints.grpc_target)
