@@ -406,7 +406,10 @@ def test_busy_and_full_map_to_conflict_and_rate_limit_errors(servers):
         }
         try:
             with http.stream("POST", "/v1/chat/completions", json=body) as response:
-                next(line for line in response.iter_lines() if line.startswith("data: {"))
+                # keep the line iterator: dropping it would close the response (a disconnect,
+                # which ends the stream and frees the session)
+                lines = response.iter_lines()
+                next(line for line in lines if line.startswith("data: {"))
                 with pytest.raises(openai.ConflictError) as info:
                     main.openai().chat.completions.create(
                         model=DEFAULT_MODEL, messages=HAPPY, extra_body={"session_id": sid}
