@@ -501,7 +501,8 @@ def test_queue_admission_waits_for_a_slot_then_gives_up(servers):
         assert "sid" not in result  # still queued
         client.close_session(holder)
         waiter.join(timeout=10)
-        assert result["queued_s"] >= 0.8 and result["waited"] < 3
+        # woken by the release, not by its 30 s deadline (a generous bound for a busy machine)
+        assert result["queued_s"] >= 0.8 and result["waited"] < 15
         t0 = time.monotonic()
         code, msg = _code(client.create)  # the slot is taken: wait 3 s, then give up
         assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and "queued" in msg

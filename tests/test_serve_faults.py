@@ -176,7 +176,7 @@ def test_non_streaming_http_client_that_hangs_up_stops_generation(server, defaul
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
         with httpx.Client(base_url=server.http_base, timeout=httpx.Timeout(60, read=3)) as c:
             c.post("/v1/chat/completions", json=body)
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 120  # one token's time on a busy machine, with room
     while server.metrics().get("kakeya_streams_total{end=cancelled}", 0) == cancelled_before:
         assert time.monotonic() < deadline, "the server kept generating after the client left"
         time.sleep(0.1)
