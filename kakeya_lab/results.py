@@ -323,3 +323,40 @@ def write_run(
     for name, fig in (figures or {}).items():
         save_figure(fig, out, name)
     return path
+
+
+def _verdict(value: Any) -> str:
+    return {True: "yes", False: "NO"}.get(value, "not measured")
+
+
+def summary_lines(run_dir: str | Path) -> list[str]:
+    """A few lines a person reads at the end of a run: per arm the headline verdicts (KV
+    bounded, prefill bounded) with the turn latency p50 / p95 when ``metrics.json`` has
+    them, then where the figures are. Empty when the run folder has no ``metrics.json``
+    (e.g. an interactive demo notebook)."""
+    folder = Path(run_dir)
+    path = folder / "metrics.json"
+    if not path.is_file():
+        return []
+    doc = json.loads(path.read_text())
+    arms = (doc.get("metrics") or {}).get("arms") or {}
+    lines = []
+    for arm, headline in (doc.get("headline") or {}).items():
+        if not isinstance(headline, dict) or "kv_bounded" not in headline:
+            continue
+        summary = arms.get(arm) or {}
+        latency = ((summary.get("latency") or {}).get("turn_latency_s")) or {}
+        timing = (
+            f"; turn latency p50 {latency['p50']:.2f} s, p95 {latency['p95']:.2f} s"
+            if latency.get("p50") is not None and latency.get("p95") is not None
+            else ""
+        )
+        prefill = headline.get("prefill_bounded", summary.get("prefill_bounded"))
+        lines.append(
+            f"{arm}: KV bounded {_verdict(headline['kv_bounded'])}, "
+            f"prefill bounded {_verdict(prefill)}{timing}"
+        )
+    figures = sorted(p.name for p in folder.glob("*.html"))
+    if figures:
+        lines.append(f"figures in {folder}: {', '.join(figures)}")
+    return lines

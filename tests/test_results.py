@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -169,3 +170,26 @@ def test_csv_and_parquet_are_written_atomically(tmp_path):
     pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "t.csv"), table)
     pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "t.parquet"), table)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.csv", "t.parquet"]
+
+
+def test_summary_lines_state_the_verdicts_and_where_the_figures_are(tmp_path):
+    """What ``kakeya-lab run`` prints at the end (the committed quickstart evidence, and a
+    folder with a figure): one line per arm with both verdicts and the turn latency."""
+    import shutil
+
+    from kakeya_lab.results import summary_lines
+
+    evidence = Path(__file__).resolve().parent.parent / "evidence" / "quickstart"
+    doc = json.loads((evidence / "metrics.json").read_text())
+    lines = summary_lines(evidence)
+    arms = doc["metrics"]["arms"]
+    assert len(lines) == len(doc["headline"]) == len(arms)
+    for line, (arm, summary) in zip(lines, arms.items()):
+        p50 = summary["latency"]["turn_latency_s"]["p50"]
+        kv = "yes" if doc["headline"][arm]["kv_bounded"] else "NO"
+        assert line.startswith(f"{arm}: KV bounded {kv}, prefill bounded ")
+        assert f"p50 {p50:.2f} s" in line
+    shutil.copy(evidence / "metrics.json", tmp_path / "metrics.json")
+    (tmp_path / "kv_bytes.html").write_text("<html></html>")
+    assert summary_lines(tmp_path)[-1] == f"figures in {tmp_path}: kv_bytes.html"
+    assert summary_lines(tmp_path / "nothing-here") == []

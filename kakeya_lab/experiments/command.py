@@ -72,6 +72,10 @@ def run_notebook_command(args: argparse.Namespace) -> int:
         print(f"{PROG}: run failed: {exc} (partial run folder: {exc.run_dir})", file=sys.stderr)
         return EXIT_RUN_FAILED
     build_index(args.results)
+    from kakeya_lab.results import summary_lines
+
+    for line in summary_lines(run_dir):  # the verdicts, so the reader need not open files
+        print(line)
     print(run_dir)
     return 0
 

@@ -157,7 +157,8 @@ def save_quickstart(
 ) -> Path:
     """The quickstart's run folder (notebook 00: a short long run of two arms on a fixed
     script): ``metrics.json`` (every arm's summary, the sink-window arm's analytic
-    ``budget_bytes``; headline ``kv_bounded`` and ``kv_live_bytes_last`` per arm),
+    ``budget_bytes``; headline ``kv_bounded``, ``prefill_bounded`` and
+    ``kv_live_bytes_last`` per arm),
     ``turns.csv`` and ``figures``. Returns the path of ``metrics.json``."""
     out = Path(run_dir)
     header = run_header(
@@ -178,6 +179,7 @@ def save_quickstart(
     headline = {
         arm: {
             "kv_bounded": s["kv_bounded"],
+            "prefill_bounded": s.get("prefill_bounded"),
             "kv_live_bytes_last": int(table[table.arm == arm].kv_live_bytes.iloc[-1]),
         }
         for arm, s in run.summary.items()
