@@ -57,6 +57,8 @@ def test_host_check():
     anywhere = HostCheck("0.0.0.0")
     assert anywhere.ok("10.0.0.5:8000") and anywhere.ok("[fe80::1]:80")
     assert not anywhere.ok("evil.example:8000")  # a name may be rebound: only IP literals
+    named = HostCheck("localhost")  # a bind given as a name, not an address
+    assert named.ok("localhost:8000") and not named.ok("10.0.0.5:8000")
 
 
 class Slots:

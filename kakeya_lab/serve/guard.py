@@ -39,7 +39,10 @@ class HostCheck:
 
     def __init__(self, bind_host: str, allowed: Sequence[str] = ()):
         self.names = {*self.LOOPBACK, bind_host.lower(), *(_host_name(a) for a in allowed)}
-        self.any_ip = ipaddress.ip_address(bind_host).is_unspecified
+        try:
+            self.any_ip = ipaddress.ip_address(bind_host).is_unspecified
+        except ValueError:  # a host name (e.g. "localhost"), not an address
+            self.any_ip = False
 
     def ok(self, host_header: str | None) -> bool:
         if not host_header:
