@@ -226,15 +226,11 @@ def sweep(model, prompt, kind: str, consumer: str, sample: int | None) -> None:
 @pytest.mark.parametrize("consumer", list(CONSUMERS))
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_interrupt_at_sampled_lines(model, prompt, kind, consumer):
-    """A dozen evenly spaced points of the sweep below (the fast loop's share)."""
+    """A dozen evenly spaced points of the full sweeps (the fast loop's share)."""
     sweep(model, prompt, kind, consumer, sample=12)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("consumer", list(CONSUMERS))
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_interrupt_at_every_line(model, prompt, kind, consumer):
-    sweep(model, prompt, kind, consumer, sample=None)
+# The full sweeps, every line: tests/test_interrupts_every_line_{plain,chain,tree}.py.
 
 
 # ------------------------------------------------------------ failing proposers
