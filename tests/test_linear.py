@@ -117,7 +117,8 @@ def test_loading_with_an_unknown_kernel_fails_before_loading():
         load_model(DEFAULT_MODEL, backend="mlx", linear="onednn", progress=False)
 
 
-@pytest.mark.parametrize("mode", ["global", "rolling"])
+# rolling is the slower half (33 s): the full suite runs it, the fast loop global only
+@pytest.mark.parametrize("mode", ["global", pytest.param("rolling", marks=pytest.mark.slow)])
 def test_onednn_verifier_gives_the_oracle_logits_past_eviction(
     onednn_model, default_model, text_ids, mode, record_tolerance
 ):

@@ -58,6 +58,7 @@ def test_lean_forward_of_the_default_model_gives_the_oracle_logits(
     check_close("smollm2 lean/global/blocks+rollback", got, want, TOL, record_tolerance)
 
 
+@pytest.mark.slow  # 21 s: the full suite runs it, not the fast loop
 def test_an_int4_lean_draft_keeps_speculative_decoding_lossless_past_eviction(default_model):
     """The default model's own int4 copy drafts through the lean forward and, side by side,
     through transformers' forward: both streams are plain decoding's, over two turns of
