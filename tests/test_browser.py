@@ -287,6 +287,15 @@ def _wait_for_panel_or_error(page) -> None:
     assert not errors.count(), f"the panel cell failed: {errors.first.inner_text()[-2000:]}"
 
 
+def _start_panel(page) -> None:
+    """In an open 05_chat: run the parameters cell and the panel's cell (the kernel loads
+    the model first, however long it takes) until the chat panel is drawn."""
+    _wait_kernel_idle(page)
+    _run_cell(page, 1)
+    _run_cell(page, 2)
+    _wait_for_panel_or_error(page)
+
+
 # the newest reply's token count (the transcript lists the newest first)
 NEWEST_TOKENS = (
     "() => { const r = document.querySelector('.kl-chat-panel .kl-reply');"
@@ -324,10 +333,7 @@ def test_chat_panel_streams_and_stop_leaves_the_session_holding_the_text_shown(
 ):
     page = _open(browser, lab, own_copy, "05_chat.ipynb")
     try:
-        _wait_kernel_idle(page)
-        _run_cell(page, 1)  # parameters
-        _run_cell(page, 2)  # the panel: the kernel loads the model first, however long it takes
-        _wait_for_panel_or_error(page)
+        _start_panel(page)
         _shot(page, "chat-panel-ready")
         page.locator(".kl-message textarea").fill(
             "Tell me a long story about a dragon who guards a library."
@@ -381,10 +387,7 @@ def test_chat_panel_follows_the_conversation_enter_sends_exports_and_resets(brow
     and the session."""
     page = _open(browser, lab, own_copy, "05_chat.ipynb")
     try:
-        _wait_kernel_idle(page)
-        _run_cell(page, 1)
-        _run_cell(page, 2)
-        _wait_for_panel_or_error(page)
+        _start_panel(page)
         replies = ".kl-chat-panel .kl-reply"
         for turn in range(1, 11):
             _type_and_enter(
@@ -438,10 +441,7 @@ def test_chat_panel_follows_the_conversation_enter_sends_exports_and_resets(brow
 def test_a_draft_models_first_use_shows_loading_and_stop_works(browser, lab, own_copy):
     page = _open(browser, lab, own_copy, "05_chat.ipynb")
     try:
-        _wait_kernel_idle(page)
-        _run_cell(page, 1)
-        _run_cell(page, 2)
-        _wait_for_panel_or_error(page)
+        _start_panel(page)
         spec = "draft:smollm2-135m-instruct:int4"
         page.locator(".kl-chat-panel select").first.select_option(spec)
         _type_and_enter(page, ".kl-chat-panel .kl-message", "Hello there!")
@@ -466,10 +466,7 @@ def test_a_draft_models_first_use_shows_loading_and_stop_works(browser, lab, own
 def test_the_race_view_streams_both_lanes_with_the_same_greedy_tokens(browser, lab, own_copy):
     page = _open(browser, lab, own_copy, "05_chat.ipynb")
     try:
-        _wait_kernel_idle(page)
-        _run_cell(page, 1)
-        _run_cell(page, 2)
-        _wait_for_panel_or_error(page)
+        _start_panel(page)
         _run_cell(page, 13)  # the race view
         page.wait_for_selector(".kl-race")
         _type_and_enter(page, ".kl-race", "Count from one to twenty, in words, commas between.")
