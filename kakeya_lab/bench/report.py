@@ -3,7 +3,9 @@
 * :func:`read_index` — the run index ``results/index.parquet`` as it is (never rebuilt
   here: sweeps and ``kakeya-lab run`` write it);
 * :func:`long_run_latency_p50` — append-latency p50 per bucket of turns for every long
-  run with a ``turns.csv``;
+  run with a ``turns.csv``, completed or partial (stopped by a signal, an error budget or a
+  time limit), in-process and served arms alike, each row marked with its run's status and
+  whether its arm went through a server;
 * :func:`speculative_arms` — one row per arm of every speculative run's ``metrics.json``;
 * :func:`perplexity_table` — perplexity past the window and over the first window for
   per-token NLL curves (notebook ``10_sink_window_cache``).
@@ -21,6 +23,9 @@ import pandas as pd
 from kakeya_lab.bench.aggregate import bucket_of
 
 LONG_RUN_EXPERIMENTS = ("quickstart", "long_run")
+# A run's results are readable once it has ended, completed or not: a partial run (a signal,
+# an error budget, a time limit) wrote a valid report of the turns it ran.
+REPORTED_STATUSES = ("completed", "partial")
 
 
 def read_index(results_root: str | Path) -> pd.DataFrame:
@@ -31,11 +36,15 @@ def read_index(results_root: str | Path) -> pd.DataFrame:
     return pd.read_parquet(path)
 
 
-def completed(index: pd.DataFrame, experiments: tuple[str, ...]) -> pd.DataFrame:
-    """Completed runs of ``experiments``."""
+def completed(
+    index: pd.DataFrame,
+    experiments: tuple[str, ...],
+    statuses: tuple[str, ...] = ("completed",),
+) -> pd.DataFrame:
+    """Runs of ``experiments`` whose status is one of ``statuses`` (default: completed)."""
     if index.empty:
         return index
-    return index[(index["status"] == "completed") & index["experiment"].isin(experiments)]
+    return index[index["status"].isin(statuses) & index["experiment"].isin(experiments)]
 
 
 def run_folder(run, results_root: str | Path) -> Path:
@@ -48,33 +57,55 @@ def run_folder(run, results_root: str | Path) -> Path:
 def long_run_latency_p50(
     index: pd.DataFrame, results_root: str | Path, buckets: int = 10
 ) -> pd.DataFrame:
-    """Rows ``run, experiment, arm, turn, append_p50_s, kv_live_bytes`` per bucket of turns
-    (about ``buckets`` buckets per run) for every completed long run with a ``turns.csv``."""
+    """Rows ``run, experiment, status, arm, served, label, turn, append_p50_s,
+    kv_live_bytes`` per bucket of turns (about ``buckets`` buckets per run) for every
+    completed or partial long run with a ``turns.csv`` (:data:`REPORTED_STATUSES`).
+
+    ``served``: the arm went through a server (``grpc_session``, ``http_reuse``,
+    ``http_stateless``); ``label`` names the run and arm for a legend, with ``(partial)``
+    and ``served`` spelled out so a partial or served curve is never read as another kind.
+    Turns that failed (a non-empty ``error``) are left out of the p50s."""
+    from kakeya_lab.bench.long_run.settings import SERVED_ARMS
+
     rows = []
-    for run in completed(index, LONG_RUN_EXPERIMENTS).itertuples():
+    for run in completed(index, LONG_RUN_EXPERIMENTS, REPORTED_STATUSES).itertuples():
         turns_csv = run_folder(run, results_root) / "turns.csv"
         if not turns_csv.is_file():
             continue
         turns = pd.read_csv(turns_csv)
+        if "error" in turns:
+            turns = turns[turns["error"].isna()]
+        if turns.empty:
+            continue
         size = max(2, int(turns["turn"].max() + 1) // buckets)
+        name = f"{run.experiment}/{run.run_id}"
         for arm, df in turns.groupby("arm", sort=False):
+            served = str(arm) in SERVED_ARMS
+            label = f"{name}{' (partial)' if run.status == 'partial' else ''} {'served ' if served else ''}{arm}"
             grouped = df.groupby(bucket_of(df, "turns", size))
             p50 = grouped["append_latency_s"].median()
             kv = grouped["kv_live_bytes"].mean()
             for bucket, value in p50.items():
                 rows.append(
                     {
-                        "run": f"{run.experiment}/{run.run_id}",
+                        "run": name,
                         "experiment": run.experiment,
+                        "status": run.status,
                         "arm": arm,
+                        "served": served,
+                        "label": label,
                         "turn": int(bucket) * size,
                         "append_p50_s": float(value),
                         "kv_live_bytes": float(kv[bucket]),
                     }
                 )
     return pd.DataFrame(
-        rows, columns=["run", "experiment", "arm", "turn", "append_p50_s", "kv_live_bytes"]
-    )
+        rows,
+        columns=[
+            "run", "experiment", "status", "arm", "served", "label", "turn", "append_p50_s",
+            "kv_live_bytes",
+        ],
+    )  # fmt: skip
 
 
 def speculative_arms(index: pd.DataFrame, results_root: str | Path) -> pd.DataFrame:
