@@ -80,6 +80,73 @@ def prefill_figure(turns: pd.DataFrame, title: str = "Per-turn prefill") -> go.F
     return fig
 
 
+def prefill_history_figure(
+    turns: pd.DataFrame,
+    fits: dict[str, dict],
+    title: str = "Prefill against history length",
+) -> go.Figure:
+    """Each arm's per-turn prefill (``append_latency_s``) against the history it was
+    appended to, in its own panel, with the slope the summary fitted (``fits[arm]``: the
+    history-slope verdict, ``slope_s_per_token``, ``slope_ci95``, ``bounded``) drawn
+    through the mean point of the turns after the cache filled. A flat line inside its
+    interval is what a bounded prefill looks like; a stateless arm's line climbs."""
+    arms = [str(a) for a in turns["arm"].unique()]
+    titles = []
+    for arm in arms:
+        fit = fits.get(arm) or {}
+        slope, ci = fit.get("slope_s_per_token"), fit.get("slope_ci95")
+        titles.append(
+            f"{arm}: not fitted ({fit.get('reason') or 'no verdict'})"
+            if slope is None or ci is None
+            else f"{arm}: {slope * 1e6:.2f} us/token [{ci[0] * 1e6:.2f}, {ci[1] * 1e6:.2f}]"
+        )
+    cols = max(1, min(3, len(arms)))
+    n_rows = max(1, -(-len(arms) // cols))
+    fig = make_subplots(rows=n_rows, cols=cols, subplot_titles=titles, vertical_spacing=0.18)
+    for i, arm in enumerate(arms):
+        row, col = divmod(i, cols)
+        row, col = row + 1, col + 1
+        df = turns[turns["arm"] == arm]
+        if "error" in df:
+            df = df[df["error"].isna()]
+        color = _color(arm)
+        fig.add_trace(
+            go.Scatter(
+                x=df["history_len"],
+                y=df["append_latency_s"] * 1e3,
+                mode="markers",
+                name=arm,
+                marker=dict(color=color, size=5),
+                customdata=df["turn"],
+                hovertemplate="turn %{customdata}<br>%{y:.1f} ms",
+            ),
+            row,
+            col,
+        )
+        fit = fits.get(arm) or {}
+        slope, start = fit.get("slope_s_per_token"), fit.get("from_turn")
+        fitted = df if start is None else df[df["turn"] >= start]
+        if slope is not None and len(fitted):
+            x0, y0 = fitted["history_len"].mean(), fitted["append_latency_s"].mean()
+            xs = [fitted["history_len"].min(), fitted["history_len"].max()]
+            fig.add_trace(
+                go.Scatter(
+                    x=xs,
+                    y=[(y0 + slope * (x - x0)) * 1e3 for x in xs],
+                    mode="lines",
+                    line=dict(color=color, dash="dash"),
+                    name=f"{arm} fitted slope",
+                    showlegend=False,
+                ),
+                row,
+                col,
+            )
+    fig.update_xaxes(title_text="history length (tokens)")
+    fig.update_yaxes(title_text="prefill (ms)", rangemode="tozero")
+    fig.update_layout(title=title, height=60 + 320 * n_rows, showlegend=False)
+    return fig
+
+
 def kv_bytes_figure(
     turns: pd.DataFrame, budget_bytes: int | None = None, title: str = "KV cache bytes held"
 ) -> go.Figure:
