@@ -119,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--draft-window",
         dest="served_draft_window",
+        metavar="N",
         type=int,
         default=None,
         help="the draft models' own cache window (default: --window)",
@@ -252,6 +253,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     print(f"{PROG} serve: loading {args.model} ({args.backend})", file=sys.stderr, flush=True)
     loaded = load_model(args.model, backend=args.backend, linear=args.linear, progress=False)
+    for spec in args.draft:
+        print(
+            f"{PROG} serve: loading {spec} (shared by every session)", file=sys.stderr, flush=True
+        )
     from kakeya_lab.serve.server import run_server
 
     try:
