@@ -87,6 +87,48 @@ def test_grpc_draft_turns_equal_in_process_plain_greedy(server, store, default_m
     store.close(oracle)
 
 
+def test_a_cancelled_draft_turn_leaves_the_draft_cache_consistent(server, store, default_model):
+    """A draft stream cancelled after a few tokens (its draft cache drafted past what the
+    session kept): the following turns, drafting and not, still equal plain greedy decoding
+    of the session's history (token-id appends, past eviction)."""
+    tok = default_model.tokenizer
+    texts = [
+        "The old lighthouse keeper climbed the spiral stairs every evening and",
+        " Then the fog came in from the sea, and",
+        " At dawn the villagers",
+        " Years later,",
+    ]
+    oracle = store.create()
+    with server.client() as client:
+        sid = client.create()
+        for i, text in enumerate(texts):
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            client.append_ids(sid, ids)
+            before = client.info(sid).history_len
+            if i == 0:
+                call = client.stream(sid, MAX_NEW, proposer=DRAFT)
+                received = []
+                for event in call:
+                    if event.WhichOneof("event") == "token":
+                        received.append(event.token.id)
+                        if len(received) == 3:
+                            call.cancel()
+                            break
+                kept = client.info(sid).history_len - before
+                assert 3 <= kept < MAX_NEW  # exactly what was sent (some may be in flight)
+                expected = _plain(store, oracle, ids, max_new=kept)
+            else:
+                proposer = "none" if i == 2 else DRAFT
+                got = client.generate(sid, MAX_NEW, proposer=proposer).token_ids
+                expected = _plain(store, oracle, ids)
+                assert got == expected, (i, proposer)
+        history = list(client.info(sid, include_history=True).history)
+        assert history == store.verifier(oracle).history_token_ids
+        assert len(history) > SINK + WINDOW
+        client.close_session(sid)
+    store.close(oracle)
+
+
 def _stream(http: httpx.Client, body: dict) -> str:
     text = []
     with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:

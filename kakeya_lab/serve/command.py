@@ -261,7 +261,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     try:
         return run_server(loaded, cache, options, prog=f"{PROG} serve")
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # a port in use; a draft model that cannot draft
         raise UserError(str(exc)) from exc
 
 

@@ -113,7 +113,10 @@ class ServedProposers:
             drafts.append(LoadedDraft(canonical, name, kernel, loaded))
         served.drafts = {d.spec: d for d in drafts}
         for draft in drafts:  # a tokenizer mismatch is refused here, at startup
-            release_draft_caches(served.build(draft.spec))
+            try:
+                release_draft_caches(served.build(draft.spec))
+            except ValueError as exc:
+                raise ValueError(f"--draft {wanted[draft.spec]}: {exc}") from exc
         return served
 
     def _canonical(self, argument: str) -> str:
