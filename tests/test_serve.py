@@ -597,6 +597,9 @@ def test_cli_refuses_bad_arguments_before_loading_the_model(tmp_path, monkeypatc
         "window": ["--window", "0"],
         "--max-wait-s": ["--max-wait-s", "-1"],
         "different ports": ["--grpc-port", "9000", "--http-port", "9000"],
+        "--draft takes one draft model": ["--draft", "ngram"],
+        "no-such-model": ["--draft", "draft:no-such-model:int4"],
+        "needs a --draft": ["--draft-window", "8"],
     }
     for needle, args in cases.items():
         assert main(["serve", *args]) == 2, args

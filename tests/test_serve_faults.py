@@ -7,8 +7,9 @@ Engine errors are provoked for real, not simulated: a user's proposer whose code
 ``RuntimeError`` inside the engine -> ``INTERNAL`` / 500), and a proposer spec that cannot
 be built (``ngram:0`` -> ``INVALID_ARGUMENT`` / 400). (A temperature of 1e-45, which once
 overflowed the sampler into NaN, is now refused up front.) A draft model with
-another vocabulary cannot be provoked here: the server serves only the model-free
-proposers (n-gram, suffix, and their trees) and refuses ``draft:`` specs before the engine runs.
+another vocabulary cannot be provoked here: a server loads its draft models at startup
+(``--draft``), where one with another tokenizer is refused, and refuses every ``draft:``
+spec it did not load before the engine runs.
 
 Baseline: open sessions and live KV bytes (``/metrics``) must return exactly to their
 values before the fault. RSS (``process_resident_memory_bytes``) is checked only against

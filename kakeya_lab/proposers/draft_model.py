@@ -123,32 +123,46 @@ class DraftModelProposer:
         }
 
 
+def draft_model_choice(argument: str, request: ProposerRequest) -> tuple[str, str]:
+    """The model and linear kernel a ``draft:MODEL[:KERNEL]`` argument loads: ``KERNEL``,
+    else the request's ``draft_linear``, else the verifier's kernel."""
+    name, kernel = draft_model_spec(argument)
+    return name, kernel or request.draft_linear or linear_kernel_of(request.model)
+
+
+def load_draft_model(argument: str, request: ProposerRequest):
+    """Load the draft model of ``draft:MODEL[:KERNEL]`` (:func:`draft_model_choice`) with
+    :func:`~kakeya_lab.models.load_model`, in the verifier's dtype: what :func:`build`
+    loads when the request carries none, and what a server loads once to share."""
+    from kakeya_lab.models import load_model
+
+    name, kernel = draft_model_choice(argument, request)
+    return load_model(name, dtype=next(request.model.parameters()).dtype, linear=kernel)
+
+
 def build(argument: str, request: ProposerRequest) -> DraftModelProposer:
     """``draft:MODEL[:KERNEL]``: ``MODEL`` (a registry name or local folder) loaded with
-    :func:`~kakeya_lab.models.load_model` unless the request carries ``draft_model`` (an
-    already loaded model: what ``load_model`` returns or a bare ``PreTrainedModel``), in the
-    verifier's dtype and with ``KERNEL`` as its linear kernel, else the request's
-    ``draft_linear``, else the verifier's (``int8``/``int4``: quantised weights, cheaper
-    steps on CPU, :mod:`kakeya_lab.linear`). Its own sink-window cache keeps the config's
-    sinks and positions and ``draft_window`` recent entries (default: the config's
-    window); its tokenizer must equal the verifier's."""
-    name, kernel = draft_model_spec(argument)
-    model, draft_model = request.model, request.draft_model
-    if draft_model is None:
-        from kakeya_lab.models import load_model
-
-        draft_model = load_model(
-            name,
-            dtype=next(model.parameters()).dtype,
-            linear=kernel or request.draft_linear or linear_kernel_of(model),
-        )
-    elif kernel:
-        raise ValueError(
-            f"draft:{argument} names a kernel for a draft model that is already loaded; "
-            "load it with that kernel (load_model(..., linear=...)) and write draft:MODEL"
-        )
+    :func:`load_draft_model` unless the request carries ``draft_model`` (an already loaded
+    model: what ``load_model`` returns or a bare ``PreTrainedModel``, e.g. one a server
+    shares across its sessions), in the verifier's dtype and with ``KERNEL`` as its linear
+    kernel, else the request's ``draft_linear``, else the verifier's (``int8``/``int4``:
+    quantised weights, cheaper steps on CPU, :mod:`kakeya_lab.linear`). Its own sink-window
+    cache keeps the config's sinks and positions and ``draft_window`` recent entries
+    (default: the config's window); its tokenizer must equal the verifier's."""
     from kakeya_lab.models.load import LoadedModel
 
+    _, kernel = draft_model_spec(argument)
+    draft_model = request.draft_model
+    if draft_model is None:
+        draft_model = load_draft_model(argument, request)
+    elif kernel:
+        network = draft_model.model if isinstance(draft_model, LoadedModel) else draft_model
+        if linear_kernel_of(network) != kernel:
+            raise ValueError(
+                f"draft:{argument} names the {kernel} kernel, but the draft model already "
+                f"loaded runs {linear_kernel_of(network)}: load it with that kernel "
+                "(load_model(..., linear=...)) or write draft:MODEL"
+            )
     # what load_model returns carries its tokenizer; a bare model is the network itself (a
     # PreTrainedModel's own ``.model`` is its base without the lm_head)
     loaded = isinstance(draft_model, LoadedModel)

@@ -11,6 +11,8 @@
 * :mod:`~kakeya_lab.serve.sessions` — the serving layer both share (reuse, limits,
   cancellation), on the store's own session table;
   :mod:`~kakeya_lab.serve.admission` — reject or queue when full;
+  :mod:`~kakeya_lab.serve.served_proposers` — what a request may name as its proposer (the
+  model-free kinds, the draft models loaded once with ``--draft``);
   :mod:`~kakeya_lab.serve.metrics` — Prometheus metrics;
 * :mod:`~kakeya_lab.serve.server` — both servers, the progress line, SIGTERM;
 * :mod:`~kakeya_lab.serve.client` — a small gRPC client for notebooks and benches.

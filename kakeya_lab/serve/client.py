@@ -77,6 +77,7 @@ class SessionClient:
         proposer: str = "none",
         draft_length: int = 4,
         stop_token_ids: Sequence[int] = (),
+        allow_no_stop: bool = False,
     ) -> Iterator[pb.GenerateEvent]:
         """The raw event stream (a call object: ``.cancel()`` stops generation)."""
         sampling = pb.Sampling(temperature=temperature)
@@ -90,6 +91,7 @@ class SessionClient:
                 proposer=proposer,
                 draft_length=draft_length,
                 stop_token_ids=list(stop_token_ids),
+                allow_no_stop=allow_no_stop,
             ),
             timeout=self.timeout_s,
             metadata=self.metadata,

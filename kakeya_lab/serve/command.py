@@ -19,7 +19,9 @@ from kakeya_lab.cli_args import (
     add_proposer_modules,
     cache_config,
     check_cache,
+    check_int,
     check_linear,
+    check_model,
     load_proposer_modules,
     run_parser,
 )
@@ -47,10 +49,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--admission",
         choices=["reject", "queue", "evict_lru"],
         default="reject",
-        help="when full: reject (RESOURCE_EXHAUSTED / 429), queue up to --max-wait-s, "
-        "or close the least recently used session",
+        help="when full: reject (RESOURCE_EXHAUSTED / 429 at once), queue (wait for a slot: "
+        "up to --max-wait-s; queued callers are woken by a close, an eviction or an idle "
+        "expiry, and refused with UNAVAILABLE / 503 at shutdown), or close the least recently "
+        "used idle session",
     )
-    p.add_argument("--max-wait-s", type=float, default=10.0, help="queue admission: longest wait")
+    p.add_argument(
+        "--max-wait-s",
+        type=float,
+        default=10.0,
+        help="queue admission: longest wait in seconds; 0: wait without limit",
+    )
     p.add_argument(
         "--max-queued",
         type=int,
@@ -97,6 +106,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--max-append-tokens", type=int, default=8192, help="largest single append")
     p.add_argument("--max-new-tokens-limit", type=int, default=2048, help="largest max_new_tokens")
+    p.add_argument(
+        "--draft",
+        action="append",
+        default=[],
+        metavar="draft:MODEL[:KERNEL]",
+        help="load this draft model once at startup (repeatable): requests may then name it "
+        "as their proposer (gRPC proposer, HTTP proposer and draft_length), each session "
+        "with its own draft cache over the shared weights, e.g. "
+        "draft:smollm2-135m-instruct:int4; model-free proposers need no loading",
+    )
+    p.add_argument(
+        "--draft-window",
+        dest="served_draft_window",
+        metavar="N",
+        type=int,
+        default=None,
+        help="the draft models' own cache window (default: --window)",
+    )
     add_proposer_modules(p)
     p.set_defaults(func=run_serve)
     return p
@@ -157,6 +184,33 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
     check_cache(args)
     check_linear(args)
     load_proposer_modules(args)
+    check_drafts(args)
+
+
+def check_drafts(args: argparse.Namespace) -> None:
+    """``--draft`` (one ``draft:MODEL[:KERNEL]`` each, the model found without loading it)
+    and ``--draft-window``."""
+    from kakeya_lab.proposers.builtin import draft_model_spec
+    from kakeya_lab.serve.served_proposers import check_draft_flag
+
+    for spec in args.draft:
+        try:
+            argument = check_draft_flag(spec)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        name, kernel = draft_model_spec(argument)
+        if kernel and args.backend != "torch":
+            raise UserError(
+                f"--draft {spec}: a draft model's kernel is a torch kernel; "
+                f"the {args.backend} backend has its own"
+            )
+        check_model(name, "--draft draft:")
+    if args.served_draft_window is not None:
+        if not args.draft:
+            raise UserError(
+                f"--draft-window {args.served_draft_window} needs a --draft draft:MODEL"
+            )
+        check_int("--draft-window", args.served_draft_window, 1)
 
 
 def serve_options(args: argparse.Namespace) -> tuple[SinkWindowConfig, ServeOptions]:
@@ -185,6 +239,8 @@ def serve_options(args: argparse.Namespace) -> tuple[SinkWindowConfig, ServeOpti
         limits=ServeLimits(
             max_append_tokens=args.max_append_tokens, max_new_tokens=args.max_new_tokens_limit
         ),
+        drafts=tuple(args.draft),
+        draft_window=args.served_draft_window,
     )
     return cache, options
 
@@ -197,11 +253,15 @@ def run_serve(args: argparse.Namespace) -> int:
 
     print(f"{PROG} serve: loading {args.model} ({args.backend})", file=sys.stderr, flush=True)
     loaded = load_model(args.model, backend=args.backend, linear=args.linear, progress=False)
+    for spec in args.draft:
+        print(
+            f"{PROG} serve: loading {spec} (shared by every session)", file=sys.stderr, flush=True
+        )
     from kakeya_lab.serve.server import run_server
 
     try:
         return run_server(loaded, cache, options, prog=f"{PROG} serve")
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # a port in use; a draft model that cannot draft
         raise UserError(str(exc)) from exc
 
 

@@ -4,10 +4,12 @@ Status mapping (every error leaves other sessions untouched):
 
 ==========================================  =====================
 unknown, closed or evicted session          ``NOT_FOUND``
-bad input (ids, sizes, options, text mode)  ``INVALID_ARGUMENT``
+bad input (ids, sizes, options, text mode,  ``INVALID_ARGUMENT``
+a proposer not loaded, no stop, no chat
+template for a text append)
 no free slot (reject / queue timeout)       ``RESOURCE_EXHAUSTED``
 session busy (stream open, empty session)   ``FAILED_PRECONDITION``
-server stopping                             ``UNAVAILABLE``
+server stopping (queued creations too)     ``UNAVAILABLE``
 engine error                                ``INTERNAL``
 ==========================================  =====================
 
@@ -32,12 +34,12 @@ from concurrent import futures
 import grpc
 
 from kakeya_lab.sampling import SamplingConfig
-from kakeya_lab.serve.admission import AdmissionRejected
+from kakeya_lab.serve.admission import AdmissionRejected, ServerShuttingDown
 from kakeya_lab.serve.api_keys import ApiKeys
 from kakeya_lab.serve.guard import GrpcAuth, grpc_owner
 from kakeya_lab.serve.proto import session_pb2 as pb
 from kakeya_lab.serve.proto import session_pb2_grpc as pb_grpc
-from kakeya_lab.serve.sessions import GenerateOptions, ServedSessions, ServerShuttingDown
+from kakeya_lab.serve.sessions import GenerateOptions, ServedSessions
 from kakeya_lab.session import (
     Done,
     HistoryTruncated,
@@ -163,6 +165,7 @@ class SessionService(pb_grpc.SessionServiceServicer):
                 proposer=request.proposer or "none",
                 draft_length=request.draft_length or 4,
                 adaptive_draft_length=request.adaptive_draft_length,
+                allow_no_stop=request.allow_no_stop,
             )
             events = self.served.generate(
                 request.session_id,

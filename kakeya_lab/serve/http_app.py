@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP endpoint (FastAPI) over :class:`ServedSessions`: the routes.
 
 Routes: ``POST /v1/chat/completions`` (``stream`` true: server-sent events), ``GET
-/v1/models``, ``GET /v1/models/{id}``, ``GET /v1/proposers`` (the proposer kinds a request may name in its
-``proposer`` field: the registry's model-free ones), ``GET /health``, ``GET /metrics`` (Prometheus), and ``POST /v1/sessions``,
+/v1/models``, ``GET /v1/models/{id}``, ``GET /v1/proposers`` (what a request may name in its
+``proposer`` field: the registry's model-free kinds and the draft models the server loaded
+with ``--draft``), ``GET /health``, ``GET /metrics`` (Prometheus), and ``POST /v1/sessions``,
 ``GET``/``DELETE /v1/sessions/{id}`` for clients that manage sessions explicitly. The wire
 format is :mod:`kakeya_lab.serve.openai_protocol`; the work is
 :mod:`kakeya_lab.serve.http_handlers`.
@@ -44,7 +45,7 @@ from kakeya_lab.serve.openai_protocol import (
     error_body,
     error_object,
 )
-from kakeya_lab.serve.sessions import ServedSessions, served_proposer_kinds
+from kakeya_lab.serve.sessions import ServedSessions
 
 
 def create_app(
@@ -142,13 +143,7 @@ def create_app(
 
     @app.get("/v1/proposers")
     async def proposers() -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {"id": k.name, "usage": k.usage, "summary": k.summary, "tree": k.tree}
-                for k in served_proposer_kinds()
-            ],
-        }
+        return {"object": "list", "data": served.proposers.listing()}
 
     @app.post("/v1/sessions")
     async def create_session(request: Request) -> JSONResponse:

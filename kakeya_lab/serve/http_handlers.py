@@ -64,6 +64,8 @@ def options_of(served: ServedSessions, req: ChatCompletionRequest) -> GenerateOp
         stop_token_ids=tuple(req.stop_token_ids or ()),
         proposer=req.proposer,
         draft_length=req.draft_length,
+        stop_strings=tuple(req.stop_strings()),
+        allow_no_stop=req.allow_no_stop,
     )
     served.check_options(options)
     return options

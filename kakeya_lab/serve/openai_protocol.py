@@ -2,7 +2,8 @@
 response and error bodies).
 
 Requests: :class:`ChatCompletionRequest` with the extension fields ``session_id``,
-``reuse``, ``top_k``, ``stop_token_ids``, ``proposer`` and ``draft_length`` (e.g. the
+``reuse``, ``top_k``, ``stop_token_ids``, ``proposer`` (a model-free spec or a draft model
+the server loaded), ``draft_length`` and ``allow_no_stop`` (e.g. the
 ``openai`` client's ``extra_body``). OpenAI fields this server does not implement
 (:data:`UNSUPPORTED`) are refused with 400, never silently ignored. Errors use OpenAI's
 shape ``{"error": {"message", "type", "param", "code"}}`` (``code``: the HTTP status) with
@@ -15,8 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kakeya_lab.serve.admission import AdmissionRejected
-from kakeya_lab.serve.sessions import Attached, ServerShuttingDown
+from kakeya_lab.serve.admission import AdmissionRejected, ServerShuttingDown
+from kakeya_lab.serve.sessions import Attached
 from kakeya_lab.session import (
     Done,
     SessionBusy,
@@ -105,6 +106,7 @@ class ChatCompletionRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     proposer: str = "none"
     draft_length: int = 4
+    allow_no_stop: bool = False
 
     def refuse_unsupported(self) -> None:
         """:class:`InvalidParam` for the first OpenAI field this server does not implement."""

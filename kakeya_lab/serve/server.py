@@ -29,6 +29,7 @@ from kakeya_lab.serve.api_keys import ApiKeys
 from kakeya_lab.serve.grpc_service import start_grpc_server
 from kakeya_lab.serve.guard import HostCheck
 from kakeya_lab.serve.http_app import create_app
+from kakeya_lab.serve.served_proposers import ServedProposers
 from kakeya_lab.serve.sessions import ServedSessions, ServeLimits
 from kakeya_lab.session import SessionStore
 
@@ -37,9 +38,11 @@ from kakeya_lab.session import SessionStore
 class ServeOptions:
     """Where and how to serve. Port 0 picks a free port (printed in the progress line).
 
-    ``admission``: ``reject`` / ``queue`` (wait up to ``max_wait_s``, at most
-    ``max_queued`` callers at once) when all ``capacity`` slots are used, or ``evict_lru``
-    (the least recently used idle session is closed). ``idle_ttl_s`` closes any session idle
+    ``admission``: ``reject`` / ``queue`` (wait up to ``max_wait_s``, 0: without limit; at
+    most ``max_queued`` callers at once) when all ``capacity`` slots are used, or
+    ``evict_lru`` (the least recently used idle session is closed). ``drafts``: the
+    ``draft:MODEL[:KERNEL]`` specs loaded once at startup, which requests may then name as
+    their proposer (``draft_window``: their caches' window; None: the cache's). ``idle_ttl_s`` closes any session idle
     that long, ``implicit_ttl_s`` the implicit ones (stateless HTTP requests'; None: never).
     ``api_keys``: the accepted keys (empty: open to every caller, loopback only);
     ``allowed_hosts`` / ``allowed_origins``: HTTP Host names and Origins accepted besides
@@ -59,6 +62,8 @@ class ServeOptions:
     api_keys: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
+    drafts: tuple[str, ...] = ()
+    draft_window: int | None = None
 
     def __repr__(self) -> str:  # never print the keys
         return f"ServeOptions(host={self.host!r}, keys={len(self.api_keys)}, ...)"
@@ -70,18 +75,25 @@ def is_loopback(host: str) -> bool:
 
 
 def build_served(loaded, cache: SinkWindowConfig, options: ServeOptions) -> ServedSessions:
-    """The serving layer over a fresh store for ``loaded`` (a :class:`LoadedModel`)."""
+    """The serving layer over a fresh store for ``loaded`` (a :class:`LoadedModel`), with
+    the draft models of ``options.drafts`` loaded (once each)."""
     # the store rejects when full; the serving layer evicts (only idle sessions, counted)
     store = SessionStore(
         loaded.model, cache, capacity=options.capacity, idle_ttl_s=options.idle_ttl_s
     )
-    ttls = [t for t in (options.idle_ttl_s, options.implicit_ttl_s) if t is not None]
+    # waiters also wake when an idle TTL is due (ServedSessions sets next_expiry)
     admission = Admission(
         "queue" if options.admission == "queue" else "reject",
         options.max_wait_s,
         max_waiting=options.max_queued,
-        # an expiry frees a slot without any call: waiters look again this often
-        recheck_s=min(1.0, max(0.05, min(ttls) / 10)) if ttls else None,
+    )
+    proposers = ServedProposers.load(
+        options.drafts,
+        loaded.model,
+        cache,
+        loaded.tokenizer,
+        verifier_sha256=loaded.description.weight_sha256,
+        draft_window=options.draft_window,
     )
     return ServedSessions(
         store,
@@ -92,6 +104,7 @@ def build_served(loaded, cache: SinkWindowConfig, options: ServeOptions) -> Serv
         verifier_sha256=loaded.description.weight_sha256,
         evict_lru=options.admission == "evict_lru",
         implicit_ttl_s=options.implicit_ttl_s,
+        proposers=proposers,
     )
 
 
@@ -155,6 +168,7 @@ def run_server(
         f"{prog}: ready: model {d.name} (weights sha256 {d.weight_sha256[:16]}, {getattr(d, 'backend', 'torch')}, {d.dtype}); "
         f"cache sink {cache.sink} window {cache.window} ({budget} tokens, {cache.positions} positions); "
         f"capacity {options.capacity} ({options.admission}); "
+        f"proposers: model-free{''.join(', ' + d for d in served.proposers.loaded())}; "
         f"{'API key required' if keys.required else 'no API key (loopback only)'}; "
         f"gRPC {options.host}:{grpc_port}; HTTP http://{options.host}:{http_port}/v1",
         flush=True,
@@ -162,7 +176,7 @@ def run_server(
 
     stop.wait()
     print(f"{prog}: stopping: ending active streams", file=sys.stderr, flush=True)
-    served.shutting_down.set()
+    served.shutdown()  # streams end at their next token; queued creations are refused now
     grpc_server.stop(grace=options.shutdown_grace_s).wait()
     http.should_exit = True
     http_thread.join(timeout=options.shutdown_grace_s + 5)

@@ -22,8 +22,15 @@ eviction follows the store's least-recently-used order.
   metrics, through the one chat-turn loop (:class:`~kakeya_lab.session.turn.ChatTurn`): it
   closes the store stream on every exit, so the session keeps exactly the tokens this
   generator yielded, and a text session's template records them as the reply;
-* limits on request sizes and the proposer (built once to check it), checked before any
-  state changes.
+* proposers (:mod:`kakeya_lab.serve.served_proposers`): the model-free kinds, built per
+  request, and the draft models loaded at startup, whose per-session proposer (its own
+  draft cache over the shared weights) is built when the session first names it and freed
+  with the session;
+* limits on request sizes, the proposer and the stop set (a generation with no stop at
+  all, no end-of-sequence id and no stop id or string, is refused unless the request
+  allows it), checked before any state changes;
+* a tokenizer without a chat template serves token-id sessions (create, append ids,
+  generate); only the chat-text operations are refused, naming the missing template.
 """
 
 from __future__ import annotations
@@ -37,17 +44,16 @@ from typing import Literal
 from kakeya_lab import inputs
 from kakeya_lab.backends import registry
 from kakeya_lab.chat import ChatTemplate
-from kakeya_lab.proposers import (
-    ProposerKind,
-    check_proposer_spec,
-    make_proposer,
-    proposer_kind,
-    proposer_kinds,
-)
+from kakeya_lab.proposers import ProposerKind, proposer_kind, proposer_kinds
 from kakeya_lab.sampling import SamplingConfig
-from kakeya_lab.serve.admission import Admission
+from kakeya_lab.serve.admission import Admission, ServerShuttingDown
 from kakeya_lab.serve.api_keys import ANONYMOUS
 from kakeya_lab.serve.metrics import ServeMetrics
+from kakeya_lab.serve.served_proposers import (
+    ServedProposers,
+    draft_cache_bytes,
+    release_draft_caches,
+)
 from kakeya_lab.session import (
     AppendResult,
     CapacityExceeded,
@@ -63,25 +69,15 @@ from kakeya_lab.session import (
 
 
 def served_proposer_kinds() -> list[ProposerKind]:
-    """The proposer kinds a request may name: the registry's model-free ones, built per
-    request from the session's own history (a model drafter would be loaded per request;
-    those run in-process)."""
+    """The proposer kinds every server serves without loading anything: the registry's
+    model-free ones, built per request from the session's own history (draft models are
+    served once loaded: :class:`~kakeya_lab.serve.served_proposers.ServedProposers`)."""
     return [kind for kind in proposer_kinds() if kind.model_free]
 
 
-def check_served_proposer(spec: str | None) -> None:
-    """ValueError unless ``spec`` is well formed and every proposer in it is served."""
-    leaves = check_proposer_spec(spec)  # the grammar's own message for a bad spec
-    if any(not proposer_kind(kind).model_free for kind, _ in leaves):
-        served = ", ".join(kind.usage for kind in served_proposer_kinds())
-        raise ValueError(
-            f"proposer {spec!r} is not served: use none or a model-free proposer ({served}); "
-            "model drafters run in-process"
-        )
-
-
-class ServerShuttingDown(Exception):
-    """The server is stopping: streams end, new work is refused."""
+def no_chat_template(tokenizer) -> bool:
+    """Whether ``tokenizer`` has no chat template (a base model's): token ids only."""
+    return getattr(tokenizer, "chat_template", None) is None
 
 
 @dataclass(frozen=True)
@@ -94,7 +90,10 @@ class ServeLimits:
 
 @dataclass(frozen=True)
 class GenerateOptions:
-    """One generation request. ``proposer`` is ``none`` or ``ngram[:SIZES]``."""
+    """One generation request. ``proposer`` is ``none``, a model-free spec or one naming a
+    loaded draft model. ``stop_strings`` (HTTP's ``stop``; matched by the front end) count
+    as stops; ``allow_no_stop`` accepts a generation with no stop at all (it runs to
+    ``max_new_tokens``)."""
 
     max_new_tokens: int
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -102,6 +101,8 @@ class GenerateOptions:
     proposer: str = "none"
     draft_length: int = 4
     adaptive_draft_length: bool = False
+    stop_strings: tuple[str, ...] = ()
+    allow_no_stop: bool = False
 
 
 @dataclass(eq=False)
@@ -111,12 +112,29 @@ class ServedSession:
 
     origin: str  # "grpc" | "http"
     implicit: bool  # opened by HTTP for a stateless request (reusable, evictable, TTL)
-    chat: ChatTemplate | None  # None: token mode (raw ids were appended)
+    chat: ChatTemplate | None  # None: token mode (raw ids were appended, or no template)
     owner: str = ANONYMOUS  # who made it: only this owner sees it
     id: str = ""  # the store's id, set once the store has opened the session
     appended_tokens: int = 0
     prefill_s: float = 0.0
     generations: int = 0
+    # spec -> this session's proposer of a loaded draft model (its own draft cache)
+    proposers: dict[str, object] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def draft_cache_bytes(self) -> int:
+        """Bytes of K and V held by this session's draft caches."""
+        with self.lock:
+            proposers = list(self.proposers.values())
+        return sum(draft_cache_bytes(p) for p in proposers)
+
+    def release_proposers(self) -> None:
+        """Free this session's draft caches (the session left the store)."""
+        with self.lock:
+            proposers = list(self.proposers.values())
+            self.proposers.clear()
+        for proposer in proposers:
+            release_draft_caches(proposer)
 
 
 def _is_implicit(metadata: object) -> bool:
@@ -153,23 +171,57 @@ class ServedSessions:
         *,
         evict_lru: bool = False,
         implicit_ttl_s: float | None = 600.0,
+        proposers: ServedProposers | None = None,
     ):
         if implicit_ttl_s is not None and not implicit_ttl_s > 0:
             raise ValueError(f"implicit_ttl_s must be > 0 (None: never), got {implicit_ttl_s}")
         self.store = store
         self.evict_lru = evict_lru  # when full, close the least recently used idle session
         self.implicit_ttl_s = implicit_ttl_s
-        self.verifier_sha256 = verifier_sha256  # lets requests name a drafter (drafter:NAME)
+        self.verifier_sha256 = verifier_sha256
         self.tokenizer = tokenizer
         self.admission = admission
         self.limits = limits
         self.model_name = model_name
+        self.proposers = (
+            proposers
+            if proposers is not None
+            else ServedProposers(
+                store.model, store.config, tokenizer, verifier_sha256=verifier_sha256
+            )
+        )
         self.shutting_down = threading.Event()
         self.metrics = ServeMetrics(
             open_sessions=self._open_sessions,
             kv_live_bytes=self._kv_live_bytes,
             admission_waiting=lambda: admission.waiting,
         )
+        # whoever closes, evicts or expires a session (a waiter's retry, a scrape, a close):
+        # its draft caches are freed and queued creations are woken
+        store.on_drop(self._dropped)
+        if admission.next_expiry is None:
+            admission.next_expiry = self.next_expiry_s
+
+    def _dropped(self, session_id: str, metadata: object) -> None:
+        if isinstance(metadata, ServedSession):
+            metadata.release_proposers()
+        self.admission.released()
+
+    def next_expiry_s(self) -> float | None:
+        """The ``time.monotonic()`` at which an idle TTL (the store's, or ``implicit_ttl_s``
+        for implicit sessions) next frees a slot without any call; None if none is due."""
+        due = [self.store.next_expiry_s()]
+        if self.implicit_ttl_s is not None:
+            seen = self.store.oldest_idle_seen_s(_is_implicit)
+            due.append(None if seen is None else seen + self.implicit_ttl_s)
+        times = [t for t in due if t is not None]
+        return min(times) if times else None
+
+    def shutdown(self) -> None:
+        """Stop: new work is refused, open streams end at their next token, and every
+        creation waiting for a slot is refused now (gRPC ``UNAVAILABLE``, HTTP 503)."""
+        self.shutting_down.set()
+        self.admission.shutdown()
 
     # ---------------------------------------------------------------- helpers
     def _open_sessions(self) -> float:
@@ -177,7 +229,16 @@ class ServedSessions:
         return float(len(self.store))
 
     def _kv_live_bytes(self) -> float:
-        return float(self.store.kv_live_bytes())  # a scrape keeps no session alive
+        """The sessions' caches and their draft caches (a scrape keeps no session alive)."""
+        drafts = 0
+        for sid in self.store.ids():
+            try:
+                served = self.store.metadata(sid)
+            except UnknownSession:  # closed meanwhile
+                continue
+            if isinstance(served, ServedSession):
+                drafts += served.draft_cache_bytes()
+        return float(self.store.kv_live_bytes() + drafts)
 
     def check_running(self) -> None:
         if self.shutting_down.is_set():
@@ -212,7 +273,10 @@ class ServedSessions:
         When full, an idle implicit session is evicted (with ``evict_lru``, any idle one).
         ``cancelled``: the caller went away (a queued wait ends; see :class:`Admission`)."""
         self.check_running()
-        chat = ChatTemplate(self.tokenizer, system=system_prompt) if origin == "grpc" else None
+        if system_prompt is not None and no_chat_template(self.tokenizer):
+            raise ValueError(self._no_template("a system prompt"))
+        text = origin == "grpc" and not no_chat_template(self.tokenizer)
+        chat = ChatTemplate(self.tokenizer, system=system_prompt) if text else None
         served = ServedSession(origin=origin, implicit=implicit, chat=chat, owner=owner)
         evicted = []
 
@@ -228,6 +292,8 @@ class ServedSessions:
 
         try:
             sid, queued_s = self.admission.admit(take_slot, cancelled)
+        except ServerShuttingDown:
+            raise
         except Exception:
             self.metrics.admission.labels("rejected").inc()
             raise
@@ -251,9 +317,8 @@ class ServedSessions:
             "expired_implicit": f"implicit session idle longer than {idle_for_s}s",
         }[reason]
         if self.store.evict_lru(where, why, idle_for_s=idle_for_s) is None:
-            return False
+            return False  # (a drop wakes queued creations: _dropped)
         self.metrics.sessions_closed.labels(reason).inc()
-        self.admission.released()
         return True
 
     def expire_implicit(self) -> None:
@@ -265,9 +330,8 @@ class ServedSessions:
     def close(self, session_id: str, owner: str | None = None) -> None:
         """Close the session (``owner``: as :meth:`get`)."""
         self.get(session_id, owner)
-        self.store.close(session_id)  # an open stream ends with SessionClosed
+        self.store.close(session_id)  # an open stream ends with SessionClosed; wakes waiters
         self.metrics.sessions_closed.labels("closed").inc()
-        self.admission.released()
 
     # ----------------------------------------------------------------- append
     def _check_size(self, ids: Sequence[int]) -> list[int]:
@@ -303,6 +367,8 @@ class ServedSessions:
         if not isinstance(text, str):
             raise inputs.InputTypeError(f"message text must be a string, got {type(text).__name__}")
         chat = served.chat
+        if chat is None and no_chat_template(self.tokenizer):
+            raise ValueError(self._no_template("text messages"))
         if chat is None:
             raise ValueError(
                 f"session {session_id!r} is in token mode (raw token ids were appended): "
@@ -327,10 +393,19 @@ class ServedSessions:
         self.metrics.appended_tokens.inc(result.appended)
         self.metrics.append_latency.observe(result.latency_s)
 
+    def _no_template(self, what: str) -> str:
+        return (
+            f"{what} need(s) a chat template, and this model's tokenizer ({self.model_name}) "
+            "has none (a base model): open a session and append token ids instead "
+            "(AppendTokens token_ids), or serve a chat model"
+        )
+
     # ------------------------------------------------------------ HTTP reuse
     def render_ids(self, messages: list[dict], owner: str | None = None) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template, ending with
         the assistant generation prompt (a size bound from ``owner``'s sessions: None, all)."""
+        if no_chat_template(self.tokenizer):
+            raise ValueError(self._no_template("chat completions (messages)"))
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
@@ -478,23 +553,50 @@ class ServedSessions:
         inputs.count(options.draft_length, "draft_length", minimum=1, maximum=64)
         if options.stop_token_ids:
             inputs.stop_token_ids(list(options.stop_token_ids), self.store.vocab_size)
-        check_served_proposer(options.proposer)
+        self.check_stops(options)
         spec = options.proposer or "none"
+        draft = self.proposers.resolve(spec)  # what is served, and how to load a draft model
         if spec != "none" and "+" not in spec and proposer_kind(spec.partition(":")[0]).tree:
             try:
                 registry.check_tree_support(self.store.model)
             except NotImplementedError as exc:
                 raise ValueError(f"proposer {options.proposer!r}: {exc}") from None
-        self._make_proposer(spec)  # a spec only its builder refuses fails here, before a prefill
+        if draft is None:  # a spec only its builder refuses fails here, before a prefill
+            self.proposers.build(spec)  # (a loaded draft's were checked at startup)
 
-    def _make_proposer(self, spec: str):
-        return make_proposer(
-            spec,
-            self.store.model,
-            self.store.config,
-            self.tokenizer,
-            verifier_sha256=self.verifier_sha256,
-        )
+    def check_stops(self, options: GenerateOptions) -> None:
+        """The one place a generation's stop set is checked: with no end-of-sequence id
+        (the model declares none), no ``stop_token_ids`` and no stop string, nothing but
+        ``max_new_tokens`` would end it, which a client rarely means; refused unless
+        ``allow_no_stop``."""
+        if options.allow_no_stop or options.stop_strings:
+            return
+        if not (self.store.eos_token_ids or options.stop_token_ids):
+            raise ValueError(
+                f"the stop set is empty: {self.model_name} declares no end-of-sequence token "
+                "and the request gives no stop_token_ids (or stop strings), so only "
+                "max_new_tokens would end the reply; give stop_token_ids, or set "
+                "allow_no_stop to generate exactly max_new_tokens tokens"
+            )
+
+    def _proposer(self, served: ServedSession, spec: str):
+        """The proposer of ``spec`` for ``served``: a loaded draft model's is the session's
+        own (built on first use, kept until the session closes); a model-free one is built
+        per request from the session's history."""
+        if self.proposers.resolve(spec) is None:
+            return self.proposers.build(spec)
+        with served.lock:
+            proposer = served.proposers.get(spec)
+        if proposer is None:
+            proposer = self.proposers.build(spec)
+            with served.lock:
+                proposer = served.proposers.setdefault(spec, proposer)
+            try:  # closed while it was built: nobody frees it later
+                self.store.metadata(served.id)
+            except UnknownSession:
+                served.release_proposers()
+                raise
+        return proposer
 
     def generate(
         self,
@@ -514,7 +616,7 @@ class ServedSessions:
         self.check_running()
         self.check_options(options)
         served = self.get(session_id, owner)
-        proposer = self._make_proposer(options.proposer or "none")
+        proposer = self._proposer(served, options.proposer or "none")
         stream = self.store.generate(
             session_id,
             options.max_new_tokens,
@@ -596,4 +698,5 @@ class ServedSessions:
             "proposed": spec.proposed,
             "accepted": spec.accepted,
             "history": verifier.history_token_ids,
+            "draft_kv_live_bytes": served.draft_cache_bytes(),
         }

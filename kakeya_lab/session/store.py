@@ -158,6 +158,7 @@ class SessionStore:
         # Guards the session table only; never held while taking a session's lock.
         self._lock = threading.RLock()
         self.evicted: list[tuple[str, str]] = []  # (id, reason), most recent last
+        self._drop_listeners: list[Callable[[str, object], None]] = []
 
     # --------------------------------------------------------------- lifecycle
     def create(self, *, metadata: object = None, claimed: bool = False) -> str:
@@ -314,15 +315,45 @@ class SessionStore:
         del self.evicted[:-100]
         return session
 
-    @staticmethod
-    def _free(sessions: list[SessionState]) -> None:
+    def _free(self, sessions: list[SessionState]) -> None:
         """Free dropped sessions' caches (after the table lock is released; waits for a
-        stream that is computing an event)."""
+        stream that is computing an event), then tell the drop listeners."""
         for session in sessions:
             with session.lock:
                 session.verifier.release()
                 session.next_logits = None
                 session.decoder = None
+        for session in sessions:
+            for listener in list(self._drop_listeners):
+                listener(session.id, session.metadata)
+
+    def on_drop(self, listener: Callable[[str, object], None]) -> None:
+        """Call ``listener(session_id, metadata)`` after every session that leaves the table
+        (closed, evicted, expired: whichever call ran it) has been freed, outside the
+        store's locks: how a caller that shares the table frees its own per-session state
+        and learns that a slot freed."""
+        self._drop_listeners.append(listener)
+
+    def next_expiry_s(self) -> float | None:
+        """The ``time.monotonic()`` at which the idle TTL next closes a session (the least
+        recently seen one not computing an event; it may already be due, closed by the next
+        call into the store); None without a TTL or such a session."""
+        if self.idle_ttl_s is None:
+            return None
+        with self._lock:
+            seen = [s.last_seen_s for s in self._sessions.values() if s.computing == 0]
+        return min(seen) + self.idle_ttl_s if seen else None
+
+    def oldest_idle_seen_s(self, where: Callable[[object], bool]) -> float | None:
+        """The earliest last-seen ``time.monotonic()`` of the idle sessions (those
+        :meth:`evict_lru` may pick) whose metadata satisfies ``where``; None if there is none."""
+        with self._lock:
+            seen = [
+                s.last_seen_s
+                for s in self._sessions.values()
+                if self._idle(s) and where(s.metadata)
+            ]
+        return min(seen) if seen else None
 
     def _expire_idle(self) -> list[SessionState]:
         if self.idle_ttl_s is None:

@@ -65,7 +65,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "max_new_tokens", "sampling", "stop_token_ids", "proposer", "draft_length", "adaptive_draft_length")
+    __slots__ = ("session_id", "max_new_tokens", "sampling", "stop_token_ids", "proposer", "draft_length", "adaptive_draft_length", "allow_no_stop")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class GenerateRequest(_message.Message):
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_NO_STOP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_new_tokens: int
     sampling: Sampling
@@ -80,7 +81,8 @@ class GenerateRequest(_message.Message):
     proposer: str
     draft_length: int
     adaptive_draft_length: bool
-    def __init__(self, session_id: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., proposer: _Optional[str] = ..., draft_length: _Optional[int] = ..., adaptive_draft_length: _Optional[bool] = ...) -> None: ...
+    allow_no_stop: bool
+    def __init__(self, session_id: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., proposer: _Optional[str] = ..., draft_length: _Optional[int] = ..., adaptive_draft_length: _Optional[bool] = ..., allow_no_stop: _Optional[bool] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("id", "text")
@@ -165,7 +167,7 @@ class SessionInfoRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., include_history: _Optional[bool] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "history_len", "cache_len", "kv_live_bytes", "budget_tokens", "kv_budget_bytes", "turns", "generated_tokens", "appended_tokens", "generations", "prefill_s", "sink", "positions", "history", "proposed", "accepted")
+    __slots__ = ("session_id", "history_len", "cache_len", "kv_live_bytes", "budget_tokens", "kv_budget_bytes", "turns", "generated_tokens", "appended_tokens", "generations", "prefill_s", "sink", "positions", "history", "proposed", "accepted", "draft_kv_live_bytes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HISTORY_LEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +184,7 @@ class SessionInfo(_message.Message):
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_KV_LIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     history_len: int
     cache_len: int
@@ -198,7 +201,8 @@ class SessionInfo(_message.Message):
     history: _containers.RepeatedScalarFieldContainer[int]
     proposed: int
     accepted: int
-    def __init__(self, session_id: _Optional[str] = ..., history_len: _Optional[int] = ..., cache_len: _Optional[int] = ..., kv_live_bytes: _Optional[int] = ..., budget_tokens: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., turns: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., appended_tokens: _Optional[int] = ..., generations: _Optional[int] = ..., prefill_s: _Optional[float] = ..., sink: _Optional[int] = ..., positions: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ...) -> None: ...
+    draft_kv_live_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., history_len: _Optional[int] = ..., cache_len: _Optional[int] = ..., kv_live_bytes: _Optional[int] = ..., budget_tokens: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., turns: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., appended_tokens: _Optional[int] = ..., generations: _Optional[int] = ..., prefill_s: _Optional[float] = ..., sink: _Optional[int] = ..., positions: _Optional[str] = ..., history: _Optional[_Iterable[int]] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_kv_live_bytes: _Optional[int] = ...) -> None: ...
 
 class CloseReply(_message.Message):
     __slots__ = ()
