@@ -207,7 +207,10 @@ def print_summary(summary: dict[str, dict]) -> None:
             f"kv_bounded turns/time {(v.get('kv_bounded') or {}).get('by_turns')}/"
             f"{(v.get('kv_bounded') or {}).get('by_time')}  "
             f"prefill_bounded turns/time {(v.get('prefill_bounded') or {}).get('by_turns')}/"
-            f"{(v.get('prefill_bounded') or {}).get('by_time')}  append p50 drift {shown}"
+            f"{(v.get('prefill_bounded') or {}).get('by_time')}{_gate(s)}  "
+            f"prefill_flat_vs_history turns/time "
+            f"{(v.get('prefill_flat_vs_history') or {}).get('by_turns')}/"
+            f"{(v.get('prefill_flat_vs_history') or {}).get('by_time')}  append p50 drift {shown}"
             + (f"  stopped: {s['stopped']}" if s.get("stopped") else "")
         )
     for arm, s in summary.items():
@@ -219,6 +222,14 @@ def print_summary(summary: dict[str, dict]) -> None:
                 f"{m['turns_compared']} turns"
                 + (f" (first mismatch: turn {first})" if first is not None else "")
             )
+
+
+def _gate(summary: dict) -> str:
+    """`` (tolerance 10%, increase)``: the reference prefill gate's thresholds."""
+    ref = (summary.get("gates") or {}).get("prefill_bounded") or {}
+    if "tolerance" not in ref:
+        return ""
+    return f" (tolerance {ref['tolerance']:.0%}, {ref['direction']})"
 
 
 def _names(arms: str) -> tuple[str, ...]:

@@ -318,6 +318,8 @@ def _finish(
         budgets,
         turns_per_bucket=settings.turns_per_bucket,
         seconds_per_bucket=settings.seconds_per_bucket,
+        prefill_tolerance=settings.prefill_tolerance,
+        prefill_direction=settings.prefill_direction,
     )
     for name, arm_state in state.states.items():
         summary[name]["stopped"] = arm_state.stopped

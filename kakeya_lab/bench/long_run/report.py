@@ -157,7 +157,7 @@ def save_quickstart(
 ) -> Path:
     """The quickstart's run folder (notebook 00: a short long run of two arms on a fixed
     script): ``metrics.json`` (every arm's summary, the sink-window arm's analytic
-    ``budget_bytes``; headline ``kv_bounded``, ``prefill_bounded`` and
+    ``budget_bytes``; headline ``kv_bounded``, ``prefill_bounded``, ``prefill_flat_vs_history`` and
     ``kv_live_bytes_last`` per arm),
     ``turns.csv`` and ``figures``. Returns the path of ``metrics.json``."""
     out = Path(run_dir)
@@ -180,6 +180,7 @@ def save_quickstart(
         arm: {
             "kv_bounded": s["kv_bounded"],
             "prefill_bounded": s.get("prefill_bounded"),
+            "prefill_flat_vs_history": s.get("prefill_flat_vs_history"),
             "kv_live_bytes_last": int(table[table.arm == arm].kv_live_bytes.iloc[-1]),
         }
         for arm, s in run.summary.items()
