@@ -73,11 +73,12 @@ def test_long_run_against_a_running_server(server, tmp_path, capsys):
         > 0
     )
     assert len(stateless["buckets_by_turns"]) == 3
-    # a served run does not resume: a second run into the same folder is refused
-    assert (
-        main(["long-run", str(out), "--endpoint", grpc_url, "--endpoint", http_url, "--turns", "3"])
-        == 2
-    )
+    # the run finished: running it again resumes its checkpoint, which has nothing left to do
+    again = ["long-run", str(out), "--endpoint", grpc_url, "--endpoint", http_url]
+    assert main([*again, "--turns", "3", "--max-new-tokens", "4", "--turns-per-bucket", "1"]) == 0
+    assert len(pd.read_csv(out / "served_turns.csv")) == 9
+    # other settings are refused before anything is sent
+    assert main([*again, "--turns", "4", "--max-new-tokens", "4", "--turns-per-bucket", "1"]) == 2
 
 
 @pytest.mark.slow  # a real server with the default model
@@ -109,8 +110,8 @@ def test_paced_run_and_the_stateless_cap(server):
 @pytest.mark.parametrize(
     "endpoints,said",
     [
-        (["grpc://127.0.0.1:1"], "no http endpoint"),
-        (["http://127.0.0.1:1"], "no grpc endpoint"),
+        (["grpc://127.0.0.1:1"], "cannot reach the server"),
+        (["http://127.0.0.1:1"], "cannot reach the server"),
         (["grpc://127.0.0.1:1", "grpc://127.0.0.1:2"], "two grpc endpoints"),
         (["grpc://127.0.0.1", "http://127.0.0.1:1"], "is not grpc://HOST:PORT"),
         (["ftp://127.0.0.1:1", "http://127.0.0.1:1"], "is not grpc://HOST:PORT"),
@@ -133,7 +134,9 @@ def test_bad_endpoints_are_refused(endpoints, said, tmp_path, capsys):
         (["--arms", "sink_window"], "unknown served arm(s) ['sink_window']"),
         (["--duration-s", "0"], "--duration-s must be a finite number > 0"),
         (["--turn-spacing-s", "-1"], "--turn-spacing-s must be a finite number > 0"),
-        (["--proposer", "ngram"], "--proposer is not supported with --endpoint"),
+        (["--proposer", "ngram:x"], "--proposer"),
+        (["--max-errors", "-1"], "--max-errors must be >= 0"),
+        (["--prefill-tolerance", "-0.1"], "--prefill-tolerance must be a finite number >= 0"),
         ([], "cannot reach the server"),  # nothing listens on port 1
     ],
 )
