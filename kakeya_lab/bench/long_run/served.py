@@ -129,7 +129,8 @@ def server_cache(endpoints: Endpoints | str) -> dict:
                 client.close_session(sid)
         figures = {k: getattr(info, k) for k in ("sink", "budget_tokens", "kv_budget_bytes")}
     else:
-        figures = _http_cache(str(endpoints.http_base))
+        info = _http_cache(str(endpoints.http_base))
+        figures = {k: info[k] for k in ("sink", "budget_tokens", "kv_budget_bytes")}
     return {k: int(v) for k, v in figures.items()}
 
 
