@@ -69,7 +69,9 @@ def served_settings(
     turn script (not the endpoints, ``duration_s``, ``max_errors`` or the report cadence)."""
     script = hashlib.sha256(json.dumps(list(user_turns)).encode()).hexdigest()
     saved: dict[str, Any] = {
-        "model": dict(model),
+        # "backend": the server runs the model (and says how); also keeps the in-process
+        # reading of a checkpoint without a backend (a torch run on aten) away from it
+        "model": {**dict(model), "backend": "served"},
         "served_model": served_model,
         "server_cache": dict(cache),
         "served_arms": list(settings.served_arms),
