@@ -109,6 +109,7 @@ class ServedArmState:
     token_mode: bool = False
     recreate: str | None = "start"
     resumed: bool = False
+    restarted: bool = False  # the server restarted since this arm's last turn
 
     def to_doc(self) -> dict:
         chat = (
@@ -355,7 +356,7 @@ class _Driver:
 
     def arm_turn(self, st: ServedArmState, text: str, i: int) -> dict:
         """Turn ``i`` of one arm: its row, or an error row (the failure counted)."""
-        server_restart = False
+        server_restart = st.restarted
         for attempt in (0, 1):
             try:
                 if st.recreate is not None:
@@ -368,7 +369,10 @@ class _Driver:
                 if attempt == 0 and is_server_gone(exc) and not self.signals.caught:
                     self.event("server_gone", st.name, i, error=error_text(exc))
                     if self.clients.wait_for_server(self.restart_wait_s, self.signals):
-                        st.recreate = "server_restart"
+                        # the server lost every arm's session, not only this one's
+                        for other in self.progress.states.values():
+                            if not other.stopped:
+                                other.recreate, other.restarted = "server_restart", True
                         server_restart = True
                         continue
                     message = (
@@ -400,7 +404,7 @@ class _Driver:
             measured=not cold,
         )
         st.history_len = row["history_len"]
-        st.resumed = False
+        st.resumed = st.restarted = False
         return row
 
     def round(self, log: Callable[[str], None] | None) -> None:
