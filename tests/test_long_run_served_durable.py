@@ -220,9 +220,7 @@ def test_a_server_restart_mid_run_is_waited_for_and_recorded(serve, tmp_path):
     second = next(s for s in restarted if s is not None)
     again = run_served(
         Endpoints(grpc_target=second.grpc_target, http_base=None),
-        LongRunSettings(
-            arms=(), served_arms=("grpc_session",), turns=len(TURNS), max_new_tokens=4
-        ),
+        LongRunSettings(arms=(), served_arms=("grpc_session",), turns=len(TURNS), max_new_tokens=4),
         TURNS,
         catch_signals=False,
     )
@@ -268,9 +266,10 @@ def test_one_endpoint_alone_and_arms_that_need_the_other(server, tmp_path, capsy
     table = pd.read_csv(http_only / "served_turns.csv")
     assert set(table["arm"]) == {"http_reuse", "http_stateless"}
     assert (table["rss_bytes"] > 0).all()
-    assert json.loads((http_only / "metrics.json").read_text())["server_cache"][
-        "budget_tokens"
-    ] == SINK + WINDOW
+    assert (
+        json.loads((http_only / "metrics.json").read_text())["server_cache"]["budget_tokens"]
+        == SINK + WINDOW
+    )
 
     refused = tmp_path / "refused"
     argv = ["long-run", str(refused), "--endpoint", server.http_base, "--arms", "grpc_session"]

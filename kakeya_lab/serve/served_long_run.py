@@ -81,7 +81,7 @@ def error_text(exc: BaseException) -> str:
         import grpc
 
         if isinstance(exc, grpc.RpcError):
-            return f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+            return f"{exc.code().name}: {exc.details()}"
     except ImportError:  # pragma: no cover
         pass
     return " ".join(f"{type(exc).__name__}: {exc}".split())
@@ -265,7 +265,7 @@ def run_served_long_run(
 
     endpoints = Endpoints(grpc_target=grpc_target, http_base=http_base)
     settings = LongRunSettings(
-        **({"model": model} if model else {}),
+        model=model or LongRunSettings.model,
         arms=(),
         served_arms=tuple(arms),
         turns=len(user_turns),

@@ -124,10 +124,10 @@ def server_cache(endpoints: Endpoints | str) -> dict:
                 # one token, so the cache has allocated its storage: an empty session's
                 # kv_budget_bytes is 0 (the cache does not know its dtype yet)
                 client.append_ids(sid, [0])
-                info = client.info(sid)
+                reply = client.info(sid)
             finally:
                 client.close_session(sid)
-        figures = {k: getattr(info, k) for k in ("sink", "budget_tokens", "kv_budget_bytes")}
+        figures = {k: getattr(reply, k) for k in ("sink", "budget_tokens", "kv_budget_bytes")}
     else:
         info = _http_cache(str(endpoints.http_base))
         figures = {k: info[k] for k in ("sink", "budget_tokens", "kv_budget_bytes")}
@@ -193,7 +193,7 @@ def probe_proposer(endpoints: Endpoints, proposer: str, draft_length: int) -> No
                     grpc.StatusCode.FAILED_PRECONDITION,
                 ):
                     raise ValueError(
-                        f"the server refuses proposer {proposer!r}: {exc.details()}"  # type: ignore[attr-defined]
+                        f"the server refuses proposer {proposer!r}: {exc.details()}"
                     ) from None
                 raise
             finally:
