@@ -161,3 +161,29 @@ def test_served_arguments_checked_and_unreachable_server_is_a_user_error(
 def test_parse_endpoints():
     e = parse_endpoints(["http://localhost:8000", "grpc://10.0.0.2:50051"])
     assert e.grpc_target == "10.0.0.2:50051" and e.http_base == "http://localhost:8000"
+
+
+@pytest.mark.parametrize(
+    "endpoints,arms,said",
+    [
+        (["grpc://127.0.0.1:1"], "http_reuse", "arm(s) http_reuse need an HTTP endpoint"),
+        (["http://127.0.0.1:1"], "grpc_session,http_reuse", "grpc_session need a gRPC endpoint"),
+    ],
+)
+def test_an_arm_without_its_endpoint_is_refused_before_anything_is_contacted(
+    endpoints, arms, said, tmp_path, capsys
+):
+    argv = ["long-run", str(tmp_path / "out"), "--arms", arms]
+    for e in endpoints:
+        argv += ["--endpoint", e]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_parse_one_endpoint_alone():
+    assert parse_endpoints(["grpc://127.0.0.1:5"]).http_base is None
+    assert parse_endpoints(["http://127.0.0.1:5"]).grpc_target is None
+    with pytest.raises(ValueError, match="no endpoint"):
+        parse_endpoints([])

@@ -282,11 +282,16 @@ def test_one_endpoint_alone_and_arms_that_need_the_other(server, tmp_path, capsy
 @pytest.mark.slow  # a real server
 def test_served_proposer_is_passed_and_an_unserved_one_refused(server, tmp_path, capsys):
     out = tmp_path / "spec"
-    assert (
-        main(_cli(out, server, "--turns", "2", "--arms", "grpc_session", "--proposer", "ngram"))
-        == 0
-    ), capsys.readouterr().err
+    gate = ["--prefill-tolerance", "0.2", "--prefill-direction", "both"]
+    argv = _cli(out, server, "--turns", "2", "--arms", "grpc_session", "--proposer", "ngram")
+    assert main([*argv, *gate]) == 0, capsys.readouterr().err
     metrics = json.loads((out / "metrics.json").read_text())
+    gates = metrics["metrics"]["arms"]["grpc_session"]["gates"]
+    assert gates["prefill_bounded"]["tolerance"] == 0.2
+    assert gates["prefill_bounded"]["direction"] == "both"
+    assert {"prefill_bounded", "prefill_flat_vs_history"} <= set(
+        metrics["headline"]["grpc_session"]
+    )
     assert metrics["proposer"] == {"spec": "ngram", "draft_length": 4, "served": True}
     assert metrics["served_proposer"] == {"spec": "ngram", "draft_length": 4}
     table = pd.read_csv(out / "served_turns.csv")
