@@ -117,13 +117,12 @@ def grpc_turn(
     the ids ``chat`` renders), stream the reply; ``chat`` (the client's mirror) records
     both. Returns the row and the ids the session committed (user delta + reply). The
     caller restores ``chat`` if this raises."""
+    user_ids = chat.user(text)  # rendered before the clock starts: not the server's time
     t = time.perf_counter()
     if token_mode:
-        user_ids = chat.user(text)
         appended = client.append_ids(sid, user_ids)
     else:
         appended = client.append_text(sid, text)
-        user_ids = chat.user(text)
         if len(user_ids) != appended.appended_tokens:
             raise RuntimeError(
                 f"the client's chat template gives {len(user_ids)} ids for this message, the "
