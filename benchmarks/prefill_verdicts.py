@@ -1,7 +1,8 @@
-"""Recompute ``prefill_bounded`` for every arm of a long run's ``turns.csv``.
+"""Recompute ``prefill_flat_vs_history`` for every arm of a long run's ``turns.csv``.
 
-The verdict is computed when a run ends, under the definition of that day. This script
-applies the current one (docs/design.md, "Metrics": the partial slope of append latency
+The verdict is computed when a run ends, under the definition of that day (runs recorded
+before the reference gate took the name ``prefill_bounded`` report this test under that
+name). This script applies the current one (docs/design.md, "Metrics": the partial slope of append latency
 against history with the new message's length as a covariate, and length-adjusted bucket
 p50s) to a recorded table, by turn buckets and by time buckets, and prints / writes one
 JSON object ``{arm: {"by_turns": ..., "by_time": ...}}``:
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kakeya_lab.bench.aggregate import prefill_bounded
+from kakeya_lab.bench.aggregate import prefill_flat_vs_history
 
 
 def verdicts(
@@ -34,15 +35,15 @@ def verdicts(
     seconds_per_bucket: float,
     unbounded_arms: set[str],
 ) -> dict[str, dict]:
-    """``{arm: {"by_turns": prefill_bounded(...), "by_time": prefill_bounded(...)}}``."""
+    """``{arm: {"by_turns": prefill_flat_vs_history(...), "by_time": ...}}``."""
     if "error" in turns:
         turns = turns[turns["error"].isna()]
     out = {}
     for arm, rows in turns.groupby("arm", sort=False):
         budget = None if arm in unbounded_arms else budget_tokens
         out[str(arm)] = {
-            "by_turns": prefill_bounded(rows, budget_tokens=budget, size=turns_per_bucket),
-            "by_time": prefill_bounded(
+            "by_turns": prefill_flat_vs_history(rows, budget_tokens=budget, size=turns_per_bucket),
+            "by_time": prefill_flat_vs_history(
                 rows, budget_tokens=budget, by="time", size=seconds_per_bucket
             ),
         }

@@ -331,7 +331,8 @@ def _verdict(value: Any) -> str:
 
 def summary_lines(run_dir: str | Path) -> list[str]:
     """A few lines a person reads at the end of a run: per arm the headline verdicts (KV
-    bounded, prefill bounded) with the turn latency p50 / p95 when ``metrics.json`` has
+    bounded; prefill bounded, the reference gate, with its thresholds; prefill flat vs
+    history, the stricter slope test, when the run has it) with the turn latency p50 / p95 when ``metrics.json`` has
     them, then where the figures are. Empty when the run folder has no ``metrics.json``
     (e.g. an interactive demo notebook)."""
     folder = Path(run_dir)
@@ -352,9 +353,18 @@ def summary_lines(run_dir: str | Path) -> list[str]:
             else ""
         )
         prefill = headline.get("prefill_bounded", summary.get("prefill_bounded"))
+        flat = headline.get("prefill_flat_vs_history", summary.get("prefill_flat_vs_history"))
+        gates = summary.get("gates") or headline.get("prefill_gates") or {}
+        ref = gates.get("prefill_bounded") or {}
+        thresholds = (
+            f" (last vs first bucket p50, tolerance {ref['tolerance']:.0%}, {ref['direction']})"
+            if "tolerance" in ref and "direction" in ref
+            else ""
+        )
+        strict = f", prefill flat vs history {_verdict(flat)}" if flat is not None else ""
         lines.append(
             f"{arm}: KV bounded {_verdict(headline['kv_bounded'])}, "
-            f"prefill bounded {_verdict(prefill)}{timing}"
+            f"prefill bounded {_verdict(prefill)}{thresholds}{strict}{timing}"
         )
     figures = sorted(p.name for p in folder.glob("*.html"))
     if figures:

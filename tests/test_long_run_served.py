@@ -73,11 +73,12 @@ def test_long_run_against_a_running_server(server, tmp_path, capsys):
         > 0
     )
     assert len(stateless["buckets_by_turns"]) == 3
-    # a served run does not resume: a second run into the same folder is refused
-    assert (
-        main(["long-run", str(out), "--endpoint", grpc_url, "--endpoint", http_url, "--turns", "3"])
-        == 2
-    )
+    # the run finished: running it again resumes its checkpoint, which has nothing left to do
+    again = ["long-run", str(out), "--endpoint", grpc_url, "--endpoint", http_url]
+    assert main([*again, "--turns", "3", "--max-new-tokens", "4", "--turns-per-bucket", "1"]) == 0
+    assert len(pd.read_csv(out / "served_turns.csv")) == 9
+    # other settings are refused before anything is sent
+    assert main([*again, "--turns", "4", "--max-new-tokens", "4", "--turns-per-bucket", "1"]) == 2
 
 
 @pytest.mark.slow  # a real server with the default model
@@ -109,8 +110,8 @@ def test_paced_run_and_the_stateless_cap(server):
 @pytest.mark.parametrize(
     "endpoints,said",
     [
-        (["grpc://127.0.0.1:1"], "no http endpoint"),
-        (["http://127.0.0.1:1"], "no grpc endpoint"),
+        (["grpc://127.0.0.1:1"], "cannot reach the server"),
+        (["http://127.0.0.1:1"], "cannot reach the server"),
         (["grpc://127.0.0.1:1", "grpc://127.0.0.1:2"], "two grpc endpoints"),
         (["grpc://127.0.0.1", "http://127.0.0.1:1"], "is not grpc://HOST:PORT"),
         (["ftp://127.0.0.1:1", "http://127.0.0.1:1"], "is not grpc://HOST:PORT"),
@@ -133,7 +134,9 @@ def test_bad_endpoints_are_refused(endpoints, said, tmp_path, capsys):
         (["--arms", "sink_window"], "unknown served arm(s) ['sink_window']"),
         (["--duration-s", "0"], "--duration-s must be a finite number > 0"),
         (["--turn-spacing-s", "-1"], "--turn-spacing-s must be a finite number > 0"),
-        (["--proposer", "ngram"], "--proposer is not supported with --endpoint"),
+        (["--proposer", "ngram:x"], "--proposer"),
+        (["--max-errors", "-1"], "--max-errors must be >= 0"),
+        (["--prefill-tolerance", "-0.1"], "--prefill-tolerance must be a finite number >= 0"),
         ([], "cannot reach the server"),  # nothing listens on port 1
     ],
 )
@@ -158,3 +161,29 @@ def test_served_arguments_checked_and_unreachable_server_is_a_user_error(
 def test_parse_endpoints():
     e = parse_endpoints(["http://localhost:8000", "grpc://10.0.0.2:50051"])
     assert e.grpc_target == "10.0.0.2:50051" and e.http_base == "http://localhost:8000"
+
+
+@pytest.mark.parametrize(
+    "endpoints,arms,said",
+    [
+        (["grpc://127.0.0.1:1"], "http_reuse", "arm(s) http_reuse need an HTTP endpoint"),
+        (["http://127.0.0.1:1"], "grpc_session,http_reuse", "grpc_session need a gRPC endpoint"),
+    ],
+)
+def test_an_arm_without_its_endpoint_is_refused_before_anything_is_contacted(
+    endpoints, arms, said, tmp_path, capsys
+):
+    argv = ["long-run", str(tmp_path / "out"), "--arms", arms]
+    for e in endpoints:
+        argv += ["--endpoint", e]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_parse_one_endpoint_alone():
+    assert parse_endpoints(["grpc://127.0.0.1:5"]).http_base is None
+    assert parse_endpoints(["http://127.0.0.1:5"]).grpc_target is None
+    with pytest.raises(ValueError, match="no endpoint"):
+        parse_endpoints([])

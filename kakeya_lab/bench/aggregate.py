@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kakeya_lab.bench.gates import PREFILL_TOLERANCE, check_prefill_gate
+
 TURNS_PER_BUCKET = 50
 SECONDS_PER_BUCKET = 600.0
 
@@ -190,7 +192,87 @@ def latency_drift_p50(
     return out
 
 
+def p50(values: Any) -> float | None:
+    """The median of the non-missing ``values`` by numpy's linear interpolation
+    (``np.percentile(values, 50, method="linear")``; None without values). Every p50 and
+    p95 of this module interpolates the same way (pandas' ``quantile`` default)."""
+    v = np.asarray(pd.Series(values, dtype=float).dropna(), dtype=float)
+    return float(np.percentile(v, 50, method="linear")) if v.size else None
+
+
 def prefill_bounded(
+    df: pd.DataFrame,
+    *,
+    budget_tokens: int | None,
+    by: str = "turns",
+    size: float | None = None,
+    tolerance: float = PREFILL_TOLERANCE,
+    direction: str = "increase",
+) -> dict:
+    """The reference engine's prefill gate: the last full bucket's p50 append latency
+    compared with the first full bucket's p50 (raw seconds, :func:`p50`), measured after
+    the cache first filled (from the first turn for a cache that never evicts).
+
+    ``direction="increase"`` (the reference's default): only growth beyond ``tolerance``
+    (a fraction: 0.10 is 10%) fails, so a run whose prefill got faster passes;
+    ``"both"``: a change beyond ``tolerance`` either way fails. Fewer than two full
+    buckets: not bounded, "not measured". The stricter history-slope test is
+    :func:`prefill_flat_vs_history`."""
+    check_prefill_gate(tolerance, direction)
+    out: dict[str, Any] = {
+        "bounded": False,
+        "reason": None,
+        "tolerance": float(tolerance),
+        "direction": direction,
+        "first_p50_s": None,
+        "last_p50_s": None,
+        "change_pct": None,
+        "first_bucket": None,
+        "last_bucket": None,
+    }
+    if df.empty:
+        out["reason"] = "no turns"
+        return out
+    start = (
+        first_full_turn(df, budget_tokens) if budget_tokens is not None else int(df["turn"].min())
+    )
+    if start is None:
+        out["reason"] = "the cache never filled"
+        return out
+    rows = df[(df["turn"] >= start) & df["append_latency_s"].notna()]
+    full = full_buckets(rows, by, size)
+    if len(full) < 2:
+        out["reason"] = "fewer than two full buckets after the cache filled (not measured)"
+        return out
+    buckets = bucket_of(rows, by, size)
+    first = p50(rows.loc[buckets == full[0], "append_latency_s"])
+    last = p50(rows.loc[buckets == full[-1], "append_latency_s"])
+    assert first is not None and last is not None  # full buckets hold rows
+    change = (last - first) / first if first > 0 else math.inf
+    out.update(
+        first_p50_s=first,
+        last_p50_s=last,
+        change_pct=100.0 * change if math.isfinite(change) else None,
+        first_bucket=int(full[0]),
+        last_bucket=int(full[-1]),
+    )
+    beyond = change > tolerance if direction == "increase" else abs(change) > tolerance
+    # a hair of float slack: 0.11/0.10 - 1 must read as 10%, not 10.000000000000009%
+    if beyond and not math.isclose(abs(change), tolerance, rel_tol=1e-9, abs_tol=1e-12):
+        out["reason"] = (
+            f"last bucket p50 {last:.6g}s is {100 * change:+.1f}% from the first full "
+            f"bucket's {first:.6g}s (tolerance {tolerance:.0%}, {direction})"
+        )
+    else:
+        out["bounded"] = True
+        out["reason"] = (
+            f"last bucket p50 {100 * change:+.1f}% from the first full bucket's "
+            f"(tolerance {tolerance:.0%}, {direction})"
+        )
+    return out
+
+
+def prefill_flat_vs_history(
     df: pd.DataFrame,
     *,
     budget_tokens: int | None,
@@ -198,9 +280,10 @@ def prefill_bounded(
     size: float | None = None,
     tolerance: float = 0.10,
 ) -> dict:
-    """The slope of append latency against history length is indistinguishable from zero
-    (its 95% interval contains 0) and the last bucket's p50 is within ``tolerance`` of
-    the first full bucket's. Measured after the cache first filled (from the first turn
+    """The stricter of the two prefill gates (``docs/design.md``, "Metrics"): the slope of
+    append latency against history length is indistinguishable from zero (its 95% interval
+    contains 0) AND the last full bucket's p50 is within ``tolerance`` of the first full
+    bucket's in *either* direction. Measured after the cache first filled (from the first turn
     for a cache that never evicts, which then must show a slope to fail).
 
     A turn's append latency also grows with the length of its new message
@@ -258,6 +341,7 @@ def prefill_bounded(
     else:
         out["bounded"] = True
         out["reason"] = "slope indistinguishable from zero and p50 within tolerance"
+    out["tolerance"] = tolerance
     return out
 
 
@@ -375,6 +459,28 @@ def bucket_table(
     return rows
 
 
+VERDICTS = ("kv_bounded", "prefill_bounded", "prefill_flat_vs_history")
+
+
+def prefill_gates(tolerance: float = PREFILL_TOLERANCE, direction: str = "increase") -> dict:
+    """The two prefill gates' thresholds, as every report states them beside the verdicts."""
+    return {
+        "prefill_bounded": {
+            "test": "last full bucket p50 vs first full bucket p50 of append latency",
+            "tolerance": float(tolerance),
+            "direction": direction,
+            "percentile": "numpy linear",
+        },
+        "prefill_flat_vs_history": {
+            "test": "append latency vs history length: slope 95% CI contains 0, and the last "
+            "full bucket p50 within tolerance of the first in either direction",
+            "tolerance": float(tolerance),
+            "direction": "both",
+            "slope_ci": 0.95,
+        },
+    }
+
+
 def aggregate_arm(
     df: pd.DataFrame,
     *,
@@ -382,6 +488,8 @@ def aggregate_arm(
     budget_bytes: int | None,
     turns_per_bucket: int = TURNS_PER_BUCKET,
     seconds_per_bucket: float = SECONDS_PER_BUCKET,
+    prefill_tolerance: float = PREFILL_TOLERANCE,
+    prefill_direction: str = "increase",
 ) -> dict:
     """Every aggregate of one arm, by turns and by time.
 
@@ -389,8 +497,15 @@ def aggregate_arm(
     turn), ``latency`` (p50/p95/mean per latency column), ``kv_live_bytes`` (min/mean/max),
     ``buckets_by_turns`` and ``buckets_by_time`` (:func:`bucket_table`, with
     ``turns_per_bucket`` and ``seconds_per_bucket`` beside), ``kv_bounded_by_{turns,time}``
-    and ``prefill_bounded_by_{turns,time}`` (full verdicts) and ``verdicts`` (the four
-    booleans); ``kv_bounded`` / ``prefill_bounded`` are the turn-bucket verdicts."""
+    ``prefill_bounded_by_{turns,time}`` (the reference gate, :func:`prefill_bounded`, with
+    ``prefill_tolerance`` and ``prefill_direction``) and
+    ``prefill_flat_vs_history_by_{turns,time}`` (the stricter slope test,
+    :func:`prefill_flat_vs_history`, with the same tolerance in both directions) as full
+    verdicts, ``verdicts`` (their booleans) and ``gates`` (each gate's thresholds);
+    ``kv_bounded`` / ``prefill_bounded`` / ``prefill_flat_vs_history`` are the turn-bucket
+    verdicts. Turns with an ``error`` are counted, never measured; an arm without a
+    successful turn passes no gate."""
+    check_prefill_gate(prefill_tolerance, prefill_direction)
     ok = df[df["error"].isna()] if "error" in df else df
     out: dict = {"turns": int(len(df)), "errors": int(len(df) - len(ok))}
     wall = df["wall_s"].dropna() if "wall_s" in df else pd.Series(dtype=float)
@@ -401,13 +516,11 @@ def aggregate_arm(
     out["kv_live_bytes"] = kv_live_range(ok)
     out["buckets_by_turns"] = bucket_table(ok, "turns", turns_per_bucket)
     out["buckets_by_time"] = bucket_table(ok, "time", seconds_per_bucket)
+    out["gates"] = prefill_gates(prefill_tolerance, prefill_direction)
     if ok.empty:
-        out["kv_bounded"] = False
-        out["prefill_bounded"] = False
-        out["verdicts"] = {
-            "kv_bounded": {"by_turns": False, "by_time": False},
-            "prefill_bounded": {"by_turns": False, "by_time": False},
-        }
+        for kind in VERDICTS:
+            out[kind] = False
+        out["verdicts"] = {kind: {"by_turns": False, "by_time": False} for kind in VERDICTS}
         out["reason"] = "no successful turns"
         return out
     start = first_full_turn(ok, budget_tokens)
@@ -416,18 +529,26 @@ def aggregate_arm(
             ok, budget_tokens=budget_tokens, budget_bytes=budget_bytes, by=by, size=size
         )
         out[f"prefill_bounded_by_{by}"] = prefill_bounded(
-            ok, budget_tokens=budget_tokens, by=by, size=size
+            ok,
+            budget_tokens=budget_tokens,
+            by=by,
+            size=size,
+            tolerance=prefill_tolerance,
+            direction=prefill_direction,
+        )
+        out[f"prefill_flat_vs_history_by_{by}"] = prefill_flat_vs_history(
+            ok, budget_tokens=budget_tokens, by=by, size=size, tolerance=prefill_tolerance
         )
         out[f"latency_drift_p50_by_{by}"] = {
             col: latency_drift_p50(ok, col, by=by, size=size, start_turn=start)
             for col in ("append_latency_s", "first_token_s", "decode_s_per_token")
             if col in ok
         }
-    out["kv_bounded"] = out["kv_bounded_by_turns"]["bounded"]
-    out["prefill_bounded"] = out["prefill_bounded_by_turns"]["bounded"]
+    for kind in VERDICTS:
+        out[kind] = bool(out[f"{kind}_by_turns"]["bounded"])
     out["verdicts"] = {
         kind: {f"by_{by}": bool(out[f"{kind}_by_{by}"]["bounded"]) for by in ("turns", "time")}
-        for kind in ("kv_bounded", "prefill_bounded")
+        for kind in VERDICTS
     }
     out["rss_drift"] = rss_drift(ok, start_turn=start, size=turns_per_bucket)
     out["eos_rate"] = float((ok["stop_reason"] == "eos").mean())

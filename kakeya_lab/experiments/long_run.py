@@ -4,7 +4,8 @@ report (``metrics.json``) written at every checkpoint, the results index refresh
 * :func:`record_long_run` — the in-process arms (:func:`~kakeya_lab.bench.long_run.run_long`:
   checkpointed, resumed when run again, stopped by SIGTERM or SIGINT with a partial report);
 * :func:`record_served_long_run` — the served arms against a running ``kakeya-lab serve``
-  (not checkpointed: written once, at its end).
+  (the same life: checkpointed, resumed, a partial report on a signal; failed turns
+  counted up to an error budget).
 
 ``run.json`` (:class:`~kakeya_lab.experiments.run_record.RunRecord`) goes ``running`` →
 ``completed``, ``partial`` (a signal stopped the run: run the same command to resume) or
@@ -25,7 +26,7 @@ from kakeya_lab.experiments.run_record import RunRecord
 
 if TYPE_CHECKING:
     from kakeya_lab.bench.long_run import LongRun, LongRunSettings
-    from kakeya_lab.bench.long_run.served import Endpoints
+    from kakeya_lab.bench.long_run.served import Endpoints, ServedRun
     from kakeya_lab.models import LoadedModel
 
 EXPERIMENT = "long_run"
@@ -138,6 +139,17 @@ def _fail(record: RunRecord, begun: bool, status: str, message: str, error_type:
     record.finish(status, message, error_type)
 
 
+def served_outcome(served: ServedRun) -> tuple[str, str | None]:
+    """The record status of a finished served run and what it says: ``partial`` (a signal
+    stopped it: run the same command to resume), ``failed`` (past the error budget) or
+    ``completed`` (failed turns, if any, are counted in the report)."""
+    if served.abort_reason == "max_errors":
+        return "failed", f"stopped: {served.abort_detail}"
+    if served.abort_reason is not None:
+        return "partial", f"stopped by {served.abort_reason}; run the same command to resume"
+    return "completed", None
+
+
 def record_served_long_run(
     endpoints: Endpoints,
     settings: LongRunSettings,
@@ -146,16 +158,23 @@ def record_served_long_run(
     *,
     model: Mapping[str, Any],
     log: Callable[[str], None] | None = None,
-) -> dict[str, dict]:
+    force_new: bool = False,
+    restart_wait_s: float = 120.0,
+) -> ServedRun:
     """``settings.served_arms`` against the running server at ``endpoints``
-    (:func:`~kakeya_lab.bench.long_run.served.run_served`) into ``out_dir``
-    (``served_turns.csv``, ``metrics.json`` by :func:`~kakeya_lab.bench.long_run.save_long_run`,
-    ``run.json``; the index refreshed). ``model``: the identity the header records
-    (``name``, ``weight_sha256``, ...). Returns the summary by arm; any error propagates
-    after ``run.json`` says ``failed``."""
-    from kakeya_lab.bench.long_run import save_long_run
+    (:func:`~kakeya_lab.bench.long_run.served.run_served`: checkpointed, resumed when run
+    again, stopped by SIGTERM or SIGINT with a partial report) into ``out_dir``
+    (``served_turns.csv`` and ``metrics.json`` by
+    :func:`~kakeya_lab.bench.long_run.save_long_run` at every checkpoint and at the end,
+    ``run.json``; the index refreshed). ``model``: the identity the header and the
+    checkpoint record (``name``, ``weight_sha256``, ...). Returns the run (its
+    :func:`served_outcome` is recorded). A resume refused (other settings, a damaged
+    checkpoint) or stopped before its first turn leaves an existing ``run.json`` as it
+    was; any other error propagates after ``run.json`` says ``failed``."""
+    from kakeya_lab.bench.long_run import StoppedBeforeStart, save_long_run
     from kakeya_lab.bench.long_run.served import run_served
     from kakeya_lab.results import now_iso
+    from kakeya_lab.resume import ResumeError
 
     started = now_iso()
     record = RunRecord(
@@ -164,13 +183,43 @@ def record_served_long_run(
         command=invocation.command,
         parameters=invocation.parameters,
     )
-    record.start()
-    try:
-        served = run_served(endpoints, settings, log=log)
+    begun = False
+
+    def begin() -> None:
+        nonlocal begun
+        record.start()
+        begun = True
+
+    def write_report(served: ServedRun) -> None:
         save_long_run(out_dir, settings, dict(model), served=served, started=started)
-    except BaseException as exc:
-        record.finish("failed", f"{type(exc).__name__}: {exc}", type(exc).__name__)
+        if served.partial and served.abort_reason is None:
+            record.progress(turns=int(served.turns["turn"].max()) + 1, duration_s=served.duration_s)
+
+    identity = {"name": model["name"], "weight_sha256": model["weight_sha256"]}
+    try:
+        served = run_served(
+            endpoints,
+            settings,
+            log=log,
+            out_dir=out_dir,
+            on_report=write_report,
+            force_new=force_new,
+            on_start=begin,
+            restart_wait_s=restart_wait_s,
+            model_identity=identity,
+        )
+    except (ResumeError, StoppedBeforeStart):
         raise
-    record.finish("completed")
+    except KeyboardInterrupt:
+        _fail(record, begun, "partial", "KeyboardInterrupt (a second Ctrl-C)", "KeyboardInterrupt")
+        raise
+    except BaseException as exc:
+        _fail(record, begun, "failed", f"{type(exc).__name__}: {exc}", type(exc).__name__)
+        raise
+    status, message = served_outcome(served)
+    record.record["abort_reason"] = served.abort_reason
+    record.finish(
+        status, message, "ErrorBudget" if served.abort_reason == "max_errors" else "RunFailed"
+    )
     index_results_root(out_dir)
-    return served.summary
+    return served

@@ -1,10 +1,16 @@
-"""The long-run conversation driven through a running server by real clients.
+"""One turn of the long-run conversation through a running server, by real clients.
 
 Three client-driven arms, side by side over the same user turns (alternating turn by turn,
-so they share machine conditions):
+so they share machine conditions; :mod:`kakeya_lab.bench.long_run.served_driver` drives
+the rounds, checkpoints and resumes):
 
 * ``grpc_session`` — the project's gRPC client: one session, each turn appends only the new
-  user message (through the server's chat template) and streams the reply;
+  user message (through the server's chat template) and streams the reply. The client
+  keeps a mirror of the conversation (:class:`~kakeya_lab.chat.ChatTemplate` with the
+  model's tokenizer, checked turn by turn against what the server appended) so that a
+  session re-created after a resume or a server restart can be given the very token ids
+  the old one held; such a session goes on in token mode (the mirror renders each user
+  message, the same ids the server's template would give);
 * ``http_reuse`` — the official ``openai`` client sending the whole conversation every
   turn; the server's prefix reuse finds the session and prefills only the new tokens;
 * ``http_stateless`` — the same client with ``reuse: false``: the server re-prefills the
@@ -13,151 +19,129 @@ so they share machine conditions):
 Per turn the rows carry the :class:`~kakeya_lab.bench.long_run.TurnRecord` columns that
 :func:`~kakeya_lab.bench.aggregate.aggregate_arm` reads (``append_latency_s`` is the
 server-measured prefill, ``kv_live_bytes`` / ``cache_len`` / ``history_len`` the server's
-figures after the turn, ``rss_bytes`` the server process's RSS; ``user_tokens`` the new
-message's tokens, chat template included, in every arm, as in-process: the turn's history
-growth before its reply, while ``appended_tokens`` is what the server prefilled) plus client-side
-``request_s`` and ``client_overhead_s_per_token`` (request time not spent in the server's
-prefill and decode, per generated token).
+figures after the turn, ``rss_bytes`` the server process's RSS when an HTTP endpoint is
+known; ``user_tokens`` the new message's tokens, chat template included, in every arm, as
+in-process: the turn's history growth before its reply, while ``appended_tokens`` is what
+the server prefilled) plus client-side ``request_s`` and ``client_overhead_s_per_token``
+(request time not spent in the server's prefill and decode, per generated token), the
+reply's digest (``reply_ids_sha256`` of the gRPC reply's token ids, ``reply_sha256`` of an
+HTTP reply's text) and the speculative counts (``proposed``, ``accepted``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import httpx
-import openai
-import pandas as pd
-from openai.types.chat import ChatCompletionMessageParam
 
-from kakeya_lab.serve.api_keys import auth_headers, client_key
-from kakeya_lab.serve.client import SessionClient
+from kakeya_lab.bench.long_run.records import ids_digest
+from kakeya_lab.serve.api_keys import auth_headers
 
 ARMS = ("grpc_session", "http_reuse", "http_stateless")
+GRPC_ARMS = ("grpc_session",)
+HTTP_ARMS = ("http_reuse", "http_stateless")
 
 
-def _server_rss(http_base: str) -> int:
-    metrics = httpx.get(f"{http_base}/metrics", timeout=30, headers=auth_headers())
+class ServerGone(Exception):
+    """The server did not answer (down, restarting) or no longer knows the arm's session
+    (a restarted server): the driver waits for it and re-creates the session."""
+
+
+def is_server_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` says the server is unreachable or lost the session: gRPC
+    ``UNAVAILABLE`` / ``NOT_FOUND``, a refused or dropped HTTP connection."""
+    if isinstance(exc, ServerGone):
+        return True
+    try:
+        import grpc
+
+        if isinstance(exc, grpc.RpcError) and exc.code() in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.NOT_FOUND,
+        ):
+            return True
+    except ImportError:  # pragma: no cover - the serve extra is missing
+        pass
+    try:
+        import openai
+
+        if isinstance(exc, openai.APIConnectionError):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    return isinstance(exc, httpx.TransportError)
+
+
+def error_text(exc: BaseException) -> str:
+    """One line for a failed turn's ``error`` column: the type and the server's message."""
+    try:
+        import grpc
+
+        if isinstance(exc, grpc.RpcError):
+            return f"{exc.code().name}: {exc.details()}"
+    except ImportError:  # pragma: no cover
+        pass
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+def server_rss(http_base: str | None) -> int | None:
+    """The server process's resident set size from ``/metrics`` (None without an HTTP
+    endpoint or when it cannot be read)."""
+    if http_base is None:
+        return None
+    try:
+        metrics = httpx.get(f"{http_base}/metrics", timeout=30, headers=auth_headers())
+    except httpx.HTTPError:
+        return None
     for line in metrics.text.splitlines():
         if line.startswith("process_resident_memory_bytes "):
             return int(float(line.split()[1]))
-    return 0
+    return None
 
 
-def run_served_long_run(
-    grpc_target: str,
-    http_base: str,
-    user_turns: Sequence[str],
+def grpc_turn(
+    client,
+    sid: str,
+    text: str,
+    max_new_tokens: int,
     *,
-    max_new_tokens: int = 32,
-    model: str | None = None,
-    arms: Sequence[str] = ARMS,
-    turn_spacing_s: float | None = None,
-    duration_s: float | None = None,
-    stateless_cap_s: float | None = None,
-    log: Callable[[str], None] | None = None,
-) -> pd.DataFrame:
-    """Drive ``user_turns`` through the server with every arm in ``arms``; one row per
-    (arm, turn). ``http_base`` is ``http://HOST:PORT`` (no ``/v1``).
-
-    ``turn_spacing_s``: round ``i`` (every arm's turn ``i``) starts ``i * turn_spacing_s``
-    seconds after the start (at once when behind). ``duration_s``: no round starts after
-    this much wall time. ``stateless_cap_s``: the ``http_stateless`` arm (whose requests
-    grow with the conversation) stops after its first turn whose request took longer;
-    the other arms go on. ``log`` gets one line per round."""
-    unknown = set(arms) - set(ARMS)
-    if unknown:
-        raise ValueError(f"unknown served arm(s) {sorted(unknown)}: use {', '.join(ARMS)}")
-    for name, value in (
-        ("turn_spacing_s", turn_spacing_s),
-        ("duration_s", duration_s),
-        ("stateless_cap_s", stateless_cap_s),
-    ):
-        if value is not None and not value > 0:
-            raise ValueError(f"{name} must be > 0 (got {value})")
-    active = list(arms)
-    oc = openai.OpenAI(  # a keyed server's key from $KAKEYA_LAB_API_KEY
-        base_url=f"{http_base}/v1", api_key=client_key() or "unused", max_retries=0, timeout=600
-    )
-    model = model or oc.models.list().data[0].id
-    rows: list[dict] = []
-    t0 = time.perf_counter()
-    with SessionClient(grpc_target, timeout_s=600) as client:
-        sid = client.create() if "grpc_session" in arms else None
-        conversations: dict[str, list[ChatCompletionMessageParam]] = {arm: [] for arm in arms}
-        history_before = dict.fromkeys(arms, 0)  # each arm's history length after its last turn
-        try:
-            for i, text in enumerate(user_turns):
-                if duration_s is not None and time.perf_counter() - t0 >= duration_s:
-                    break
-                if turn_spacing_s is not None:
-                    time.sleep(max(0.0, t0 + i * turn_spacing_s - time.perf_counter()))
-                for arm in list(active):
-                    if arm == "grpc_session" and sid is not None:  # sid: set for this arm
-                        row = _grpc_turn(client, sid, text, max_new_tokens)
-                    else:
-                        row = _http_turn(
-                            oc,
-                            model,
-                            conversations[arm],
-                            text,
-                            max_new_tokens,
-                            reuse=arm == "http_reuse",
-                        )
-                    prompt_len = row["history_len"] - row["generated_tokens"]
-                    row.update(
-                        user_tokens=prompt_len - history_before[arm],
-                        arm=arm,
-                        turn=i,
-                        wall_s=time.perf_counter() - t0,
-                        rss_bytes=_server_rss(http_base),
-                    )
-                    history_before[arm] = row["history_len"]
-                    rows.append(row)
-                    if (
-                        arm == "http_stateless"
-                        and stateless_cap_s is not None
-                        and row["request_s"] > stateless_cap_s
-                    ):
-                        active.remove(arm)
-                        if log is not None:
-                            log(
-                                f"http_stateless stopped after turn {i}: a request took "
-                                f"{row['request_s']:.1f}s > {stateless_cap_s}s"
-                            )
-                if log is not None:
-                    log(
-                        f"turn {i}: "
-                        + "  ".join(
-                            f"{r['arm']} {r['request_s']:.2f}s (prefill {r['append_latency_s']:.3f}s)"
-                            for r in rows
-                            if r["turn"] == i
-                        )
-                    )
-        finally:
-            if sid is not None:
-                client.close_session(sid)
-            if "http_reuse" in arms and rows:
-                last = [r for r in rows if r["arm"] == "http_reuse"]
-                if last:
-                    httpx.delete(
-                        f"{http_base}/v1/sessions/{last[-1]['session_id']}",
-                        timeout=30,
-                        headers=auth_headers(),
-                    )
-    return pd.DataFrame(rows)
-
-
-def _grpc_turn(client: SessionClient, sid: str, text: str, max_new_tokens: int) -> dict:
+    chat,
+    token_mode: bool,
+    proposer: str | None = None,
+    draft_length: int = 4,
+) -> tuple[dict, list[int]]:
+    """One gRPC turn: append ``text`` (through the server's template, or in ``token_mode``
+    the ids ``chat`` renders), stream the reply; ``chat`` (the client's mirror) records
+    both. Returns the row and the ids the session committed (user delta + reply). The
+    caller restores ``chat`` if this raises."""
+    user_ids = chat.user(text)  # rendered before the clock starts: not the server's time
     t = time.perf_counter()
-    appended = client.append_text(sid, text)
-    reply = client.generate(sid, max_new_tokens)
+    if token_mode:
+        appended = client.append_ids(sid, user_ids)
+    else:
+        appended = client.append_text(sid, text)
+        if len(user_ids) != appended.appended_tokens:
+            raise RuntimeError(
+                f"the client's chat template gives {len(user_ids)} ids for this message, the "
+                f"server appended {appended.appended_tokens}: client and server tokenizers differ"
+            )
+    options: dict[str, Any] = {}
+    if proposer is not None:
+        options.update(proposer=proposer, draft_length=draft_length)
+    reply = client.generate(sid, max_new_tokens, **options)
     request_s = time.perf_counter() - t
     done = reply.done
     if done is None:
         raise RuntimeError(f"session {sid!r}: the gRPC stream ended without a done event")
+    ids = list(reply.token_ids)
+    # the server's template closes a reply on its end-of-turn token; stop_reason says it ended so
+    eos = {ids[-1]} if ids and done.stop_reason == "eos" else set()
+    chat.generated(ids, eos_token_ids=eos)
     n = max(1, done.generated_tokens)
-    return {
+    row = {
         "appended_tokens": appended.appended_tokens,
         "cached_tokens": appended.history_len - appended.appended_tokens,
         "append_latency_s": appended.latency_s,
@@ -172,32 +156,42 @@ def _grpc_turn(client: SessionClient, sid: str, text: str, max_new_tokens: int) 
         "request_s": request_s,
         "client_overhead_s_per_token": (request_s - appended.latency_s - done.total_s) / n,
         "reply": reply.text,
+        "reply_ids_sha256": ids_digest(ids),
+        "proposed": int(done.proposed),
+        "accepted": int(done.accepted),
         "session_id": sid,
         "error": None,
     }
+    return row, list(user_ids) + ids
 
 
-def _http_turn(
-    oc: openai.OpenAI,
+def http_turn(
+    oc,
     model: str,
-    messages: list[ChatCompletionMessageParam],
+    messages: list,
     text: str,
     max_new_tokens: int,
     *,
     reuse: bool,
+    proposer: str | None = None,
+    draft_length: int = 4,
 ) -> dict:
-    messages.append({"role": "user", "content": text})
+    """One OpenAI-client turn over the whole conversation ``messages`` (extended with the
+    user message and the reply only when the turn succeeds)."""
+    sent = [*messages, {"role": "user", "content": text}]
+    extra: dict[str, Any] = {"reuse": reuse}
+    if proposer is not None:
+        extra.update(proposer=proposer, draft_length=draft_length)
     t = time.perf_counter()
     resp = oc.chat.completions.create(
         model=model,
-        messages=messages,
+        messages=sent,
         max_tokens=max_new_tokens,
         temperature=0.0,
-        extra_body={"reuse": reuse},
+        extra_body=extra,
     )
     request_s = time.perf_counter() - t
     content = resp.choices[0].message.content or ""
-    messages.append({"role": "assistant", "content": content})
     if resp.model_extra is None or "kakeya" not in resp.model_extra:
         raise RuntimeError(
             f"{model!r}: the reply has no kakeya extension (not a kakeya-lab server?)"
@@ -208,6 +202,7 @@ def _http_turn(
         raise RuntimeError(
             f"{model!r}: the reply's usage has no prompt_tokens_details.cached_tokens"
         )
+    messages[:] = [*sent, {"role": "assistant", "content": content}]
     counts, timings = ext["generation"]["counts"], ext["generation"]["timings"]
     n = max(1, counts["generated_tokens"])
     return {
@@ -225,6 +220,63 @@ def _http_turn(
         "request_s": request_s,
         "client_overhead_s_per_token": (request_s - ext["prefill_s"] - timings["total_s"]) / n,
         "reply": content,
+        "reply_sha256": hashlib.sha256(content.encode()).hexdigest()[:16],
+        "proposed": int(counts.get("proposed") or 0),
+        "accepted": int(counts.get("accepted") or 0),
         "session_id": ext["session_id"],
         "error": None,
     }
+
+
+def run_served_long_run(
+    grpc_target: str | None,
+    http_base: str | None,
+    user_turns: Sequence[str],
+    *,
+    max_new_tokens: int = 32,
+    model: str | None = None,
+    arms: Sequence[str] = ARMS,
+    turn_spacing_s: float | None = None,
+    duration_s: float | None = None,
+    stateless_cap_s: float | None = None,
+    log: Callable[[str], None] | None = None,
+):
+    """Drive ``user_turns`` through the server once, in memory (no checkpoint, no report):
+    one row per (arm, turn) as a DataFrame. ``http_base`` is ``http://HOST:PORT`` (no
+    ``/v1``); either address may be None when no arm needs it. ``turn_spacing_s``: round
+    ``i`` starts ``i * turn_spacing_s`` seconds after the start; ``duration_s``: no round
+    starts after this much wall time (the turns are cycled until then);
+    ``stateless_cap_s``: the ``http_stateless`` arm stops after its first slower request.
+    ``model``: the model name (default: the server's; its tokenizer serves the gRPC arm's
+    mirror). The durable run is :func:`kakeya_lab.bench.long_run.served.run_served`."""
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        raise ValueError(f"unknown served arm(s) {sorted(unknown)}: use {', '.join(ARMS)}")
+    for name, value in (
+        ("turn_spacing_s", turn_spacing_s),
+        ("duration_s", duration_s),
+        ("stateless_cap_s", stateless_cap_s),
+    ):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0 (got {value})")
+    from kakeya_lab.bench.long_run.served import Endpoints, run_served
+    from kakeya_lab.bench.long_run.settings import LongRunSettings
+
+    endpoints = Endpoints(grpc_target=grpc_target, http_base=http_base)
+    settings = LongRunSettings(
+        model=model or LongRunSettings.model,
+        arms=(),
+        served_arms=tuple(arms),
+        turns=len(user_turns),
+        max_new_tokens=max_new_tokens,
+        turn_spacing_s=turn_spacing_s,
+        duration_s=duration_s,
+        reprefill_cap_s=stateless_cap_s,
+        max_errors=0,
+    )
+    served = run_served(
+        endpoints, settings, list(user_turns), model=model, log=log, catch_signals=False
+    )
+    if served.abort_reason is not None:
+        raise RuntimeError(f"the served run stopped: {served.abort_reason}")
+    return served.turns

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=f"{PROG} long-run",
         description="A long multi-turn session benchmark into OUT_DIR: cache arms side by side "
         "over the same chat turns, checkpointed (running it again resumes), or the served arms "
-        "against a running `kakeya-lab serve` (--endpoint).",
+        "against a running `kakeya-lab serve` (--endpoint; checkpointed and resumed too).",
     )
     p.add_argument("out_dir")
     add_model(p)
@@ -68,12 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         metavar="URL",
-        help="drive a running `kakeya-lab serve` instead of an in-process model: give both "
-        "--endpoint grpc://HOST:PORT and --endpoint http://HOST:PORT",
+        help="drive a running `kakeya-lab serve` instead of an in-process model: "
+        "--endpoint grpc://HOST:PORT (the grpc_session arm) and/or --endpoint http://HOST:PORT "
+        "(the http_* arms and the server's RSS)",
     )
-    add_proposer(p, None, "the speculative arm's proposer")
+    add_proposer(
+        p,
+        None,
+        "the speculative arm's proposer; with --endpoint, the proposer every served request "
+        "names (the server must serve it: checked once before the run)",
+    )
     p.add_argument(
-        "--draft-length", type=int, default=4, help="draft tokens per step of the speculative arm"
+        "--draft-length", type=int, default=4, help="draft tokens per step of speculative decoding"
     )
     add_backend(p, None, "runtime of the in-process arms (default torch; mlx runs them on mlx-lm)")
     add_linear(p)
@@ -100,6 +106,34 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=600.0,
         help="also checkpoint and write a partial report this often (0: by turns only)",
+    )
+    p.add_argument(
+        "--prefill-tolerance",
+        type=float,
+        default=0.10,
+        help="the prefill_bounded gate's tolerance: last vs first full bucket p50 of append "
+        "latency, as a fraction (default 0.10)",
+    )
+    p.add_argument(
+        "--prefill-direction",
+        choices=("increase", "both"),
+        default="increase",
+        help="prefill_bounded fails on growth beyond the tolerance only (increase, the "
+        "reference's default) or on a change either way (both)",
+    )
+    p.add_argument(
+        "--max-errors",
+        type=int,
+        default=10,
+        help="with --endpoint: a failing turn is recorded and counted; the run stops once more "
+        "than this many failed (default 10)",
+    )
+    p.add_argument(
+        "--restart-wait-s",
+        type=float,
+        default=120.0,
+        help="with --endpoint: how long to wait for a server that went away before the turn "
+        "counts as failed (its session is re-created when it is back)",
     )
     p.add_argument(
         "--force-new",
@@ -207,7 +241,10 @@ def print_summary(summary: dict[str, dict]) -> None:
             f"kv_bounded turns/time {(v.get('kv_bounded') or {}).get('by_turns')}/"
             f"{(v.get('kv_bounded') or {}).get('by_time')}  "
             f"prefill_bounded turns/time {(v.get('prefill_bounded') or {}).get('by_turns')}/"
-            f"{(v.get('prefill_bounded') or {}).get('by_time')}  append p50 drift {shown}"
+            f"{(v.get('prefill_bounded') or {}).get('by_time')}{_gate(s)}  "
+            f"prefill_flat_vs_history turns/time "
+            f"{(v.get('prefill_flat_vs_history') or {}).get('by_turns')}/"
+            f"{(v.get('prefill_flat_vs_history') or {}).get('by_time')}  append p50 drift {shown}"
             + (f"  stopped: {s['stopped']}" if s.get("stopped") else "")
         )
     for arm, s in summary.items():
@@ -219,6 +256,14 @@ def print_summary(summary: dict[str, dict]) -> None:
                 f"{m['turns_compared']} turns"
                 + (f" (first mismatch: turn {first})" if first is not None else "")
             )
+
+
+def _gate(summary: dict) -> str:
+    """`` (tolerance 10%, increase)``: the reference prefill gate's thresholds."""
+    ref = (summary.get("gates") or {}).get("prefill_bounded") or {}
+    if "tolerance" not in ref:
+        return ""
+    return f" (tolerance {ref['tolerance']:.0%}, {ref['direction']})"
 
 
 def _names(arms: str) -> tuple[str, ...]:
@@ -234,11 +279,7 @@ def settings_from_args(
     from kakeya_lab.bench.long_run.settings import LongRunSettings
     from kakeya_lab.settings import SettingsError
 
-    if args.proposer is not None and "speculative" not in arms:
-        if args.endpoint:
-            raise UserError(
-                "--proposer is not supported with --endpoint (the served arms decode plainly)"
-            )
+    if args.proposer is not None and "speculative" not in arms and not served_arms:
         raise UserError(
             "--proposer is for the speculative arm: add it, e.g. --arms sink_window,speculative"
         )
@@ -252,7 +293,8 @@ def settings_from_args(
         "sink": args.sink,
         "window": args.window,
         "positions": args.positions,
-        "proposer": args.proposer,
+        "proposer": None if served_arms else args.proposer,
+        "served_proposer": args.proposer if served_arms else None,
         "draft_length": args.draft_length,
         "turns": args.turns,
         "max_new_tokens": args.max_new_tokens,
@@ -266,11 +308,14 @@ def settings_from_args(
         "report_every_s": args.report_every_s or None,  # 0: by turns only
         "arms": arms,
         "served_arms": served_arms,
+        "max_errors": args.max_errors,
+        "prefill_tolerance": args.prefill_tolerance,
+        "prefill_direction": args.prefill_direction,
     }
     try:
         return LongRunSettings(**values)
     except SettingsError as exc:
-        flag = "--" + exc.field.replace("_", "-")
+        flag = "--" + {"served_proposer": "proposer"}.get(exc.field, exc.field).replace("_", "-")
         if exc.field in ("arms", "served_arms"):
             raise UserError(f"--arms: {exc.problem}") from exc
         raise UserError(f"{flag} {exc.problem}") from exc
@@ -281,45 +326,59 @@ def _invocation(args: argparse.Namespace, settings: LongRunSettings) -> Invocati
     settings (:meth:`LongRunSettings.to_dict`) and the options that are not settings."""
     from kakeya_lab.experiments.long_run import Invocation
 
-    others = {k: getattr(args, k) for k in ("endpoint", "force_new", "quiet")}
+    others = {k: getattr(args, k) for k in ("endpoint", "force_new", "quiet", "restart_wait_s")}
     return Invocation(
         command=[PROG, "long-run", *args.argv], parameters={**settings.to_dict(), **others}
     )
 
 
 def run_served(args: argparse.Namespace) -> int:
-    """``long-run --endpoint ...``: the served arms against a running ``kakeya-lab serve``
-    (not checkpointed: a served run is written once, at its end)."""
+    """``long-run --endpoint ...``: the served arms against a running ``kakeya-lab serve``,
+    checkpointed and resumed like the in-process run. Everything is checked before the
+    first turn: the arguments, the endpoints each arm needs, the server (reachable, the
+    model asked for), the proposer (served), a checkpoint to resume (same settings, same
+    server cache and model)."""
     from kakeya_lab.bench.long_run.served import (
-        SERVED_ARMS,
+        check_arms_reachable,
         check_served_arms,
+        default_served_arms,
         parse_endpoints,
+        probe_proposer,
+        served_model_name,
         server_cache,
     )
-    from kakeya_lab.bench.long_run.settings import OUTPUTS
+    from kakeya_lab.bench.long_run.settings import CHECKPOINT, OUTPUTS
 
     try:
         endpoints = parse_endpoints(args.endpoint)
     except ValueError as exc:
         raise UserError(f"--endpoint: {exc}") from exc
     try:
-        names = check_served_arms(_names(args.arms or ",".join(SERVED_ARMS)))
+        names = check_served_arms(
+            _names(args.arms) if args.arms else default_served_arms(endpoints)
+        )
+        check_arms_reachable(names, endpoints)
     except ValueError as exc:
         raise UserError(f"--arms: {exc}") from exc
+    check_positive("--restart-wait-s", args.restart_wait_s)
     settings = settings_from_args(args, arms=(), served_arms=tuple(names))
     out = check_out_dir(args.out_dir)
-    if not args.force_new and any((out / n).exists() for n in (*OUTPUTS, "served_turns.csv")):
+    resuming = not args.force_new and (out / CHECKPOINT).exists()
+    if not args.force_new and not resuming and any((out / n).exists() for n in OUTPUTS):
         raise UserError(
-            f"{out} already holds a run; a served run does not resume: use another folder or --force-new"
+            f"{out} holds a run without a checkpoint to resume: use another folder or --force-new"
         )
     check_model(args.model)
-    from kakeya_lab.experiments.long_run import record_served_long_run
     from kakeya_lab.models.load import resolve
 
     found = resolve(args.model, pull_if_missing=False, progress=False)  # identity, no weights
     try:
-        served_model = _served_model_name(endpoints.http_base)
-        server_cache(endpoints.grpc_target)  # reachable, and answers as a session server
+        served_model = (
+            served_model_name(endpoints.http_base)
+            if endpoints.http_base is not None
+            else found.name
+        )
+        cache = server_cache(endpoints)  # reachable, and answers as a session server
     except Exception as exc:  # an unreachable server is the user's to fix
         raise UserError(
             f"--endpoint: cannot reach the server ({type(exc).__name__}: {exc}); "
@@ -329,38 +388,50 @@ def run_served(args: argparse.Namespace) -> int:
         raise UserError(
             f"the server runs {served_model!r}, not --model {found.name!r}: pass --model {served_model}"
         )
-    summary = record_served_long_run(
-        endpoints,
-        settings,
-        out,
-        _invocation(args, settings),
-        model={
-            "name": found.name,
-            "weight_sha256": found.weight_sha256,
-            "architecture": None,
-            "random": False,
-        },
-        log=None if args.quiet else (lambda line: print(line, flush=True)),
-    )
-    for arm, s in summary.items():
-        lat = (s.get("latency") or {}).get("turn_latency_s") or {}
-        print(
-            f"{arm:14s} turns {s['turns']:5d}  errors {s['errors']}  turn p50 {lat.get('p50')}  "
-            f"p95 {lat.get('p95')}  kv_bounded {s.get('kv_bounded')}  prefill_bounded {s.get('prefill_bounded')}"
+    identity = {"name": found.name, "weight_sha256": found.weight_sha256}
+    if resuming:
+        from kakeya_lab.bench.long_run.identity import check_checkpoint
+        from kakeya_lab.bench.long_run.served_driver import served_settings
+
+        now = served_settings(
+            identity, settings, settings.user_turns(), served_model=served_model, cache=cache
         )
+        check_checkpoint(out / CHECKPOINT, now)  # ResumeError: exit 2, nothing changed
+    if settings.served_proposer is not None:
+        try:
+            probe_proposer(endpoints, settings.served_proposer, settings.draft_length)
+        except ValueError as exc:
+            raise UserError(f"--proposer: {exc}") from exc
+    from kakeya_lab.bench.long_run import StoppedBeforeStart
+    from kakeya_lab.experiments.long_run import record_served_long_run, served_outcome
+
+    try:
+        served = record_served_long_run(
+            endpoints,
+            settings,
+            out,
+            _invocation(args, settings),
+            model={**identity, "architecture": None, "random": False},
+            log=None if args.quiet else (lambda line: print(line, flush=True)),
+            force_new=args.force_new,
+            restart_wait_s=args.restart_wait_s,
+        )
+    except StoppedBeforeStart as exc:
+        print(f"{PROG}: {exc}; run again to resume", file=sys.stderr)
+        return 128 + int(getattr(signal, exc.signal))
+    print_summary(served.summary)
+    if served.abort_reason == "max_errors":
+        print(f"{PROG}: run failed: {served_outcome(served)[1]} (report in {out})", file=sys.stderr)
+        return EXIT_RUN_FAILED
+    if served.abort_reason is not None:
+        rounds = int(served.turns["turn"].max()) + 1 if len(served.turns) else 0
+        print(
+            f"{PROG}: stopped by {served.abort_reason} after {rounds} round(s); partial report "
+            f"in {out / 'metrics.json'}; run again to resume",
+            file=sys.stderr,
+        )
+        return 128 + int(getattr(signal, served.abort_reason))
     return 0
-
-
-def _served_model_name(http_base: str) -> str:
-    import httpx
-
-    from kakeya_lab.serve.api_keys import auth_headers
-
-    return str(
-        httpx.get(f"{http_base}/v1/models", timeout=30, headers=auth_headers()).json()["data"][0][
-            "id"
-        ]
-    )
 
 
 def main(argv: Sequence[str]) -> int:

@@ -81,7 +81,7 @@ class StoppedBeforeStart(Exception):
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
-class _Signals:
+class StopSignals:
     """SIGTERM / SIGINT set a flag that the driver checks between turns (the turn under
     way finishes first). Installed only in the main thread; restored on exit."""
 
@@ -89,7 +89,7 @@ class _Signals:
         self.caught: str | None = None
         self._old: dict[int, _Handler] = {}
 
-    def __enter__(self) -> _Signals:
+    def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old[sig] = signal.signal(sig, self._catch)
@@ -175,7 +175,7 @@ def run_long(
             on_report(run)
         return run
 
-    with _Signals() if catch_signals else _NoSignals() as signals:
+    with StopSignals() if catch_signals else NoSignals() as signals:
         # A signal while the checkpoint is read and replayed stops the run before it
         # starts: nothing was written, so the folder stays as it was.
         try:
@@ -203,7 +203,7 @@ def run_long(
         )
         while (limit is None or state.next_turn < limit) and not signals.caught:
             if spacing_s is not None:
-                _wait_until(t0 + state.next_turn * spacing_s, signals)
+                wait_until(t0 + state.next_turn * spacing_s, signals)
                 if signals.caught:
                     break
             if settings.duration_s is not None and time.perf_counter() - t0 >= settings.duration_s:
@@ -226,17 +226,17 @@ def run_long(
     return final
 
 
-class _NoSignals:
+class NoSignals:
     caught: str | None = None
 
-    def __enter__(self) -> _NoSignals:
+    def __enter__(self) -> NoSignals:
         return self
 
     def __exit__(self, *exc) -> None:
         return None
 
 
-def _wait_until(when: float, signals) -> None:
+def wait_until(when: float, signals) -> None:
     """Sleep until ``time.perf_counter() >= when``, waking early on a caught signal."""
     while not signals.caught:
         left = when - time.perf_counter()
@@ -318,6 +318,8 @@ def _finish(
         budgets,
         turns_per_bucket=settings.turns_per_bucket,
         seconds_per_bucket=settings.seconds_per_bucket,
+        prefill_tolerance=settings.prefill_tolerance,
+        prefill_direction=settings.prefill_direction,
     )
     for name, arm_state in state.states.items():
         summary[name]["stopped"] = arm_state.stopped

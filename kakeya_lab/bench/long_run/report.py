@@ -30,12 +30,13 @@ FIGURES = ("kv_bytes", "latency", "rss", "recall", "served_prefill")
 
 
 def run_fields(run: LongRun | None, served: ServedRun | None) -> dict[str, Any]:
-    """``partial``, ``abort_reason`` and ``duration_s`` of the run (the in-process run's;
-    a served-only run is complete and lasted until its last turn)."""
+    """``partial``, ``abort_reason`` and ``duration_s`` of the run (the in-process run's
+    when there is one, else the served run's)."""
     if run is not None:
         return run.report_fields()
-    wall = served.turns["wall_s"].dropna() if served is not None else []
-    return {"partial": False, "abort_reason": None, "duration_s": float(max(wall, default=0.0))}
+    if served is None:
+        return {"partial": False, "abort_reason": None, "duration_s": 0.0}
+    return served.report_fields()
 
 
 def kernel_of(settings: LongRunSettings, run: LongRun | None) -> str | None:
@@ -46,10 +47,18 @@ def kernel_of(settings: LongRunSettings, run: LongRun | None) -> str | None:
 
 
 def proposer_of(settings: LongRunSettings) -> dict[str, Any] | None:
-    """The speculative arm's proposer spec and draft length (None without that arm)."""
-    if "speculative" not in settings.arms:
-        return None
-    return {"spec": settings.proposer, "draft_length": settings.draft_length}
+    """The speculative arm's proposer spec and draft length (None without that arm); for a
+    served-only run, the proposer its requests name (``served_proposer``), marked
+    ``served``."""
+    if "speculative" in settings.arms:
+        return {"spec": settings.proposer, "draft_length": settings.draft_length}
+    if settings.served_proposer is not None:
+        return {
+            "spec": settings.served_proposer,
+            "draft_length": settings.draft_length,
+            "served": True,
+        }
+    return None
 
 
 def save_long_run(
@@ -90,7 +99,12 @@ def save_long_run(
     }
     if served is not None:
         extra.update(
-            served_arms=list(served.summary),
+            served_proposer=(
+                {"spec": settings.served_proposer, "draft_length": settings.draft_length}
+                if settings.served_proposer is not None
+                else None
+            ),
+            served_arms=list(settings.served_arms),
             server_cache=served.cache,
             endpoints={"grpc": served.endpoints.grpc_target, "http": served.endpoints.http_base},
         )
@@ -103,10 +117,17 @@ def save_long_run(
         started=started,
         extra=extra,
     )
+    metrics: dict[str, Any] = {**fields, "arms": summary}
+    if served is not None:
+        metrics["served_events"] = served.events
+        metrics["served_errors"] = {
+            "failed_turns": int(sum(s.get("errors") or 0 for s in served.summary.values())),
+            "max_errors": settings.max_errors,
+        }
     return write_run(
         out,
         header,
-        {**fields, "arms": summary},
+        metrics,
         headline={**long_run_headline(summary), **fields},
         tables={"served_turns": served.turns} if served is not None else None,
         figures=long_run_figures(settings, summary, run, served) if figures else None,
@@ -157,7 +178,7 @@ def save_quickstart(
 ) -> Path:
     """The quickstart's run folder (notebook 00: a short long run of two arms on a fixed
     script): ``metrics.json`` (every arm's summary, the sink-window arm's analytic
-    ``budget_bytes``; headline ``kv_bounded``, ``prefill_bounded`` and
+    ``budget_bytes``; headline ``kv_bounded``, ``prefill_bounded``, ``prefill_flat_vs_history`` and
     ``kv_live_bytes_last`` per arm),
     ``turns.csv`` and ``figures``. Returns the path of ``metrics.json``."""
     out = Path(run_dir)
@@ -180,6 +201,7 @@ def save_quickstart(
         arm: {
             "kv_bounded": s["kv_bounded"],
             "prefill_bounded": s.get("prefill_bounded"),
+            "prefill_flat_vs_history": s.get("prefill_flat_vs_history"),
             "kv_live_bytes_last": int(table[table.arm == arm].kv_live_bytes.iloc[-1]),
         }
         for arm, s in run.summary.items()

@@ -1,12 +1,15 @@
 """A long run against a running ``kakeya-lab serve``: endpoints (or a loopback server started
-for the run), the server's cache budget, and the same summaries as the in-process run
-(:mod:`kakeya_lab.serve.served_long_run` drives the turns)."""
+for the run), the server's cache budget, the proposer probe, and the same summaries as the
+in-process run (:mod:`kakeya_lab.bench.long_run.served_driver` drives the rounds durably,
+:mod:`kakeya_lab.serve.served_long_run` the turns)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pandas as pd
@@ -17,18 +20,23 @@ from kakeya_lab.bench.long_run.settings import SERVED_ARMS, LongRunSettings
 
 @dataclass(frozen=True)
 class Endpoints:
-    """A server's two addresses: ``grpc_target`` (``HOST:PORT``) and ``http_base``
-    (``http://HOST:PORT``, no ``/v1``)."""
+    """A server's addresses: ``grpc_target`` (``HOST:PORT``) and ``http_base``
+    (``http://HOST:PORT``, no ``/v1``); either may be None (the arms that need it are
+    then refused, :func:`check_arms_reachable`)."""
 
-    grpc_target: str
-    http_base: str
+    grpc_target: str | None
+    http_base: str | None
+
+
+USAGE = (
+    "give the server's addresses: --endpoint grpc://HOST:PORT and/or --endpoint http://HOST:PORT"
+)
 
 
 def parse_endpoints(values: Sequence[str]) -> Endpoints:
-    """``grpc://HOST:PORT`` and ``http://HOST:PORT``, once each (the served bench needs
-    both: gRPC for the session arm, HTTP for the OpenAI arms and the server's RSS).
-    Raises ValueError saying what to write."""
-    usage = "give both of the server's addresses: --endpoint grpc://HOST:PORT --endpoint http://HOST:PORT"
+    """``grpc://HOST:PORT`` and/or ``http://HOST:PORT``, at most once each (gRPC serves the
+    session arm; HTTP the OpenAI arms and the server's RSS). Raises ValueError saying
+    what to write."""
     found: dict[str, str] = {}
     for value in values:
         parts = urlsplit(value)
@@ -45,17 +53,44 @@ def parse_endpoints(values: Sequence[str]) -> Endpoints:
             or parts.query
             or parts.fragment
         ):
-            raise ValueError(f"{value!r} is not grpc://HOST:PORT or http://HOST:PORT; {usage}")
+            raise ValueError(f"{value!r} is not grpc://HOST:PORT or http://HOST:PORT; {USAGE}")
         if parts.scheme in found:
             raise ValueError(
-                f"two {parts.scheme} endpoints ({found[parts.scheme]}, {value}); {usage}"
+                f"two {parts.scheme} endpoints ({found[parts.scheme]}, {value}); {USAGE}"
             )
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         found[parts.scheme] = f"{host}:{port}"
-    missing = [s for s in ("grpc", "http") if s not in found]
-    if missing:
-        raise ValueError(f"no {' or '.join(missing)} endpoint; {usage}")
-    return Endpoints(grpc_target=found["grpc"], http_base=f"http://{found['http']}")
+    if not found:
+        raise ValueError(f"no endpoint; {USAGE}")
+    http = found.get("http")
+    return Endpoints(grpc_target=found.get("grpc"), http_base=f"http://{http}" if http else None)
+
+
+def check_arms_reachable(names: Sequence[str], endpoints: Endpoints) -> None:
+    """ValueError (one line) for an arm whose endpoint was not given: ``grpc_session``
+    needs ``grpc://``, the ``http_*`` arms ``http://``."""
+    from kakeya_lab.serve.served_long_run import GRPC_ARMS, HTTP_ARMS
+
+    if endpoints.grpc_target is None and (need := [n for n in names if n in GRPC_ARMS]):
+        raise ValueError(
+            f"arm(s) {', '.join(need)} need a gRPC endpoint: add --endpoint grpc://HOST:PORT "
+            f"or leave them out of --arms"
+        )
+    if endpoints.http_base is None and (need := [n for n in names if n in HTTP_ARMS]):
+        raise ValueError(
+            f"arm(s) {', '.join(need)} need an HTTP endpoint: add --endpoint http://HOST:PORT "
+            f"or leave them out of --arms"
+        )
+
+
+def default_served_arms(endpoints: Endpoints) -> list[str]:
+    """The served arms the given endpoints can drive (all three with both)."""
+    from kakeya_lab.serve.served_long_run import GRPC_ARMS, HTTP_ARMS
+
+    return [
+        *(GRPC_ARMS if endpoints.grpc_target else ()),
+        *(HTTP_ARMS if endpoints.http_base else ()),
+    ]
 
 
 def check_served_arms(names: Sequence[str]) -> list[str]:
@@ -73,26 +108,121 @@ def check_served_arms(names: Sequence[str]) -> list[str]:
     return names
 
 
-def server_cache(grpc_target: str) -> dict:
+def server_cache(endpoints: Endpoints | str) -> dict:
     """The server's cache figures (``sink``, ``budget_tokens``, ``kv_budget_bytes``; 0
     for a cache that never evicts), read from a session opened (with one token appended)
-    and closed for it."""
-    from kakeya_lab.serve.client import SessionClient
+    and closed for it — over gRPC when ``endpoints`` has it (or is a gRPC target), else
+    over HTTP (``/v1/sessions``)."""
+    if isinstance(endpoints, str):
+        endpoints = Endpoints(grpc_target=endpoints, http_base=None)
+    if endpoints.grpc_target is not None:
+        from kakeya_lab.serve.client import SessionClient
 
-    with SessionClient(grpc_target, timeout_s=600) as client:
-        sid = client.create()
+        with SessionClient(endpoints.grpc_target, timeout_s=600) as client:
+            sid = client.create()
+            try:
+                # one token, so the cache has allocated its storage: an empty session's
+                # kv_budget_bytes is 0 (the cache does not know its dtype yet)
+                client.append_ids(sid, [0])
+                reply = client.info(sid)
+            finally:
+                client.close_session(sid)
+        figures = {k: getattr(reply, k) for k in ("sink", "budget_tokens", "kv_budget_bytes")}
+    else:
+        info = _http_cache(str(endpoints.http_base))
+        figures = {k: info[k] for k in ("sink", "budget_tokens", "kv_budget_bytes")}
+    return {k: int(v) for k, v in figures.items()}
+
+
+def _http_cache(http_base: str) -> dict:
+    import httpx
+
+    from kakeya_lab.serve.api_keys import auth_headers
+
+    headers = auth_headers()
+    with httpx.Client(base_url=http_base, timeout=600, headers=headers) as http:
+        created = http.post("/v1/sessions")
+        created.raise_for_status()
+        sid = created.json()["session_id"]
         try:
-            # one token, so the cache has allocated its storage: an empty session's
-            # kv_budget_bytes is 0 (the cache does not know its dtype yet)
-            client.append_ids(sid, [0])
-            info = client.info(sid)
+            # one token (as over gRPC): a chat turn of one generated token on the session
+            http.post(
+                "/v1/chat/completions",
+                json={
+                    "model": served_model_name(http_base),
+                    "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 1,
+                    "session_id": sid,
+                },
+            ).raise_for_status()
+            info = http.get(f"/v1/sessions/{sid}")
+            info.raise_for_status()
         finally:
-            client.close_session(sid)
-    return {
-        "sink": int(info.sink),
-        "budget_tokens": int(info.budget_tokens),
-        "kv_budget_bytes": int(info.kv_budget_bytes),
-    }
+            http.delete(f"/v1/sessions/{sid}")
+    return info.json()
+
+
+def served_model_name(http_base: str) -> str:
+    """The model the server at ``http_base`` serves (``/v1/models``)."""
+    import httpx
+
+    from kakeya_lab.serve.api_keys import auth_headers
+
+    reply = httpx.get(f"{http_base}/v1/models", timeout=30, headers=auth_headers())
+    reply.raise_for_status()
+    return str(reply.json()["data"][0]["id"])
+
+
+def probe_proposer(endpoints: Endpoints, proposer: str, draft_length: int) -> None:
+    """Ask the server once whether it serves ``proposer`` (one generated token on a
+    throwaway session, over every endpoint given); ValueError with the server's own
+    one-line message when it refuses."""
+    if endpoints.grpc_target is not None:
+        import grpc
+
+        from kakeya_lab.serve.client import SessionClient
+
+        with SessionClient(endpoints.grpc_target, timeout_s=600) as client:
+            sid = client.create()
+            try:
+                client.append_ids(sid, [0])
+                client.generate(sid, 1, proposer=proposer, draft_length=draft_length)
+            except grpc.RpcError as exc:
+                if exc.code() in (
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                ):
+                    raise ValueError(
+                        f"the server refuses proposer {proposer!r}: {exc.details()}"
+                    ) from None
+                raise
+            finally:
+                client.close_session(sid)
+    if endpoints.http_base is not None:
+        import httpx
+
+        from kakeya_lab.serve.api_keys import auth_headers
+
+        reply = httpx.post(
+            f"{endpoints.http_base}/v1/chat/completions",
+            json={
+                "model": served_model_name(endpoints.http_base),
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 1,
+                "reuse": False,
+                "proposer": proposer,
+                "draft_length": draft_length,
+            },
+            timeout=600,
+            headers=auth_headers(),
+        )
+        if 400 <= reply.status_code < 500:
+            try:
+                message = reply.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = reply.text
+            raise ValueError(f"the server refuses proposer {proposer!r}: {message}")
+        reply.raise_for_status()
 
 
 def summarize_served(
@@ -101,24 +231,39 @@ def summarize_served(
     *,
     turns_per_bucket: int = 50,
     seconds_per_bucket: float = 600.0,
+    prefill_tolerance: float = 0.10,
+    prefill_direction: str = "increase",
 ) -> dict[str, dict]:
     """:func:`~kakeya_lab.bench.aggregate.aggregate_arm` of every served arm, against the
-    server's budget (``cache`` from :func:`server_cache`)."""
+    server's budget (``cache`` from :func:`server_cache`), with both prefill gates.
+
+    A row with ``measured`` False (an ``http_reuse`` turn that re-prefilled the whole
+    conversation because its server-side session was gone: after a resume or a server
+    restart) is counted in ``unmeasured_turns``, not aggregated."""
     budget_tokens = cache.get("budget_tokens") or None
     budget_bytes = cache.get("kv_budget_bytes") or None
     out = {}
     for arm, df in table.groupby("arm", sort=False):
+        measured = df[df["measured"].fillna(True).astype(bool)] if "measured" in df else df
         summary = aggregate_arm(
-            df,
+            measured,
             budget_tokens=budget_tokens,
             budget_bytes=budget_bytes,
             turns_per_bucket=turns_per_bucket,
             seconds_per_bucket=seconds_per_bucket,
+            prefill_tolerance=prefill_tolerance,
+            prefill_direction=prefill_direction,
         )
         summary["budget_bytes"] = budget_bytes
+        summary["unmeasured_turns"] = int(len(df) - len(measured))
+        for column in ("server_restart", "resumed"):
+            if column in df:
+                summary[f"{column}_turns"] = int(df[column].fillna(False).astype(bool).sum())
+        if "session_epoch" in df and df["session_epoch"].notna().any():
+            summary["session_epochs"] = int(df["session_epoch"].max()) + 1
         summary.update(
             append_latency_buckets(
-                df, turns_per_bucket=turns_per_bucket, seconds_per_bucket=seconds_per_bucket
+                measured, turns_per_bucket=turns_per_bucket, seconds_per_bucket=seconds_per_bucket
             )
         )
         out[str(arm)] = summary
@@ -142,7 +287,7 @@ SERVE_HERE = "serve"
 
 
 def endpoint_values(endpoint: str | Sequence[str]) -> list[str]:
-    """The addresses in a notebook's ``endpoint`` parameter: a string holding both
+    """The addresses in a notebook's ``endpoint`` parameter: a string holding one or both
     (``"grpc://HOST:P http://HOST:Q"``, separated by spaces or commas) or a list."""
     values = [endpoint] if isinstance(endpoint, str) else list(endpoint)
     return [v for value in values for v in value.replace(",", " ").split() if v]
@@ -163,7 +308,7 @@ def served_endpoints(
     ``endpoint`` empty: ``None`` (no served arms). ``"serve"``: a ``kakeya-lab serve`` of
     ``model`` with a ``sink`` + ``window`` cache on ``backend``, started on free loopback
     ports (ready within ``timeout_s``) and stopped (SIGTERM) when the block ends. Otherwise
-    both addresses of a running server (:func:`endpoint_values`, :func:`parse_endpoints`;
+    the addresses of a running server (:func:`endpoint_values`, :func:`parse_endpoints`;
     ValueError saying what to write)."""
     values = endpoint_values(endpoint)
     if not values:
@@ -187,13 +332,35 @@ def served_endpoints(
 @dataclass
 class ServedRun:
     """A served long run: the per-turn ``turns`` (one row per arm and turn), every arm's
-    ``summary`` (:func:`summarize_served`), the server's ``cache`` figures and model."""
+    ``summary`` (:func:`summarize_served`), the server's ``cache`` figures and model.
+    ``partial``: the run is not over (a periodic report, or a run stopped early:
+    ``abort_reason`` names why — a signal, e.g. ``"SIGTERM"``, or ``"max_errors"`` with
+    ``abort_detail``); ``duration_s``: wall time so far; ``events``: session re-creations
+    (``resume``, ``server_restart``, ``after_error``) and server outages, each with its
+    arm, turn and wall time."""
 
     turns: pd.DataFrame
     summary: dict[str, dict]
     cache: dict
     model: str
     endpoints: Endpoints
+    partial: bool = False
+    abort_reason: str | None = None
+    abort_detail: str | None = None
+    duration_s: float = 0.0
+    events: list[dict] = field(default_factory=list)
+
+    def report_fields(self) -> dict:
+        """The run-level report fields: ``partial``, ``abort_reason``, ``duration_s`` (and
+        ``abort_detail`` when there is one)."""
+        out: dict = {
+            "partial": self.partial,
+            "abort_reason": self.abort_reason,
+            "duration_s": self.duration_s,
+        }
+        if self.abort_detail is not None:
+            out["abort_detail"] = self.abort_detail
+        return out
 
 
 def run_served(
@@ -203,42 +370,70 @@ def run_served(
     *,
     model: str | None = None,
     log: Callable[[str], None] | None = None,
+    out_dir: str | Path | None = None,
+    on_report: Callable[[ServedRun], None] | None = None,
+    catch_signals: bool = True,
+    force_new: bool = False,
+    on_start: Callable[[], None] | None = None,
+    restart_wait_s: float = 120.0,
+    model_identity: Mapping[str, Any] | None = None,
 ) -> ServedRun:
-    """Drive ``user_turns`` (default: the standard script of ``settings.turns`` turns)
-    through the server at ``endpoints`` with ``settings.served_arms``
-    (:func:`kakeya_lab.serve.served_long_run.run_served_long_run`) and summarize them.
-    ``settings.reprefill_cap_s`` caps the stateless arm's turns. ``model``: the name the
-    server must serve (ValueError if it serves another, or if no served arm is asked for)."""
-    import httpx
+    """Drive ``user_turns`` (default: the standard script of ``settings.turns`` turns,
+    cycled while ``settings.duration_s`` lasts) through the server at ``endpoints`` with
+    ``settings.served_arms`` (:func:`~kakeya_lab.bench.long_run.served_driver.drive_served`:
+    checkpointed into ``out_dir`` every ``settings.checkpoint_every`` rounds and
+    ``settings.report_every_s`` seconds, each time calling ``on_report`` with a partial
+    run; resumed from its checkpoint with the same settings, server and model; stopped by
+    SIGTERM/SIGINT with a final partial report; failing turns recorded and counted up to
+    ``settings.max_errors``; a server restart waited for up to ``restart_wait_s``).
 
-    from kakeya_lab.serve.api_keys import auth_headers
-    from kakeya_lab.serve.served_long_run import run_served_long_run
+    ``model``: the name the server must serve (ValueError if it serves another, or if no
+    served arm is asked for); its tokenizer, from the local store, mirrors the gRPC arm's
+    conversation. ``model_identity``: what the checkpoint records of it (default: its
+    store name and weight hash)."""
+    from kakeya_lab.bench.long_run.served_driver import drive_served
 
     if not settings.served_arms:
         raise ValueError("run_served: settings.served_arms names no arm")
+    check_arms_reachable(settings.served_arms, endpoints)
     turns = settings.user_turns() if user_turns is None else list(user_turns)
-    served_model = httpx.get(
-        f"{endpoints.http_base}/v1/models", timeout=30, headers=auth_headers()
-    ).json()["data"][0]["id"]
+    if len(turns) != settings.turns:
+        raise ValueError(
+            f"{len(turns)} user turns given for settings.turns={settings.turns}: give as many"
+        )
+    served_model = (
+        served_model_name(endpoints.http_base)
+        if endpoints.http_base is not None
+        else (model or settings.model)
+    )
     if model is not None and served_model != model:
         raise ValueError(f"the server runs {served_model!r}, not {model!r}")
-    cache = server_cache(endpoints.grpc_target)
-    table = run_served_long_run(
-        endpoints.grpc_target,
-        endpoints.http_base,
+    cache = server_cache(endpoints)
+    identity = dict(model_identity) if model_identity is not None else None
+    tokenizer = None
+    if "grpc_session" in settings.served_arms or identity is None:
+        from kakeya_lab.models.load import resolve
+
+        found = resolve(served_model, pull_if_missing=False, progress=False)
+        if identity is None:
+            identity = {"name": found.name, "weight_sha256": found.weight_sha256}
+        if "grpc_session" in settings.served_arms:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(found.folder), local_files_only=True)
+    return drive_served(
+        endpoints,
+        settings,
         turns,
-        max_new_tokens=settings.max_new_tokens,
-        model=served_model,
-        arms=list(settings.served_arms),
-        turn_spacing_s=settings.turn_spacing_s,
-        duration_s=settings.duration_s,
-        stateless_cap_s=settings.reprefill_cap_s,
+        served_model=served_model,
+        cache=cache,
+        model_identity=identity,
+        tokenizer=tokenizer,
+        out_dir=out_dir,
+        on_report=on_report,
+        catch_signals=catch_signals,
+        force_new=force_new,
+        on_start=on_start,
         log=log,
+        restart_wait_s=restart_wait_s,
     )
-    summary = summarize_served(
-        table,
-        cache,
-        turns_per_bucket=settings.turns_per_bucket,
-        seconds_per_bucket=settings.seconds_per_bucket,
-    )
-    return ServedRun(table, summary, cache, served_model, endpoints)

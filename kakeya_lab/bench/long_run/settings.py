@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kakeya_lab.bench.gates import check_prefill_gate
 from kakeya_lab.linear_kernels import KERNELS
 from kakeya_lab.proposers.registry import check_proposer_spec, usage
 from kakeya_lab.settings import Settings, SettingsError, check_int, check_positive
@@ -45,6 +46,13 @@ class LongRunSettings(Settings):
     reports. ``reprefill_cap_s``: the stateless arm stops after a slower turn (None: never).
     ``turn_spacing_s``: round ``i`` starts ``i * turn_spacing_s`` after the start (None:
     back to back). ``turns_per_bucket`` / ``seconds_per_bucket``: the summary's buckets.
+    ``served_proposer``: the proposer spec every served arm's requests name (None: plain
+    decoding; the server decides what it serves, with ``draft_length`` drafts).
+    ``max_errors``: a served run aborts once more turns than this failed (a failing turn
+    is recorded and counted, not fatal). ``prefill_tolerance`` / ``prefill_direction``:
+    the reference prefill gate's thresholds
+    (:func:`~kakeya_lab.bench.aggregate.prefill_bounded`; the tolerance also serves
+    :func:`~kakeya_lab.bench.aggregate.prefill_flat_vs_history`).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -67,6 +75,10 @@ class LongRunSettings(Settings):
     seconds_per_bucket: float = 600.0
     turn_spacing_s: float | None = None
     report_every_s: float | None = 600.0
+    served_proposer: str | None = None
+    max_errors: int = 10
+    prefill_tolerance: float = 0.10
+    prefill_direction: str = "increase"
 
     def validate(self) -> None:
         """Raise :class:`~kakeya_lab.settings.SettingsError` for any setting that cannot work."""
@@ -116,6 +128,21 @@ class LongRunSettings(Settings):
         for name in ("duration_s", "reprefill_cap_s", "turn_spacing_s", "report_every_s"):
             check_positive(name, getattr(self, name))
         check_positive("seconds_per_bucket", self.seconds_per_bucket, optional=False)
+        if self.served_proposer is not None:
+            if not self.served_arms:
+                raise SettingsError(
+                    "served_proposer", "is for the served arms: give served_arms (--endpoint)"
+                )
+            try:
+                check_proposer_spec(self.served_proposer)
+            except ValueError as exc:
+                raise SettingsError("served_proposer", str(exc)) from exc
+        check_int("max_errors", self.max_errors, 0)
+        try:
+            check_prefill_gate(self.prefill_tolerance, self.prefill_direction)
+        except ValueError as exc:
+            field = "prefill_direction" if "direction" in str(exc) else "prefill_tolerance"
+            raise SettingsError(field, str(exc).split(" ", 1)[1]) from exc
 
     def probe(self) -> FactProbe | None:
         """The recall probe (None when ``probe_every`` is 0)."""

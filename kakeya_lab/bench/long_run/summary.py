@@ -17,9 +17,12 @@ def summarize_long_run(
     *,
     turns_per_bucket: int = 50,
     seconds_per_bucket: float = 600.0,
+    prefill_tolerance: float = 0.10,
+    prefill_direction: str = "increase",
 ) -> dict[str, dict]:
     """:func:`~kakeya_lab.bench.aggregate.aggregate_arm` for every arm, plus quality probes.
-    ``budget_bytes``: the analytic KV budget per arm (None for caches that never evict)."""
+    ``budget_bytes``: the analytic KV budget per arm (None for caches that never evict);
+    ``prefill_tolerance`` / ``prefill_direction``: the reference prefill gate's thresholds."""
     out = {}
     for name, arm in arms.items():
         df = table[table["arm"] == name]
@@ -29,6 +32,8 @@ def summarize_long_run(
             budget_bytes=budget_bytes[name],
             turns_per_bucket=turns_per_bucket,
             seconds_per_bucket=seconds_per_bucket,
+            prefill_tolerance=prefill_tolerance,
+            prefill_direction=prefill_direction,
         )
         summary["budget_bytes"] = budget_bytes[name]
         if "probe_recalled" in df and df["probe_recalled"].notna().any():
@@ -134,8 +139,13 @@ def long_run_headline(summary: dict[str, dict]) -> dict[str, dict]:
             "duration_s": s.get("duration_s"),
             "kv_bounded": s.get("kv_bounded"),
             "prefill_bounded": s.get("prefill_bounded"),
+            "prefill_flat_vs_history": s.get("prefill_flat_vs_history"),
             "kv_bounded_by_time": (verdicts.get("kv_bounded") or {}).get("by_time"),
             "prefill_bounded_by_time": (verdicts.get("prefill_bounded") or {}).get("by_time"),
+            "prefill_flat_vs_history_by_time": (verdicts.get("prefill_flat_vs_history") or {}).get(
+                "by_time"
+            ),
+            "prefill_gates": s.get("gates"),
             "turn_latency_p50_s": turn_latency.get("p50"),
             "turn_latency_p95_s": turn_latency.get("p95"),
             "kv_live_bytes_min": kv.get("min_bytes"),
