@@ -12,7 +12,7 @@ from kakeya_lab.bench.aggregate import (
     latency_percentiles,
 )
 from kakeya_lab.bench.long_run import long_run_headline
-from kakeya_lab.plots import bucket_figure
+from kakeya_lab.plots import bucket_figure, prefill_history_figure
 
 
 def table(latency, kv, wall, cache_len=None, generate=None):
@@ -121,3 +121,28 @@ def test_bucket_figures_plot_the_report_tables():
     assert list(bucket_figure(summary, "turns").data[0].x) == [0, 2]
     with pytest.raises(ValueError, match="'time' or 'turns'"):
         bucket_figure(summary, "hours")
+
+
+def test_prefill_history_figure_draws_the_fitted_slope_of_each_arm():
+    # append latency = 1 ms + 2 us per history token exactly: the fitted line is that line
+    df = table([0.001 + 2e-6 * 10 * (i + 1) for i in range(6)], [400] * 6, list(range(6)))
+    df = df.assign(arm="http_stateless")
+    flat = table([0.003] * 6, [400] * 6, list(range(6))).assign(arm="grpc_session")
+    both = pd.concat([df, flat], ignore_index=True)
+    summary = {
+        arm: aggregate_arm(part, budget_tokens=None, budget_bytes=None, turns_per_bucket=2)
+        for arm, part in both.groupby("arm", sort=False)
+    }
+    fits = {arm: s["prefill_flat_vs_history_by_turns"] for arm, s in summary.items()}
+    fig = prefill_history_figure(both, fits)
+    points, line, flat_points, flat_line = fig.data
+    assert list(points.x) == [10, 20, 30, 40, 50, 60]
+    assert list(line.x) == [10, 60]
+    assert list(line.y) == pytest.approx([1.02, 1.12])  # ms, on the exact line
+    assert list(flat_line.y) == pytest.approx([3.0, 3.0])
+    titles = [a.text for a in fig.layout.annotations]
+    assert titles[0].startswith("http_stateless: 2.00 us/token")
+    # an arm without a fit is drawn without a line and says why
+    lone = prefill_history_figure(both, {"http_stateless": fits["http_stateless"]})
+    assert len(lone.data) == 3
+    assert "grpc_session: not fitted (no verdict)" in [a.text for a in lone.layout.annotations]

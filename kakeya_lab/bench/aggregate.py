@@ -291,7 +291,8 @@ def prefill_flat_vs_history(
     is the partial slope of ``latency ~ 1 + history_len + user_tokens`` and the bucket
     p50s compare the length-adjusted latency ``latency - c * (user_tokens - median)``
     (``c``: the fitted seconds per message token), so shorter late messages read neither
-    as a falling slope nor as drift. ``covariate`` names what was adjusted for."""
+    as a falling slope nor as drift. ``covariate`` names what was adjusted for;
+    ``from_turn`` is the first turn of the fit."""
     out: dict[str, Any] = {
         "bounded": False,
         "reason": None,
@@ -299,6 +300,7 @@ def prefill_flat_vs_history(
         "slope_ci95": None,
         "covariate": None,
         "message_s_per_token": None,
+        "from_turn": None,
     }
     if df.empty:
         out["reason"] = "no turns"
@@ -309,6 +311,7 @@ def prefill_flat_vs_history(
     if start is None:
         out["reason"] = "the cache never filled"
         return out
+    out["from_turn"] = int(start)  # the fit's first turn (the cache's first full one)
     rows = df[df["turn"] >= start]
     if len(rows) < 3:
         out["reason"] = "fewer than three turns to fit a slope"
