@@ -43,7 +43,8 @@ class ServeOptions:
     that long, ``implicit_ttl_s`` the implicit ones (stateless HTTP requests'; None: never).
     ``api_keys``: the accepted keys (empty: open to every caller, loopback only);
     ``allowed_hosts`` / ``allowed_origins``: HTTP Host names and Origins accepted besides
-    this server's own address."""
+    this server's own address. ``batch``: concurrent sessions' steps share forwards
+    (:class:`~kakeya_lab.session.store.SessionStore`'s ``batch``)."""
 
     host: str = "127.0.0.1"
     grpc_port: int = 50051
@@ -59,6 +60,7 @@ class ServeOptions:
     api_keys: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
+    batch: bool = False
 
     def __repr__(self) -> str:  # never print the keys
         return f"ServeOptions(host={self.host!r}, keys={len(self.api_keys)}, ...)"
@@ -73,7 +75,11 @@ def build_served(loaded, cache: SinkWindowConfig, options: ServeOptions) -> Serv
     """The serving layer over a fresh store for ``loaded`` (a :class:`LoadedModel`)."""
     # the store rejects when full; the serving layer evicts (only idle sessions, counted)
     store = SessionStore(
-        loaded.model, cache, capacity=options.capacity, idle_ttl_s=options.idle_ttl_s
+        loaded.model,
+        cache,
+        capacity=options.capacity,
+        idle_ttl_s=options.idle_ttl_s,
+        batch=options.batch,
     )
     ttls = [t for t in (options.idle_ttl_s, options.implicit_ttl_s) if t is not None]
     admission = Admission(
