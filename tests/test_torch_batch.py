@@ -169,3 +169,33 @@ def test_threads_through_the_batcher_decode_their_solo_greedy_tokens():
     assert got == solo
     assert max(batcher.batches) > 1
     assert batcher.forward.rows > batcher.forward.forwards  # rows shared forwards
+
+
+@pytest.mark.slow  # ~20 s: the rolling oracle of the default model is token by token
+def test_a_batch_of_default_model_sessions_gives_each_its_oracle_logits(
+    default_model, text_ids, record_tolerance
+):
+    """Three sessions of the default model (global and rolling positions, two budgets,
+    one past eviction before the first batch), 40 one-token rounds in one batch each."""
+    model = default_model.model
+    configs = [
+        SinkWindowConfig(sink=4, window=28, positions="global"),
+        SinkWindowConfig(sink=4, window=28, positions="rolling"),
+        SinkWindowConfig(sink=2, window=50, positions="rolling"),
+    ]
+    sessions = [
+        Tracked(model, c, list(text_ids[o : o + n]))
+        for c, o, n in zip(configs, (0, 40, 90), (8, 40, 20))
+    ]
+    forward = BatchForward.of(model)
+    for r in range(40):
+        members = sessions if r % 5 else sessions[1:]  # the first leaves, then joins again
+        tokens = [text_ids[200 + r + 3 * j] for j in range(len(members))]
+        steps = [BatchStep(s.verifier.cache, [t], all_rows=False) for s, t in zip(members, tokens)]
+        for s, t, logits in zip(members, tokens, forward(steps)):
+            s.verifier.cache.commit(1)
+            s.rows.append(logits[-1])
+            s.ids.append(t)
+    for s in sessions:
+        assert s.verifier.cache.history_len > s.config.budget
+        s.check(model, f"smollm2 batch/{s.config}", record_tolerance)

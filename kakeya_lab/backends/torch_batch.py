@@ -120,7 +120,9 @@ class BatchForward:
             raise ValueError("a batched forward takes each cache at most once")
         for s in steps:
             if not 1 <= len(s.token_ids) <= MAX_BLOCK:
-                raise ValueError(f"a batched block has 1 to {MAX_BLOCK} tokens, got {len(s.token_ids)}")
+                raise ValueError(
+                    f"a batched block has 1 to {MAX_BLOCK} tokens, got {len(s.token_ids)}"
+                )
         starts = [c.next_position for c in caches]
         for s, start in zip(steps, starts):
             s.start = start
@@ -219,7 +221,9 @@ class StepBatcher:
             self._expected.discard(id(cache))
             self._cond.notify_all()
 
-    def run(self, cache: SinkWindowCache, token_ids: Sequence[int], *, all_rows: bool) -> torch.Tensor:
+    def run(
+        self, cache: SinkWindowCache, token_ids: Sequence[int], *, all_rows: bool
+    ) -> torch.Tensor:
         """Append ``token_ids`` to ``cache`` as a provisional block in the next batched
         forward; its float32 logits ``[rows, vocab]`` (every row, or the last)."""
         step = BatchStep(cache, list(token_ids), all_rows)

@@ -119,7 +119,7 @@ class SessionStore:
     speculative block, goes into one forward with every other step already waiting
     (:class:`~kakeya_lab.backends.torch_batch.StepBatcher`, ``batcher``); each session's
     commits, rollbacks, sampling and semantics stay its own, and greedy output is its solo
-    run's up to float rounding.
+    run's up to float rounding. ``batch=None``: batch when the model allows it.
     """
 
     def __init__(
@@ -134,7 +134,7 @@ class SessionStore:
         prefill_chunk: int = 512,
         check_invariants: bool = True,
         block_padding: Mapping[int, int] | None = None,
-        batch: bool = False,
+        batch: bool | None = False,
     ):
         capacity = inputs.count(capacity, "capacity", minimum=1, maximum=inputs.MAX_SIZE)
         if policy not in ("reject", "evict_lru"):
@@ -163,15 +163,16 @@ class SessionStore:
             else model_eos_ids(model)
         )
         self.batcher: StepBatcher | None = None
-        if batch:
+        if batch is not False:  # None: batch where the model allows it
             from kakeya_lab.backends.torch_batch import BatchForward, StepBatcher
 
-            if not BatchForward.supports(model):
+            if BatchForward.supports(model):
+                self.batcher = StepBatcher(model)
+            elif batch:
                 raise ValueError(
                     "batch=True needs a torch Llama, Qwen2 or Qwen3 model of linear layers; "
                     f"this one is {type(model).__name__}: leave batch off"
                 )
-            self.batcher = StepBatcher(model)
         self._sessions: OrderedDict[str, SessionState] = OrderedDict()
         # Guards the session table only; never held while taking a session's lock.
         self._lock = threading.RLock()
