@@ -8,7 +8,8 @@ against a ``kakeya-lab serve`` without and with ``--batch``: over gRPC with
 with the ``openai`` client streaming a chat completion per session (time to first chunk,
 gaps between chunks). Every level reports the aggregate tokens/s, the per-token latency
 p50/p95 over every session's token gaps, and the time to first token (p50), each as a
-ratio to the solo run (one session, no batching) of the same path in the same run, and
+ratio to the solo run of the same path in the same run (the faster of one session
+without and with batching: the fastest single session measured), and
 the script prints whether the targets of issue 27 are met: at 8 sessions, batched
 aggregate >= 4x the solo rate and p95 per-token latency <= 2.5x the solo p95; at 16, an
 aggregate no lower than at 8.
@@ -128,13 +129,18 @@ def in_threads(n: int, one: Callable[[int], tuple[float, float | None, list[floa
 
 def in_process_level(loaded, config: SinkWindowConfig, n: int, tokens: int, batch: bool) -> dict:
     store = SessionStore(loaded.model, config, capacity=max(n, 1), eos_token_ids=[], batch=batch)
-    prompts = [
-        loaded.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt_text(i)}], tokenize=True, add_generation_prompt=True
-        )
+    tok = loaded.tokenizer
+    prompts = [  # what the HTTP endpoint renders for the same message
+        tok(
+            tok.apply_chat_template(
+                [{"role": "user", "content": prompt_text(i)}],
+                tokenize=False,
+                add_generation_prompt=True,
+            ),
+            add_special_tokens=False,
+        )["input_ids"]
         for i in range(n)
     ]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
 
     def one(i: int) -> tuple[float, float | None, list[float], int]:
         sid = store.create()
@@ -199,7 +205,7 @@ def openai_level(http_base: str, n: int, tokens: int) -> dict:
 
 
 def ratios(levels: dict[str, dict], solo: dict) -> None:
-    """Add each level's ratios to ``solo`` (one session, no batching, same path)."""
+    """Add each level's ratios to ``solo`` (the fastest single session, same path)."""
     for row in levels.values():
         row["aggregate_vs_solo"] = row["tokens_per_s"] / solo["tokens_per_s"]
         for key in ("per_token_p50_s", "per_token_p95_s", "ttft_p50_s"):
@@ -224,13 +230,17 @@ def targets(batched: dict[str, dict], solo: dict) -> dict[str, bool | None]:
 
 
 def report(name: str, runs: dict[str, dict[str, dict]]) -> dict:
-    """Ratios to the solo run, the targets, and a printed table for one path."""
-    solo = runs["solo"]["1"]
+    """Ratios to the solo run, the targets, and a printed table for one path. The solo
+    run is the faster of one session without and with batching (a batch of one runs the
+    batched forward, written out like the lean forward, which may beat transformers'
+    forward on its own): every ratio is against the fastest single session measured."""
+    solo_mode = max(runs, key=lambda mode: runs[mode]["1"]["tokens_per_s"])
+    solo = runs[solo_mode]["1"]
     for levels in runs.values():
         ratios(levels, solo)
     met = targets(runs["batched"], solo)
-    print(f"\n{name}: solo {solo['tokens_per_s']:.2f} tokens/s, p95 per token "
-          f"{solo['per_token_p95_s'] * 1e3:.0f} ms")  # fmt: skip
+    print(f"\n{name}: solo ({solo_mode}, 1 session) {solo['tokens_per_s']:.2f} tokens/s, "
+          f"p95 per token {solo['per_token_p95_s'] * 1e3:.0f} ms")  # fmt: skip
     print(f"{'mode':8} {'n':>3} {'tok/s':>8} {'x solo':>7} {'p50 ms':>7} {'p95 ms':>7} "
           f"{'p95 x':>6} {'ttft ms':>8} {'rows':>5}")  # fmt: skip
     for mode, levels in runs.items():
@@ -246,7 +256,7 @@ def report(name: str, runs: dict[str, dict[str, dict]]) -> dict:
             )
     for target, ok in met.items():
         print(f"  target {target}: {'not run' if ok is None else 'met' if ok else 'NOT met'}")
-    return {"levels": runs, "targets": met}
+    return {"levels": runs, "solo": solo_mode, "targets": met}
 
 
 def main(argv: list[str] | None = None) -> int:

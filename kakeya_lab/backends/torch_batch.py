@@ -14,10 +14,10 @@ provisional in its cache, as a solo forward leaves it: committing or rolling it 
 stays its verifier's business.
 
 :class:`StepBatcher` gathers the steps of concurrent threads (one per generating session,
-as the session store and the server run them): a thread submits its step and waits; the
-first thread to find no batch running leads one, over every step already waiting (and
-the members of the previous batch that are about to come back, for at most a fraction of
-a forward, see :class:`StepBatcher`), then hands every row its logits.
+as the session store and the server run them): a thread submits its step and waits; one
+worker thread runs every step already waiting as one batch (after waiting for the
+members of the previous batch that are about to come back, for at most a fraction of a
+forward, see :class:`StepBatcher`), then hands every row its logits.
 :class:`BatchedBackend` puts a verifier's short chain blocks through a batcher and
 everything else (trees, hidden states, prefills) through its own backend, so a
 :class:`~kakeya_lab.verifier.Verifier`'s semantics (all-or-nothing appends, commits and
@@ -29,7 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,8 +67,6 @@ class BatchStep:
     logits: torch.Tensor | None = None
     error: BaseException | None = None
     done: bool = False
-    start: int | None = None  # the cache's next position when its forward began
-    thread: int = field(default_factory=threading.get_ident, repr=False)
 
 
 class BatchForward:
@@ -124,8 +122,6 @@ class BatchForward:
                     f"a batched block has 1 to {MAX_BLOCK} tokens, got {len(s.token_ids)}"
                 )
         starts = [c.next_position for c in caches]
-        for s, start in zip(steps, starts):
-            s.start = start
         try:
             return self._forward(steps, starts)
         except BaseException:
@@ -179,28 +175,40 @@ class BatchForward:
         ]
         kept = torch.cat(keep).to(device)
         logits = self.lm_head(_rms(x[kept], self.norm)).float()
-        return list(logits.split([len(r) for r in keep]))
+        # copies: a view would keep the whole batch's logits alive as long as any one
+        # session holds its row (its next-token logits)
+        return [part.clone() for part in logits.split([len(r) for r in keep])]
 
 
 class StepBatcher:
     """Gathers concurrent threads' steps into :class:`BatchForward` calls (continuous
-    batching): :meth:`run` submits one step and returns its logits.
+    batching): :meth:`run` submits one step and waits for its logits.
 
-    The first submitting thread that finds no batch running leads: it takes every step
-    waiting, runs them as one forward, and hands each its logits (or the error); steps
-    submitted meanwhile wait for the next batch, led by one of them. Before leading, a
-    leader waits for the members of the previous batch that have not come back yet
-    (each session commits and samples its row between two steps; without this wait the
-    first one back would run alone while the others queue behind it), for at most
-    ``gather`` times the last forward's duration (0: never wait); a member that ended its
-    generation says so with :meth:`leave` and is not waited for.
+    One worker thread (started on demand, ended after ``idle_s`` without work) runs every
+    batch: it takes every step waiting, runs them as one forward and hands each its logits
+    (or the error); steps submitted meanwhile go into the next batch. One thread computes
+    every forward, so the forwards' temporaries come from one allocator arena, not one per
+    generating thread. Before a batch the worker waits for the members of the previous
+    batch that have not come back yet (each session commits and samples its row between
+    two steps; without this wait the first one back would run alone while the others
+    queue behind it), for at most ``gather`` times the last forward's duration (0: never
+    wait); a member whose generation ended says so with :meth:`leave` and is not waited for.
 
-    If a forward fails, every cache in it is cut back to where it was; an ``Exception``
-    is every member's error, while an interrupt (``KeyboardInterrupt`` on the leading
-    thread) is the leader's alone: the other members' steps are submitted again.
+    If a forward fails, every cache in it is cut back to where it was and every member gets
+    the error. An interrupt of a submitting thread withdraws its step if it is still
+    waiting; if its forward is running, the thread waits for it (SIGINT deferred: another
+    thread is writing its cache), then raises; its verifier drops the block it never
+    recorded, as after any interrupted forward.
     """
 
-    def __init__(self, model: PreTrainedModel, *, gather: float = 0.25, max_rows: int = 64):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        gather: float = 0.25,
+        max_rows: int = 64,
+        idle_s: float = 1.0,
+    ):
         if not 0 <= gather <= 1:
             raise ValueError(f"gather is a fraction of a forward in [0, 1], got {gather}")
         if max_rows < 1:
@@ -208,15 +216,16 @@ class StepBatcher:
         self.forward = BatchForward.of(model)
         self.gather = gather
         self.max_rows = max_rows
+        self.idle_s = idle_s
         self._cond = threading.Condition()
         self._waiting: list[BatchStep] = []
-        self._running = False
+        self._worker: threading.Thread | None = None
         self._expected: set[int] = set()  # ids of caches in the last batch, not yet back
         self._last_forward_s = 0.0
         self.batches: list[int] = []  # rows of each batch run so far (most recent last)
 
     def leave(self, cache: SinkWindowCache) -> None:
-        """``cache``'s generation ended: the next leader does not wait for it."""
+        """``cache``'s generation ended: the next batch does not wait for it."""
         with self._cond:
             self._expected.discard(id(cache))
             self._cond.notify_all()
@@ -230,20 +239,17 @@ class StepBatcher:
         with self._cond:
             self._expected.discard(id(cache))
             self._waiting.append(step)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="kakeya-batch", daemon=True)
+                self._worker.start()
             self._cond.notify_all()
             try:
                 while not step.done:
-                    if not self._running and step in self._waiting:
-                        self._lead()
-                    else:
-                        self._cond.wait()
+                    self._cond.wait()
             except BaseException:
-                # an interrupt while waiting or gathering: withdraw the step, or, if a
-                # batch is computing it, let that finish first (another thread is writing
-                # this cache); the verifier then drops the block it never recorded
-                if step in self._waiting:
+                if step in self._waiting:  # not taken yet: withdrawn
                     self._waiting.remove(step)
-                else:
+                else:  # being computed: the worker is writing this cache
                     with interrupts_deferred():
                         while not step.done:
                             self._cond.wait()
@@ -253,56 +259,64 @@ class StepBatcher:
         assert step.logits is not None
         return step.logits
 
-    def _lead(self) -> None:
-        """Under the condition's lock: gather, run one batch (lock released meanwhile),
-        hand out its results. Every step taken is done or back in the queue on return."""
-        self._running = True
-        batch: list[BatchStep] = []
-        try:
-            deadline = time.monotonic() + self.gather * self._last_forward_s
-            while self._expected and self._rows_waiting() < self.max_rows:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            rows = 0
-            for s in self._waiting:
-                if batch and rows + len(s.token_ids) > self.max_rows:
-                    break
-                batch.append(s)
-                rows += len(s.token_ids)
-            del self._waiting[: len(batch)]
-            self._expected.clear()
-            error: BaseException | None = None
-            results: list[torch.Tensor] = []
-            self._cond.release()
-            t0 = time.perf_counter()
+    def _work(self) -> None:
+        """The worker: batches until ``idle_s`` pass with nothing waiting."""
+        with self._cond:
             try:
-                results = self.forward(batch)
-            except BaseException as e:  # handed to the members below
-                error = e
+                while True:
+                    if not self._waiting:
+                        self._cond.wait(self.idle_s)
+                        if not self._waiting:
+                            return
+                    self._batch()
             finally:
-                self._cond.acquire()
-            self._last_forward_s = time.perf_counter() - t0
-            self.batches.append(rows)
-            del self.batches[:-1000]
-            for s, logits in zip(batch, results):
-                s.logits, s.done = logits, True
-                self._expected.add(id(s.cache))
-            if error is not None:
-                me = threading.get_ident()
-                for s in batch:
-                    if isinstance(error, Exception) or s.thread == me:
-                        s.error, s.done = error, True
+                self._worker = None
+                if self._waiting:  # a submission raced the exit: serve it
+                    self._worker = threading.Thread(
+                        target=self._work, name="kakeya-batch", daemon=True
+                    )
+                    self._worker.start()
+
+    def _batch(self) -> None:
+        """Under the condition's lock: gather, run one batch (lock released meanwhile),
+        hand out its results."""
+        deadline = time.monotonic() + self.gather * self._last_forward_s
+        while self._expected and self._rows_waiting() < self.max_rows:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._cond.wait(left)
+        batch: list[BatchStep] = []
+        rows = 0
+        for s in self._waiting:
+            if batch and rows + len(s.token_ids) > self.max_rows:
+                break
+            batch.append(s)
+            rows += len(s.token_ids)
+        if not batch:  # every waiting step was withdrawn meanwhile
+            return
+        del self._waiting[: len(batch)]
+        self._expected.clear()
+        error: BaseException | None = None
+        results: list[torch.Tensor] = []
+        self._cond.release()
+        t0 = time.perf_counter()
+        try:
+            results = self.forward(batch)
+        except BaseException as e:  # every member's (a hook's KeyboardInterrupt too)
+            error = e
         finally:
-            # an interrupt of the leading thread is its own: the others' steps go again
-            again = [s for s in batch if not s.done]
-            for s in again:
-                if s.start is not None:
-                    s.cache.crop(s.start)
-            self._waiting[:0] = again
-            self._running = False
-            self._cond.notify_all()
+            self._cond.acquire()
+        self._last_forward_s = time.perf_counter() - t0
+        self.batches.append(rows)
+        del self.batches[:-1000]
+        if error is None:
+            for s, logits in zip(batch, results):
+                s.logits = logits
+                self._expected.add(id(s.cache))
+        for s in batch:
+            s.error, s.done = error, True
+        self._cond.notify_all()
 
     def _rows_waiting(self) -> int:
         return sum(len(s.token_ids) for s in self._waiting)
