@@ -193,6 +193,7 @@ def openai_level(http_base: str, n: int, tokens: int) -> dict:
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
+            extra_body={"reuse": False},  # a session of its own, closed at the end
         )
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
@@ -296,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         for mode in ("solo", "batched"):
             extra = ["--sink", str(args.sink), "--window", str(args.window)]
-            extra += ["--capacity", str(max(levels))]
+            extra += ["--capacity", str(max(levels)), "--admission", "evict_lru"]
             extra += ["--batch"] if mode == "batched" else []
             server = start_server(*extra, model=args.model, timeout_s=300)
             try:

@@ -42,7 +42,8 @@ from kakeya_lab.backends.torch_cache import SinkWindowCache
 from kakeya_lab.backends.torch_lean import LeanForward
 from kakeya_lab.tree import DraftTree
 
-MAX_BLOCK = 16  # a session's block in a batch (a token, or a speculative block); longer: solo
+MAX_BLOCK = 64  # a session's block in a batch (a token, a speculative block, a chat turn's
+# append); longer ones (long prompts) run alone, so one cannot hold up every session's step
 
 
 def _rms(x: torch.Tensor, norm: Any) -> torch.Tensor:
