@@ -185,8 +185,10 @@ class StepBatcher:
     """Gathers concurrent threads' steps into :class:`BatchForward` calls (continuous
     batching): :meth:`run` submits one step and waits for its logits.
 
-    One worker thread (started on demand, ended after ``idle_s`` without work) runs every
-    batch: it takes every step waiting, runs them as one forward and hands each its logits
+    A step with nobody to batch with (nothing waiting or computing, no member of the last
+    batch still to come back) runs at once in its own thread: a session alone pays no
+    hand-off. Otherwise one worker thread (started on demand, ended after ``idle_s``
+    without work) runs every batch: it takes every step waiting, runs them as one forward and hands each its logits
     (or the error); steps submitted meanwhile go into the next batch. One thread computes
     every forward, so the forwards' temporaries come from one allocator arena, not one per
     generating thread. Before a batch the worker waits for the members of the previous
@@ -222,6 +224,8 @@ class StepBatcher:
         self._waiting: list[BatchStep] = []
         self._worker: threading.Thread | None = None
         self._expected: set[int] = set()  # ids of caches in the last batch, not yet back
+        self._inline = False  # a step is running alone in its own thread
+        self._computing = False  # the worker is running a batch
         self._last_forward_s = 0.0
         self.batches: list[int] = []  # rows of each batch run so far (most recent last)
 
@@ -237,6 +241,22 @@ class StepBatcher:
         """Append ``token_ids`` to ``cache`` as a provisional block in the next batched
         forward; its float32 logits ``[rows, vocab]`` (every row, or the last)."""
         step = BatchStep(cache, list(token_ids), all_rows)
+        with self._cond:
+            self._expected.discard(id(cache))
+            alone = not (self._waiting or self._expected or self._inline or self._computing)
+            if alone:  # nobody to batch with: run it here (no hand-off to the worker)
+                self._inline = True
+        if alone:
+            t0 = time.perf_counter()
+            try:
+                return self.forward([step])[0]
+            finally:
+                with self._cond:
+                    self._inline = False
+                    self._last_forward_s = time.perf_counter() - t0
+                    self.batches.append(len(step.token_ids))
+                    self._expected.add(id(cache))
+                    self._cond.notify_all()
         with self._cond:
             self._expected.discard(id(cache))
             self._waiting.append(step)
@@ -281,6 +301,8 @@ class StepBatcher:
     def _batch(self) -> None:
         """Under the condition's lock: gather, run one batch (lock released meanwhile),
         hand out its results."""
+        while self._inline:  # a step running alone: its session joins this batch
+            self._cond.wait()
         deadline = time.monotonic() + self.gather * self._last_forward_s
         while self._expected and self._rows_waiting() < self.max_rows:
             left = deadline - time.monotonic()
@@ -300,6 +322,7 @@ class StepBatcher:
         self._expected.clear()
         error: BaseException | None = None
         results: list[torch.Tensor] = []
+        self._computing = True
         self._cond.release()
         t0 = time.perf_counter()
         try:
@@ -308,6 +331,7 @@ class StepBatcher:
             error = e
         finally:
             self._cond.acquire()
+            self._computing = False
         self._last_forward_s = time.perf_counter() - t0
         self.batches.append(rows)
         del self.batches[:-1000]
