@@ -124,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the draft models' own cache window (default: --window)",
     )
+    p.add_argument(
+        "--batch",
+        action="store_true",
+        help="run the steps of concurrently generating sessions in shared forwards "
+        "(continuous batching; torch Llama/Qwen models)",
+    )
     add_proposer_modules(p)
     p.set_defaults(func=run_serve)
     return p
@@ -181,6 +187,8 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
     for ok, message in checks:
         if not ok:
             raise UserError(message)
+    if args.batch and args.backend != "torch":
+        raise UserError(f"--batch runs on the torch backend only, not {args.backend}: drop --batch")
     check_cache(args)
     check_linear(args)
     load_proposer_modules(args)
@@ -236,6 +244,7 @@ def serve_options(args: argparse.Namespace) -> tuple[SinkWindowConfig, ServeOpti
         api_keys=args.api_keys,
         allowed_hosts=tuple(args.allowed_host),
         allowed_origins=tuple(args.allowed_origin),
+        batch=args.batch,
         limits=ServeLimits(
             max_append_tokens=args.max_append_tokens, max_new_tokens=args.max_new_tokens_limit
         ),

@@ -46,7 +46,8 @@ class ServeOptions:
     that long, ``implicit_ttl_s`` the implicit ones (stateless HTTP requests'; None: never).
     ``api_keys``: the accepted keys (empty: open to every caller, loopback only);
     ``allowed_hosts`` / ``allowed_origins``: HTTP Host names and Origins accepted besides
-    this server's own address."""
+    this server's own address. ``batch``: concurrent sessions' steps share forwards
+    (:class:`~kakeya_lab.session.store.SessionStore`'s ``batch``)."""
 
     host: str = "127.0.0.1"
     grpc_port: int = 50051
@@ -64,6 +65,7 @@ class ServeOptions:
     allowed_origins: tuple[str, ...] = ()
     drafts: tuple[str, ...] = ()
     draft_window: int | None = None
+    batch: bool = False
 
     def __repr__(self) -> str:  # never print the keys
         return f"ServeOptions(host={self.host!r}, keys={len(self.api_keys)}, ...)"
@@ -79,7 +81,11 @@ def build_served(loaded, cache: SinkWindowConfig, options: ServeOptions) -> Serv
     the draft models of ``options.drafts`` loaded (once each)."""
     # the store rejects when full; the serving layer evicts (only idle sessions, counted)
     store = SessionStore(
-        loaded.model, cache, capacity=options.capacity, idle_ttl_s=options.idle_ttl_s
+        loaded.model,
+        cache,
+        capacity=options.capacity,
+        idle_ttl_s=options.idle_ttl_s,
+        batch=options.batch,
     )
     # waiters also wake when an idle TTL is due (ServedSessions sets next_expiry)
     admission = Admission(

@@ -88,6 +88,7 @@ from kakeya_lab.session.stream import GenerationStream
 from kakeya_lab.verifier import Verifier
 
 if TYPE_CHECKING:
+    from kakeya_lab.backends.torch_batch import StepBatcher
     from kakeya_lab.cost_model import CostModel
     from kakeya_lab.proposers import Proposer
 
@@ -113,6 +114,12 @@ class SessionStore:
     next call into the store (see the module docstring for streams). ``check_invariants``
     verifies the cache mirror after every mutation (cheap; on by default).
     ``block_padding`` is every session verifier's (:class:`~kakeya_lab.verifier.Verifier`).
+    ``batch`` (torch Llama/Qwen models): the steps of sessions generating concurrently (in
+    threads, as the server runs them) share forwards: each session's next token, or its
+    speculative block, goes into one forward with every other step already waiting
+    (:class:`~kakeya_lab.backends.torch_batch.StepBatcher`, ``batcher``); each session's
+    commits, rollbacks, sampling and semantics stay its own, and greedy output is its solo
+    run's up to float rounding. ``batch=None``: batch when the model allows it.
     """
 
     def __init__(
@@ -127,6 +134,7 @@ class SessionStore:
         prefill_chunk: int = 512,
         check_invariants: bool = True,
         block_padding: Mapping[int, int] | None = None,
+        batch: bool | None = False,
     ):
         capacity = inputs.count(capacity, "capacity", minimum=1, maximum=inputs.MAX_SIZE)
         if policy not in ("reject", "evict_lru"):
@@ -154,6 +162,17 @@ class SessionStore:
             if eos_token_ids is not None
             else model_eos_ids(model)
         )
+        self.batcher: StepBatcher | None = None
+        if batch is not False:  # None: batch where the model allows it
+            from kakeya_lab.backends.torch_batch import BatchForward, StepBatcher
+
+            if BatchForward.supports(model):
+                self.batcher = StepBatcher(model)
+            elif batch:
+                raise ValueError(
+                    "batch=True needs a torch Llama, Qwen2 or Qwen3 model of linear layers; "
+                    f"this one is {type(model).__name__}: leave batch off"
+                )
         self._sessions: OrderedDict[str, SessionState] = OrderedDict()
         # Guards the session table only; never held while taking a session's lock.
         self._lock = threading.RLock()
@@ -185,6 +204,10 @@ class SessionStore:
                     prefill_chunk=self.prefill_chunk,
                     block_padding=self.block_padding,
                 )
+                if self.batcher is not None:
+                    from kakeya_lab.backends.torch_batch import batch_verifier
+
+                    batch_verifier(verifier, self.batcher)
                 self._sessions[sid] = SessionState(
                     sid,
                     verifier,
@@ -569,6 +592,8 @@ class SessionStore:
                         first_token_s = time.perf_counter() - t_start
                     yield Token(id=decoder.batch[0])
         finally:
+            if self.batcher is not None:  # the next batch does not wait for this session
+                self.batcher.leave(verifier.cache)
             if session.closed_reason is None:  # a dropped session's cache is gone: nothing to keep
                 self._reconcile(session)
                 self._check(session, expected_history=start_history + decoder.delivered)

@@ -1,0 +1,392 @@
+"""Several sessions' steps in one forward: :class:`BatchForward` and :class:`StepBatcher`.
+
+Every session has its own :class:`~kakeya_lab.backends.torch_cache.SinkWindowCache`; a
+one-token step reads all of the model's weights for one row. :class:`BatchForward` runs
+the pending blocks of several caches (a token each in plain decoding, a speculative block
+each) as one forward: the embedding, the projections, the MLP and the lm_head run over
+the rows of every block concatenated, so the weights are read once for all of them; the
+rotary angles come from each row's own position; attention runs per cache, over that
+cache's own key layout and mask (exactly what
+:class:`~kakeya_lab.backends.torch_lean.LeanForward` gives one cache: ``get_mask_sizes``
+for the mask, ``update`` layer by layer for the keys and values), so eviction, rolling
+positions and open blocks mean what they mean for a solo forward. Each block is left
+provisional in its cache, as a solo forward leaves it: committing or rolling it back
+stays its verifier's business.
+
+:class:`StepBatcher` gathers the steps of concurrent threads (one per generating session,
+as the session store and the server run them): a thread submits its step and waits; one
+worker thread runs every step already waiting as one batch (after waiting for the
+members of the previous batch that are about to come back, for at most a fraction of a
+forward, see :class:`StepBatcher`), then hands every row its logits.
+:class:`BatchedBackend` puts a verifier's short chain blocks through a batcher and
+everything else (trees, hidden states, prefills) through its own backend, so a
+:class:`~kakeya_lab.verifier.Verifier`'s semantics (all-or-nothing appends, commits and
+rollbacks, interrupts) are unchanged: :func:`batch_verifier` installs it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from kakeya_lab.backends.seam import CacheBackend, Forward, interrupts_deferred
+from kakeya_lab.backends.torch_cache import SinkWindowCache
+from kakeya_lab.backends.torch_lean import LeanForward
+from kakeya_lab.tree import DraftTree
+
+MAX_BLOCK = 64  # a session's block in a batch (a token, a speculative block, a chat turn's
+# append); longer ones (long prompts) run alone, so one cannot hold up every session's step
+
+
+def _rms(x: torch.Tensor, norm: Any) -> torch.Tensor:
+    """RMSNorm of ``x`` in one fused operation (as :class:`LeanForward` computes it)."""
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of ``x`` ``[..., rows, head_dim]`` (``rotate_half`` form)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@dataclass
+class BatchStep:
+    """One cache's part of a batched forward: append ``token_ids`` to ``cache`` as a
+    provisional block; ``all_rows``: logits of every row, else of the last."""
+
+    cache: SinkWindowCache
+    token_ids: list[int]
+    all_rows: bool
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+class BatchForward:
+    """``model``'s forward of several caches' blocks at once (module docstring). It holds
+    no state between calls; build it with :meth:`of` (one per model). The model must be
+    one :class:`LeanForward` supports (Llama, Qwen2, Qwen3 stacks of linear layers)."""
+
+    def __init__(self, model: PreTrainedModel):
+        problem = LeanForward.unsupported(model)
+        if problem:
+            raise ValueError(f"BatchForward does not support this model: {problem}")
+        cfg = model.config
+        base: Any = model.base_model
+        self.model = model
+        self.forwards = 0  # batched forwards so far
+        self.rows = 0  # rows they carried (rows / forwards: the mean batch)
+        self.embed = base.embed_tokens
+        self.norm = base.norm
+        self.rotary = base.rotary_emb
+        self.lm_head: Any = model.lm_head
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.layers: list[Any] = list(base.layers)
+
+    @classmethod
+    def of(cls, model: PreTrainedModel) -> BatchForward:
+        """The batched forward of ``model``, built once and kept with the model."""
+        batch = model.__dict__.get("_batch_forward")
+        if batch is None:
+            batch = model.__dict__["_batch_forward"] = cls(model)
+        return batch
+
+    @classmethod
+    def supports(cls, model: Any) -> bool:
+        """Whether :class:`BatchForward` can run ``model`` (a torch model LeanForward runs)."""
+        return isinstance(model, PreTrainedModel) and LeanForward.supports(model)
+
+    @torch.inference_mode()
+    def __call__(self, steps: Sequence[BatchStep]) -> list[torch.Tensor]:
+        """Append each step's tokens to its cache as a provisional block; per step, float32
+        logits ``[rows, vocab]`` (every row, or the last). All or nothing: on any exception
+        every cache is cut back to where it was (its partial block dropped) and the
+        exception is raised."""
+        if not steps:
+            return []
+        caches = [s.cache for s in steps]
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("a batched forward takes each cache at most once")
+        for s in steps:
+            if not 1 <= len(s.token_ids) <= MAX_BLOCK:
+                raise ValueError(
+                    f"a batched block has 1 to {MAX_BLOCK} tokens, got {len(s.token_ids)}"
+                )
+        starts = [c.next_position for c in caches]
+        try:
+            return self._forward(steps, starts)
+        except BaseException:
+            for cache, start in zip(caches, starts):
+                cache.crop(start)  # this forward's partial block only
+            raise
+
+    def _forward(self, steps: Sequence[BatchStep], starts: list[int]) -> list[torch.Tensor]:
+        self.forwards += 1
+        device = self.embed.weight.device
+        sizes = [len(s.token_ids) for s in steps]
+        bounds = [0]
+        for n in sizes:
+            bounds.append(bounds[-1] + n)
+        total = bounds[-1]
+        self.rows += total
+        ids = torch.tensor([t for s in steps for t in s.token_ids], dtype=torch.long, device=device)
+        positions = torch.cat(
+            [torch.arange(p, p + n, device=device) for p, n in zip(starts, sizes)]
+        )
+        masks = [s.cache.get_mask_sizes(n, 0)[1].mask for s, n in zip(steps, sizes)]
+        x = self.embed(ids)  # [rows, hidden]
+        cos, sin = self.rotary(x[None], positions[None])
+        cos, sin = cos[0], sin[0]  # [rows, head_dim], broadcast over heads
+        h, kv, d = self.heads, self.kv_heads, self.head_dim
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            normed = _rms(x, layer.input_layernorm)
+            q = attn.q_proj(normed).view(total, h, d)
+            k = attn.k_proj(normed).view(total, kv, d)
+            v = attn.v_proj(normed).view(total, kv, d).transpose(0, 1)
+            q_norm = getattr(attn, "q_norm", None)
+            if q_norm is not None:  # Qwen3: each head's q and k normalised first
+                q, k = q_norm(q), attn.k_norm(k)
+            q = _rotate(q.transpose(0, 1), cos, sin)  # [heads, rows, head_dim]
+            k = _rotate(k.transpose(0, 1), cos, sin)
+            outs = []
+            for j, step in enumerate(steps):
+                a, b = bounds[j], bounds[j + 1]
+                keys, values = step.cache.update(k[None, :, a:b], v[None, :, a:b], i)
+                out = sdpa_attention_forward(
+                    attn, q[None, :, a:b], keys, values, masks[j], scaling=attn.scaling
+                )[0]
+                outs.append(out.reshape(b - a, h * d))
+            x = x + attn.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+            normed = _rms(x, layer.post_attention_layernorm)
+            x = x + mlp.down_proj(F.silu(mlp.gate_proj(normed)) * mlp.up_proj(normed))
+        keep = [
+            torch.arange(bounds[j] if s.all_rows else bounds[j + 1] - 1, bounds[j + 1])
+            for j, s in enumerate(steps)
+        ]
+        kept = torch.cat(keep).to(device)
+        logits = self.lm_head(_rms(x[kept], self.norm)).float()
+        # copies: a view would keep the whole batch's logits alive as long as any one
+        # session holds its row (its next-token logits)
+        return [part.clone() for part in logits.split([len(r) for r in keep])]
+
+
+class StepBatcher:
+    """Gathers concurrent threads' steps into :class:`BatchForward` calls (continuous
+    batching): :meth:`run` submits one step and waits for its logits.
+
+    A step with nobody to batch with (nothing waiting or computing, no member of the last
+    batch still to come back) runs at once in its own thread: a session alone pays no
+    hand-off. Otherwise one worker thread (started on demand, ended after ``idle_s``
+    without work) runs every batch: it takes every step waiting, runs them as one forward and hands each its logits
+    (or the error); steps submitted meanwhile go into the next batch. One thread computes
+    every forward, so the forwards' temporaries come from one allocator arena, not one per
+    generating thread. Before a batch the worker waits for the members of the previous
+    batch that have not come back yet (each session commits and samples its row between
+    two steps; without this wait the first one back would run alone while the others
+    queue behind it), for at most ``gather`` times the last forward's duration (0: never
+    wait); a member whose generation ended says so with :meth:`leave` and is not waited for.
+
+    If a forward fails, every cache in it is cut back to where it was and every member gets
+    the error. An interrupt of a submitting thread withdraws its step if it is still
+    waiting; if its forward is running, the thread waits for it (SIGINT deferred: another
+    thread is writing its cache), then raises; its verifier drops the block it never
+    recorded, as after any interrupted forward.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        gather: float = 0.25,
+        max_rows: int = 64,
+        idle_s: float = 1.0,
+    ):
+        if not 0 <= gather <= 1:
+            raise ValueError(f"gather is a fraction of a forward in [0, 1], got {gather}")
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        self.forward = BatchForward.of(model)
+        self.gather = gather
+        self.max_rows = max_rows
+        self.idle_s = idle_s
+        self._cond = threading.Condition()
+        self._waiting: list[BatchStep] = []
+        self._worker: threading.Thread | None = None
+        self._expected: set[int] = set()  # ids of caches in the last batch, not yet back
+        self._inline = False  # a step is running alone in its own thread
+        self._computing = False  # the worker is running a batch
+        self._last_forward_s = 0.0
+        self.batches: list[int] = []  # rows of each batch run so far (most recent last)
+
+    def leave(self, cache: SinkWindowCache) -> None:
+        """``cache``'s generation ended: the next batch does not wait for it."""
+        with self._cond:
+            self._expected.discard(id(cache))
+            self._cond.notify_all()
+
+    def run(
+        self, cache: SinkWindowCache, token_ids: Sequence[int], *, all_rows: bool
+    ) -> torch.Tensor:
+        """Append ``token_ids`` to ``cache`` as a provisional block in the next batched
+        forward; its float32 logits ``[rows, vocab]`` (every row, or the last)."""
+        step = BatchStep(cache, list(token_ids), all_rows)
+        with self._cond:
+            self._expected.discard(id(cache))
+            alone = not (self._waiting or self._expected or self._inline or self._computing)
+            if alone:  # nobody to batch with: run it here (no hand-off to the worker)
+                self._inline = True
+        if alone:
+            t0 = time.perf_counter()
+            try:
+                return self.forward([step])[0]
+            finally:
+                with self._cond:
+                    self._inline = False
+                    self._last_forward_s = time.perf_counter() - t0
+                    self.batches.append(len(step.token_ids))
+                    self._expected.add(id(cache))
+                    self._cond.notify_all()
+        with self._cond:
+            self._expected.discard(id(cache))
+            self._waiting.append(step)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="kakeya-batch", daemon=True)
+                self._worker.start()
+            self._cond.notify_all()
+            try:
+                while not step.done:
+                    self._cond.wait()
+            except BaseException:
+                if step in self._waiting:  # not taken yet: withdrawn
+                    self._waiting.remove(step)
+                else:  # being computed: the worker is writing this cache
+                    with interrupts_deferred():
+                        while not step.done:
+                            self._cond.wait()
+                raise
+        if step.error is not None:
+            raise step.error
+        assert step.logits is not None
+        return step.logits
+
+    def _work(self) -> None:
+        """The worker: batches until ``idle_s`` pass with nothing waiting."""
+        with self._cond:
+            try:
+                while True:
+                    if not self._waiting:
+                        self._cond.wait(self.idle_s)
+                        if not self._waiting:
+                            return
+                    self._batch()
+            finally:
+                self._worker = None
+                if self._waiting:  # a submission raced the exit: serve it
+                    self._worker = threading.Thread(
+                        target=self._work, name="kakeya-batch", daemon=True
+                    )
+                    self._worker.start()
+
+    def _batch(self) -> None:
+        """Under the condition's lock: gather, run one batch (lock released meanwhile),
+        hand out its results."""
+        while self._inline:  # a step running alone: its session joins this batch
+            self._cond.wait()
+        deadline = time.monotonic() + self.gather * self._last_forward_s
+        while self._expected and self._rows_waiting() < self.max_rows:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._cond.wait(left)
+        batch: list[BatchStep] = []
+        rows = 0
+        for s in self._waiting:
+            if batch and rows + len(s.token_ids) > self.max_rows:
+                break
+            batch.append(s)
+            rows += len(s.token_ids)
+        if not batch:  # every waiting step was withdrawn meanwhile
+            return
+        del self._waiting[: len(batch)]
+        self._expected.clear()
+        error: BaseException | None = None
+        results: list[torch.Tensor] = []
+        self._computing = True
+        self._cond.release()
+        t0 = time.perf_counter()
+        try:
+            results = self.forward(batch)
+        except BaseException as e:  # every member's (a hook's KeyboardInterrupt too)
+            error = e
+        finally:
+            self._cond.acquire()
+            self._computing = False
+        self._last_forward_s = time.perf_counter() - t0
+        self.batches.append(rows)
+        del self.batches[:-1000]
+        if error is None:
+            for s, logits in zip(batch, results):
+                s.logits = logits
+                self._expected.add(id(s.cache))
+        for s in batch:
+            s.error, s.done = error, True
+        self._cond.notify_all()
+
+    def _rows_waiting(self) -> int:
+        return sum(len(s.token_ids) for s in self._waiting)
+
+
+class BatchedBackend(CacheBackend):
+    """A verifier's torch backend whose short chain blocks (at most :data:`MAX_BLOCK`
+    tokens, no tree, no hidden states) run through a :class:`StepBatcher`; everything
+    else goes to the wrapped backend. Commits, rollbacks and the cache are the wrapped
+    backend's."""
+
+    def __init__(self, inner: Any, batcher: StepBatcher):
+        if getattr(inner, "name", None) != "torch":
+            raise ValueError(f"batched steps need a torch verifier, got backend {inner.name!r}")
+        self.inner = inner
+        self.batcher = batcher
+        self.name = inner.name
+        self.config = inner.config
+        self.vocab_size = inner.vocab_size
+        self.hidden_states = inner.hidden_states
+        self.cache = inner.cache
+        self.batched = 0  # forwards that went through the batcher
+
+    def forward(
+        self,
+        token_ids: Sequence[int],
+        *,
+        all_rows: bool,
+        hidden: bool = False,
+        tree: DraftTree | None = None,
+    ) -> Forward:
+        ids = list(token_ids)
+        if tree is None and not hidden and 1 <= len(ids) <= MAX_BLOCK:
+            self.batched += 1
+            return Forward(self.batcher.run(self.cache, ids, all_rows=all_rows), None)
+        return self.inner.forward(ids, all_rows=all_rows, hidden=hidden, tree=tree)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
+def batch_verifier(verifier: Any, batcher: StepBatcher) -> None:
+    """Route ``verifier``'s short chain blocks through ``batcher`` (idempotent). Its
+    results, commits and rollbacks stay the verifier's own."""
+    if isinstance(verifier.backend, BatchedBackend):
+        verifier.backend.batcher = batcher
+        return
+    verifier.backend = BatchedBackend(verifier.backend, batcher)
