@@ -42,6 +42,7 @@ from torch import nn
 from kakeya_lab.linear_kernels import KERNELS
 
 _DTYPES = (torch.float32, torch.bfloat16)
+QUANTISED = ("int8", "int4")  # the kernels that multiply by a quantised copy
 INT4_GROUP = 32  # inputs per int4 scale and offset (the kernel takes 32, 64, 128 or 256)
 
 
