@@ -231,7 +231,7 @@ def test_append_is_all_or_nothing_under_keyboard_interrupt(default_model, prompt
         if calls["n"] == 2:
             raise KeyboardInterrupt
 
-    hook = model.model.layers[3].register_forward_hook(interrupt_in_second_chunk)
+    hook = model.model.layers[3].mlp.down_proj.register_forward_hook(interrupt_in_second_chunk)
     try:
         with pytest.raises(KeyboardInterrupt):
             store.append(sid, text_ids[100:130])  # four chunks of 8
@@ -271,7 +271,7 @@ def test_interrupt_inside_a_speculative_step_keeps_delivered_tokens(
         if calls["n"] == 1 or interrupts == "repeatedly":
             raise KeyboardInterrupt
 
-    hook = model.model.layers[3].register_forward_hook(interrupt)
+    hook = model.model.layers[3].mlp.down_proj.register_forward_hook(interrupt)
     try:
         with pytest.raises(KeyboardInterrupt):
             next(stream)  # the next step's forward (draft or verifier) is interrupted

@@ -42,7 +42,13 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from kakeya_lab.backends.torch_cache import SinkWindowCache
-from kakeya_lab.linear import FEW_ROWS, QuantizedLinear, linear_kernel_of, set_linear_kernel
+from kakeya_lab.linear import (
+    FEW_ROWS,
+    QUANTISED,
+    QuantizedLinear,
+    linear_kernel_of,
+    set_linear_kernel,
+)
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 MAX_TOKENS = FEW_ROWS  # longer blocks (prefills) keep transformers' forward
@@ -56,6 +62,8 @@ def _fused(layers: Sequence[nn.Linear], kernel: str) -> Projection:
     tile their stacked weights: one layer holding only the packed copy of the stack (the
     full-precision stack is dropped once packed, so it costs the packed bytes alone, and
     only :func:`_product` may call it); otherwise the layers themselves (no copy)."""
+    if kernel not in QUANTISED:
+        return tuple(layers)
     weight = torch.cat([layer.weight.detach() for layer in layers])
     with torch.device("meta"):  # no throw-away initialisation
         fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
@@ -196,15 +204,19 @@ class LeanForward:
         # kept in the model's __dict__: not a submodule (no state dict entries), and it goes
         # with the model (a weak-keyed table would not: the forward refers to the model)
         lean = model.__dict__.get("_lean_forward")
-        if lean is None or lean.kernel != linear_kernel_of(model):
+        if lean is None or not lean.current():
             lean = model.__dict__["_lean_forward"] = cls(model)
         return lean
 
     def current(self) -> bool:
-        """Whether the model still runs the kernel this forward was built for (a cheap
-        check; :meth:`of` builds a new one otherwise)."""
+        """Whether this forward still fits the model's kernel (a cheap check; :meth:`of`
+        builds a new one otherwise): a quantised one must be the one it packed for; any
+        full-precision one (``aten``, ``onednn``, ``auto``) runs through the model's own
+        layers, so a switch among those needs nothing new."""
         layer, cls = self._probe
-        return type(layer) is cls
+        if self.kernel in QUANTISED:
+            return type(layer) is cls
+        return not isinstance(layer, QuantizedLinear)
 
     @classmethod
     def supports(cls, model: nn.Module) -> bool:
