@@ -263,12 +263,12 @@ class LeanForward:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """Store layer ``i``'s keys and values (from :meth:`qkv`, one cache's rows) in
         ``cache`` and return the attention output ``[rows, heads * head_dim]`` over every key
         column of the forward, ``mask`` ``[1, 1, rows, columns]`` being the cache's layout
-        (``cache.get_mask_sizes(rows, 0)[1].mask``)."""
+        (``cache.get_mask_sizes(rows, 0)[1].mask``; None when every row sees every column)."""
         n = q.shape[1]
         keys, values = cache.update(k[None], v[None], i)
         h, kv, d = self.heads, self.kv_heads, self.head_dim
@@ -308,7 +308,9 @@ class LeanForward:
         start = cache.next_position
         x = self.embed(token_ids)
         cos, sin = self.rope(x, torch.arange(start, start + n, device=x.device))
-        mask = cache.get_mask_sizes(n, 0)[1].mask  # what transformers' forward is given
+        mask: torch.Tensor | None = cache.get_mask_sizes(n, 0)[1].mask  # transformers' mask
+        if n == 1 and bool(mask.all()):  # a full cache's step sees every column: no mask,
+            mask = None  # SDPA's cheaper path
         for i in range(len(self.layers)):
             q, k, v = self.qkv(i, x, cos, sin)
             x = self.finish_layer(i, x, self.attend(i, cache, q, k, v, mask))
