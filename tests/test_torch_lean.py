@@ -164,3 +164,17 @@ def test_which_verifiers_run_the_lean_forward(tiny_model, text_ids, record_toler
     assert not v.backend.lean_forward.current()
     v.append([ids[0]])  # a quantised model's default verifier: transformers' forward
     assert v.backend.lean_forward is None
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_a_bfloat16_lean_forward_rounds_as_transformers_forward(architecture, record_tolerance):
+    """In bfloat16 the lean forward rounds as transformers' does (norms in float32, then
+    cast; the keys repeated for a block's grouped heads): the same blocks, commits and
+    rollbacks give the same logits to within a bfloat16 step (here they are identical)."""
+    model = copy.deepcopy(tiny_random_model(architecture, seed=1).model).to(torch.bfloat16)
+    ids = [random.Random(2).randrange(model.config.vocab_size) for _ in range(100)]
+    config = SinkWindowConfig(sink=3, window=17)
+    want, _ = blocks_with_rollback(model, ids, config, random.Random(3), lean=False)
+    got, v = blocks_with_rollback(model, ids, config, random.Random(3), lean=True)
+    assert v.backend.lean_steps > len(ids) // 8
+    check_close(f"tiny {architecture} bf16 lean vs transformers", got, want, 1e-2, record_tolerance)

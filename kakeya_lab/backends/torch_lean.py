@@ -9,8 +9,9 @@ over the model's own :class:`~kakeya_lab.backends.torch_cache.SinkWindowCache`: 
 own key layout as the attention mask (so eviction, rolling positions and pending blocks mean
 what they mean for transformers' forward), transformers' rotary module for the angles, the
 RMSNorms in one fused operation each (rounded as transformers' module rounds them), and
-PyTorch's SDPA with a one-token query's heads packed onto their key heads (a block's heads
-grouped onto them with ``enable_gqa``, no repeated keys).
+PyTorch's SDPA with a one-token query's heads packed onto their key heads (a float32
+block's heads grouped onto them with ``enable_gqa``, no repeated keys; other dtypes repeat
+the keys, as transformers does, PyTorch's bfloat16 CPU kernel being slow with grouping).
 
 With a full-precision kernel the projections are the model's own layers (q/k/v and
 gate/up run as separate products whose outputs are concatenated), so a lean forward adds no
@@ -277,8 +278,13 @@ class LeanForward:
                 q.view(1, kv, h // kv, d), keys, values, attn_mask=mask, scale=self.scaling
             )
             return out.reshape(1, h * d)
+        if h != kv and q.dtype != torch.float32:  # the bf16 CPU kernel is slow with GQA:
+            keys, values = (  # each key head repeated for its query heads, as transformers does
+                t[:, :, None].expand(1, kv, h // kv, *t.shape[2:]).reshape(1, h, *t.shape[2:])
+                for t in (keys, values)
+            )
         out = F.scaled_dot_product_attention(
-            q[None], keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=h != kv
+            q[None], keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=h != keys.shape[1]
         )
         return out[0].transpose(0, 1).reshape(n, h * d)
 
@@ -308,9 +314,9 @@ class LeanForward:
         start = cache.next_position
         x = self.embed(token_ids)
         cos, sin = self.rope(x, torch.arange(start, start + n, device=x.device))
-        mask: torch.Tensor | None = cache.get_mask_sizes(n, 0)[1].mask  # transformers' mask
-        if n == 1 and bool(mask.all()):  # a full cache's step sees every column: no mask,
-            mask = None  # SDPA's cheaper path
+        layout = cache.get_mask_sizes(n, 0)[1].mask  # what transformers' forward is given
+        # a one-token step that sees every column needs no mask (SDPA's cheaper path)
+        mask = None if n == 1 and bool(layout.all()) else layout
         for i in range(len(self.layers)):
             q, k, v = self.qkv(i, x, cos, sin)
             x = self.finish_layer(i, x, self.attend(i, cache, q, k, v, mask))
