@@ -10,7 +10,9 @@ as the lm_head), and plain greedy decoding (``Verifier.append`` of one token, th
 full at ``--live`` entries so every step evicts) through transformers' forward
 (``lean=False``) and through the lean step (the default), each on every full-precision
 linear kernel (``aten``, ``onednn``), interleaved round by round after one warm-up round
-(``--steps`` tokens a round, ``--rounds`` rounds; the median round per token). Prints each
+(``--steps`` tokens a round, ``--rounds`` rounds, every live size in every round, and one
+more bandwidth pass a round, so a changing load falls on all alike; the median round per
+token, the best bandwidth pass). Prints each
 as a ratio to the floor and whether the target (plain decoding, the fastest kernel, at most
 ``--target`` times the floor) is met at every live size; writes ``decode_floor.json`` (with
 the CPU's model and flags, the machine's load average before and after) and
@@ -40,9 +42,9 @@ KERNELS = ("aten", "onednn")
 FORWARDS = {"transformers": False, "lean": None}  # Verifier(lean=...)
 
 
-def read_bandwidth(gib: float, repeats: int) -> tuple[float, list[float]]:
-    """Bytes per second of one pass over ``gib`` GiB of float32 (``t.sum()``), the best of
-    ``repeats``; and every pass's seconds."""
+def read_bandwidth(gib: float, repeats: int) -> tuple[torch.Tensor, list[float]]:
+    """A float32 tensor of ``gib`` GiB and the seconds of ``repeats`` passes over it
+    (``t.sum()``); its bytes over the best pass are the read bandwidth."""
     t = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
     t.sum()  # warm: the pages are touched by ones() already; this loads the kernel
     times = []
@@ -50,7 +52,7 @@ def read_bandwidth(gib: float, repeats: int) -> tuple[float, list[float]]:
         t0 = time.perf_counter()
         t.sum()
         times.append(time.perf_counter() - t0)
-    return t.nbytes / min(times), times
+    return t, times
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -94,42 +96,54 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(args.model, progress=False)
     model = loaded.model
     wbytes = weight_bytes(model)
-    bandwidth, passes = read_bandwidth(args.gib, args.bandwidth_repeats)
-    floor_s = wbytes / bandwidth
+    bandwidth_tensor, passes = read_bandwidth(args.gib, args.bandwidth_repeats)
     print(
-        f"{loaded.description.name}: {wbytes / 1e6:.1f} MB of weights; read bandwidth "
-        f"{bandwidth / 1e9:.2f} GB/s (best of {args.bandwidth_repeats} passes over "
-        f"{args.gib:g} GiB); floor {floor_s * 1e3:.2f} ms/token; torch threads "
+        f"{loaded.description.name}: {wbytes / 1e6:.1f} MB of weights; torch threads "
         f"{torch.get_num_threads()}"
     )
 
-    results: dict[str, dict] = {}
+    verifiers, next_ids = {}, {}
     for live in lives:
         config = SinkWindowConfig(sink=4, window=live - 4)
         ctx = context_tokens(loaded.tokenizer, live)
-        verifiers, next_ids = {}, {}
         for forward, lean in FORWARDS.items():
             v = Verifier(model, config, lean=lean)
-            next_ids[forward] = int(v.append(ctx).argmax())
-            verifiers[forward] = v
-        times: dict[str, list[float]] = {f"{fw}/{k}": [] for fw in FORWARDS for k in KERNELS}
-        for r in range(args.rounds + 1):
-            for kernel in KERNELS:
-                set_linear_kernel(model, kernel)
-                for forward, v in verifiers.items():
-                    t0 = time.perf_counter()
-                    for _ in range(args.steps):  # greedy plain decoding, one token a step
-                        next_ids[forward] = int(v.append([next_ids[forward]]).argmax())
-                    if r:  # round 0 warms up
-                        times[f"{forward}/{kernel}"].append((time.perf_counter() - t0) / args.steps)
-        set_linear_kernel(model, "aten")
-        lean_steps = verifiers["lean"].backend.lean_steps
-        assert verifiers["lean"].cache_len == live and lean_steps > 0
-        median = {name: statistics.median(ts) for name, ts in times.items()}
+            next_ids[live, forward] = int(v.append(ctx).argmax())
+            verifiers[live, forward] = v
+    names = [f"{fw}/{k}" for fw in FORWARDS for k in KERNELS]
+    times: dict[int, dict[str, list[float]]] = {live: {n: [] for n in names} for live in lives}
+    for r in range(args.rounds + 1):
+        for kernel in KERNELS:  # every live size, forward and kernel in every round
+            set_linear_kernel(model, kernel)
+            for (live, forward), v in verifiers.items():
+                t0 = time.perf_counter()
+                for _ in range(args.steps):  # greedy plain decoding, one token a step
+                    next_ids[live, forward] = int(v.append([next_ids[live, forward]]).argmax())
+                if r:  # round 0 warms up
+                    times[live][f"{forward}/{kernel}"].append(
+                        (time.perf_counter() - t0) / args.steps
+                    )
+        t0 = time.perf_counter()  # one more bandwidth pass a round, beside the steps
+        bandwidth_tensor.sum()
+        passes.append(time.perf_counter() - t0)
+    set_linear_kernel(model, "aten")
+    bandwidth = bandwidth_tensor.nbytes / min(passes)
+    floor_s = wbytes / bandwidth
+    print(
+        f"read bandwidth {bandwidth / 1e9:.2f} GB/s (best of {len(passes)} passes over "
+        f"{args.gib:g} GiB, {args.bandwidth_repeats} first, one a round); floor "
+        f"{floor_s * 1e3:.2f} ms/token"
+    )
+    results: dict[str, dict] = {}
+    for live in lives:
+        lean_steps = verifiers[live, "lean"].backend.lean_steps
+        assert verifiers[live, "lean"].cache_len == live and lean_steps > 0
+        assert verifiers[live, "transformers"].backend.lean_steps == 0
+        median = {name: statistics.median(ts) for name, ts in times[live].items()}
         best = {fw: min(KERNELS, key=lambda k, fw=fw: median[f"{fw}/{k}"]) for fw in FORWARDS}
         results[str(live)] = {
             "median_s": median,
-            "timings_s": times,
+            "timings_s": times[live],
             "ratio_to_floor": {name: s / floor_s for name, s in median.items()},
             "fastest_kernel": best,
             "fastest_s": {fw: median[f"{fw}/{best[fw]}"] for fw in FORWARDS},

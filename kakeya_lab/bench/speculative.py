@@ -301,6 +301,8 @@ def _fastest_plain(
     fastest = max(rates, key=lambda k: rates[k])
     names = {a: "plain" if k == fastest else f"plain[{k}]" for a, k in plain_arm.items()}
     turns = turns.assign(arm=turns["arm"].map(lambda a: names.get(a, a)))
+    rank = turns["arm"].map(lambda a: 0 if a == "plain" else 1 if a.startswith("plain[") else 2)
+    turns = turns.iloc[rank.argsort(kind="stable")].reset_index(drop=True)  # plain rows first
     return turns, fastest, rates
 
 
