@@ -29,7 +29,11 @@ EXIT_RUN_FAILED = 1
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 MAX_CACHE_TOKENS = 1 << 24  # a sink or window beyond this cannot be held on any machine we target
-VERIFIER_KERNELS = ("aten", "onednn")  # --linear: the quantised kernels are for draft models
+VERIFIER_KERNELS = (
+    "aten",
+    "onednn",
+    "auto",
+)  # --linear: the quantised kernels are for draft models
 POSITIONS = ("global", "rolling")
 
 # Exceptions that mean "the user asked for something impossible" (exit 2), by module:
@@ -132,13 +136,14 @@ def add_cache(p: argparse.ArgumentParser, *, window: int, positions: bool = True
 
 
 def add_linear(p: argparse.ArgumentParser) -> None:
-    """``--linear aten|onednn``: the torch verifier's linear-layer kernel."""
+    """``--linear aten|onednn|auto``: the torch verifier's linear-layer kernel."""
     p.add_argument(
         "--linear",
         choices=list(VERIFIER_KERNELS),
         default="aten",
-        help="the torch model's linear-layer kernel: aten (PyTorch's default) or onednn "
-        "(oneDNN's; on CPU a block of a few draft tokens costs little more than one token)",
+        help="the torch model's linear-layer kernel: aten (PyTorch's default), onednn "
+        "(oneDNN's; on CPU a block of a few draft tokens costs little more than one token) or "
+        "auto (the faster of the two on this machine for each row count, measured once and cached)",
     )
 
 

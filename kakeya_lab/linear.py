@@ -17,6 +17,11 @@ plain decoding and the speculative arm run the same kernel, which holds because 
 a property of the loaded model that both share. While gradients are being recorded for a
 layer's weight or input, the layer falls back to ``aten`` (oneDNN's op has no backward).
 
+Which of the two is faster depends on the CPU: ``auto`` measures both on this machine
+for one to eight rows and for a prefill chunk, caches the choice on disk per model, dtype,
+CPU, torch version and thread count, and runs each call on the winner for its row count
+(:mod:`kakeya_lab.linear_auto`); its numbers are those of the kernel it dispatches to.
+
 ``int8`` and ``int4`` are different in kind: they multiply by a quantised copy of each
 weight matrix with the activations in bfloat16 (``int8``: one scale per output row,
 symmetric, ``torch._weight_int8pack_mm``; ``int4``: a scale and an offset per 32 inputs of a
@@ -33,6 +38,9 @@ switch again to re-quantise.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -42,6 +50,8 @@ from torch import nn
 from kakeya_lab.linear_kernels import KERNELS
 
 _DTYPES = (torch.float32, torch.bfloat16)
+QUANTISED = ("int8", "int4")  # the kernels that multiply by a quantised copy
+FULL_PRECISION = ("aten", "onednn")  # the kernels "auto" chooses from
 INT4_GROUP = 32  # inputs per int4 scale and offset (the kernel takes 32, 64, 128 or 256)
 
 
@@ -64,6 +74,22 @@ class OneDNNLinear(nn.Linear):
 
 
 FEW_ROWS = 8  # up to this many rows the quantised kernels are faster; beyond, the weights
+
+
+class AutoLinear(nn.Linear):
+    """An ``nn.Linear`` whose inference forward runs, for each call, the full-precision
+    kernel this machine measured fastest for that many rows (``_few[rows - 1]`` up to
+    :data:`FEW_ROWS` rows, ``_many`` beyond; :mod:`kakeya_lab.linear_auto`)."""
+
+    _few: tuple[str, ...]
+    _many: str
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
+        rows = input.numel() // max(input.shape[-1], 1) if input.dim() else 1
+        kernel = self._few[rows - 1] if 1 <= rows <= FEW_ROWS else self._many
+        if kernel == "onednn":
+            return _onednn_linear(self, input)
+        return F.linear(input, self.weight, self.bias)
 
 
 class QuantizedLinear(nn.Linear):
@@ -169,7 +195,7 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 def check_linear_kernel(kernel: str) -> None:
     """Raise ``ValueError`` unless ``kernel`` is a kernel name this PyTorch build can run."""
-    if kernel not in KERNELS:
+    if not isinstance(kernel, str) or kernel not in KERNELS:
         raise ValueError(f"unknown linear kernel {kernel!r}; use one of {list(KERNELS)}")
     if kernel == "onednn" and not torch.backends.mkldnn.is_available():
         raise ValueError(
@@ -187,27 +213,47 @@ def check_linear_kernel(kernel: str) -> None:
 _CLASSES: dict[str, type[nn.Linear]] = {
     "aten": nn.Linear,
     "onednn": OneDNNLinear,
+    "auto": AutoLinear,
     "int8": Int8Linear,
     "int4": Int4Linear,
 }
 
 
-def set_linear_kernel(model: nn.Module, kernel: str) -> int:
+def set_linear_kernel(
+    model: nn.Module,
+    kernel: str,
+    *,
+    identity: str | None = None,
+    cache_dir: Path | None = None,
+) -> int:
     """Make every ``nn.Linear`` of ``model`` run ``kernel`` (one of :data:`KERNELS`);
     return how many layers run it now.
 
     Only CPU layers in float32 or bfloat16 are switched away from ``aten`` (others keep it;
     for ``int8`` and ``int4`` also those whose shape the kernel cannot tile); a layer of a
-    subclass of ``nn.Linear`` other than these kernels' is left alone. Raises ``ValueError``
-    for an unknown kernel, before anything changes."""
+    subclass of ``nn.Linear`` other than these kernels' is left alone. ``"auto"`` runs, per
+    call, the full-precision kernel this machine measured fastest for that many rows
+    (:func:`kakeya_lab.linear_auto.auto_choice`, cached on disk under ``cache_dir`` for the
+    model named ``identity``; the choice is kept as ``model.linear_auto_choice``). Raises
+    ``ValueError`` for an unknown kernel, before anything changes."""
     check_linear_kernel(kernel)
     target = _CLASSES[kernel]
+    if kernel == "auto":
+        for module in model.modules():  # measure the plain layers, not a previous kernel
+            if type(module) in _CLASSES.values():
+                module.__dict__.pop("_packed", None)
+                module.__class__ = nn.Linear
+        from kakeya_lab.linear_auto import auto_choice
+
+        choice = auto_choice(model, identity=identity, cache_dir=cache_dir)
+        model.__dict__["linear_auto_choice"] = choice
     switched = 0
     for module in model.modules():
         if type(module) not in _CLASSES.values():
             continue
         layer = cast(nn.Linear, module)
-        layer.__dict__.pop("_packed", None)
+        for attr in ("_packed", "_few", "_many"):
+            layer.__dict__.pop(attr, None)
         layer.__class__ = nn.Linear
         weight = layer.weight
         if kernel != "aten" and (weight.device.type != "cpu" or weight.dtype not in _DTYPES):
@@ -216,6 +262,8 @@ def set_linear_kernel(model: nn.Module, kernel: str) -> int:
             if not target.fits(layer):
                 continue
             layer.__dict__["_packed"] = target.pack(weight)
+        if kernel == "auto":
+            layer.__dict__["_few"], layer.__dict__["_many"] = choice.few, choice.many
         layer.__class__ = target
         switched += 1
     return switched
@@ -223,6 +271,28 @@ def set_linear_kernel(model: nn.Module, kernel: str) -> int:
 
 def linear_kernel_of(model: nn.Module) -> str:
     """The kernel :func:`set_linear_kernel` last set on ``model``'s linear layers: the first
-    of ``int4``, ``int8`` and ``onednn`` some layer runs, else ``"aten"``."""
+    of ``int4``, ``int8``, ``auto`` and ``onednn`` some layer runs, else ``"aten"``."""
     kinds = {type(m) for m in model.modules()}
-    return next((k for k in ("int4", "int8", "onednn") if _CLASSES[k] in kinds), "aten")
+    return next((k for k in ("int4", "int8", "auto", "onednn") if _CLASSES[k] in kinds), "aten")
+
+
+@contextmanager
+def kernel_switched(model: nn.Module, kernel: str) -> Iterator[None]:
+    """Run ``model``'s linear layers on the full-precision ``kernel`` inside the block and
+    restore each layer's own kernel (class and packed copies, untouched) afterwards: how a
+    bench times plain decoding on every kernel without reloading or re-measuring."""
+    if kernel not in FULL_PRECISION:
+        raise ValueError(
+            f"kernel_switched takes a full-precision kernel {list(FULL_PRECISION)}, got {kernel!r}"
+        )
+    check_linear_kernel(kernel)
+    saved = [(m, m.__class__) for m in model.modules() if type(m) in _CLASSES.values()]
+    try:
+        for layer, _ in saved:
+            weight = cast(nn.Linear, layer).weight
+            if kernel == "aten" or (weight.device.type == "cpu" and weight.dtype in _DTYPES):
+                layer.__class__ = _CLASSES[kernel]
+        yield
+    finally:
+        for layer, cls in saved:
+            layer.__class__ = cls

@@ -3,4 +3,4 @@
 
 from __future__ import annotations
 
-KERNELS = ("aten", "onednn", "int8", "int4")
+KERNELS = ("aten", "onednn", "auto", "int8", "int4")

@@ -96,8 +96,26 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
+def cpu_identity() -> dict[str, Any]:
+    """The CPU's model name and flags (Linux ``/proc/cpuinfo``; elsewhere the platform's
+    processor string and no flags)."""
+    name, flags = platform.processor() or platform.machine(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            field, _, value = line.partition(":")
+            if field.strip() == "model name":
+                name = value.strip()
+            elif field.strip() == "flags":
+                flags = value.strip()
+            if field.strip() == "" and flags:  # the first processor's block is enough
+                break
+    except OSError:
+        pass
+    return {"cpu": name, "cpu_flags": sorted(flags.split())}
+
+
 def hardware() -> dict[str, Any]:
-    """CPU (and GPU, when torch sees one) of this machine."""
+    """CPU (model name and flags; and GPU, when torch sees one) of this machine."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -108,6 +126,7 @@ def hardware() -> dict[str, Any]:
         pass
     info: dict[str, Any] = {
         "cpu": cpu,
+        "cpu_flags": cpu_identity()["cpu_flags"],
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
     }

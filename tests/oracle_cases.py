@@ -16,9 +16,10 @@ import torch
 from kakeya_lab import SinkWindowConfig, Verifier, reference
 
 
-def token_by_token(model, ids: Sequence[int], config: SinkWindowConfig):
-    """One append per token: ``([n, vocab] logits, verifier)``."""
-    v = Verifier(model, config)
+def token_by_token(model, ids: Sequence[int], config: SinkWindowConfig, **options):
+    """One append per token: ``([n, vocab] logits, verifier)``. ``options`` go to the
+    :class:`~kakeya_lab.Verifier`."""
+    v = Verifier(model, config, **options)
     return torch.stack([v.append([t]) for t in ids]), v
 
 

@@ -3,7 +3,9 @@
 Every path (token-by-token, chunked appends of random sizes, provisional blocks with
 rollback) must give each position the oracle's context: max-abs logit difference <= 1e-4
 in fp32, on the default real model (torch) and on tiny random models of two architectures
-on every registered backend (the torch oracle is the reference for all of them).
+on every registered backend (the torch oracle is the reference for all of them). On torch
+both forwards face them: the lean one (the default for steps and blocks of up to 8 tokens;
+its counter shows it ran) and transformers' (``lean=False``, the reference).
 """
 
 from __future__ import annotations
@@ -19,30 +21,55 @@ TOL = 1e-4
 MODES = ["global", "rolling"]
 
 
-def _paths_match_oracle(name, model, ids, config, want, record_tolerance):
-    rng = random.Random(0)
+def _lean_steps(v) -> int | None:
+    """Forwards the verifier's lean path ran (None on a backend without one)."""
+    return getattr(v.backend, "lean_steps", None)
 
-    got, v = token_by_token(model, ids, config)
+
+def _paths_match_oracle(name, model, ids, config, want, record_tolerance, **options):
+    rng = random.Random(0)
+    lean = options.get("lean", None) is not False
+
+    got, v = token_by_token(model, ids, config, **options)
     check_close(f"{name}/token-by-token", got, want, TOL, record_tolerance)
     assert v.cache_len == config.budget and v.history_len == len(ids)
     assert v.kv_live_bytes == v.kv_budget_bytes() > 0
+    steps = _lean_steps(v)
+    assert steps is None or steps == (len(ids) if lean else 0)
 
-    got, last, _ = chunked(model, ids, config, rng)
+    got, last, v = chunked(model, ids, config, rng, **options)
     check_close(f"{name}/chunked", got, want, TOL, record_tolerance)
     check_close(f"{name}/chunked append", last, want[-1], TOL, record_tolerance)
+    steps = _lean_steps(v)
+    assert steps is None or (steps > 0) == lean
 
-    got, v = blocks_with_rollback(model, ids, config, rng)
+    got, v = blocks_with_rollback(model, ids, config, rng, **options)
     assert v.history_token_ids == ids
     check_close(f"{name}/blocks+rollback", got, want, TOL, record_tolerance)
+    steps = _lean_steps(v)
+    assert steps is None or (steps > len(ids) // 8) == lean
 
 
-# The fast loop keeps the global-mode case on the real model; rolling runs in the full suite.
-@pytest.mark.parametrize("mode", ["global", pytest.param("rolling", marks=pytest.mark.slow)])
-def test_paths_match_oracle_past_the_window(default_model, text_ids, mode, record_tolerance):
+# The fast loop keeps the global-mode case on the real model through the default (lean)
+# forward; rolling, and transformers' forward, run in the full suite.
+@pytest.mark.parametrize(
+    ("mode", "forward"),
+    [
+        ("global", "lean"),
+        pytest.param("rolling", "lean", marks=pytest.mark.slow),
+        pytest.param("global", "transformers", marks=pytest.mark.slow),
+        pytest.param("rolling", "transformers", marks=pytest.mark.slow),
+    ],
+)
+def test_paths_match_oracle_past_the_window(
+    default_model, text_ids, mode, forward, record_tolerance
+):
     config = SinkWindowConfig(sink=4, window=28, positions=mode)
     ids = text_ids[: 4 * config.budget]  # several times longer than sink + window
     want = reference.oracle_logits(default_model.model, ids, config)
-    _paths_match_oracle(f"default/{mode}", default_model.model, ids, config, want, record_tolerance)
+    name = f"default/{mode}/{forward}"
+    lean = None if forward == "lean" else False  # None: the default, lean where it applies
+    _paths_match_oracle(name, default_model.model, ids, config, want, record_tolerance, lean=lean)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -50,13 +77,15 @@ def test_paths_match_oracle_past_the_window(default_model, text_ids, mode, recor
 def test_every_backend_matches_the_oracle_past_the_window(
     backend, tiny_backends, tiny_on, arch, mode, record_tolerance
 ):
-    """The same paths on each registered backend's copy of a tiny random model."""
+    """The same paths on each registered backend's copy of a tiny random model (torch:
+    through both forwards)."""
     model = tiny_on(arch, backend)
     config = SinkWindowConfig(sink=4, window=28, positions=mode)
     ids = [random.Random(3).randrange(1000, 40000) for _ in range(4 * config.budget)]
     want = reference.oracle_logits(tiny_backends[arch]["torch"], ids, config)
-    name = f"tiny-{arch}/{mode}/{backend}"
-    _paths_match_oracle(name, model, ids, config, want, record_tolerance)
+    for lean in (None, False) if backend == "torch" else (None,):
+        name = f"tiny-{arch}/{mode}/{backend}" + ("" if lean is None else "/transformers")
+        _paths_match_oracle(name, model, ids, config, want, record_tolerance, lean=lean)
 
 
 def test_rolling_oracle_equals_dense_before_the_cache_fills(default_model, text_ids):

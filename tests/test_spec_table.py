@@ -43,7 +43,8 @@ def table(tiny_model):
         conversations=1,
         turns=1,
         max_new_tokens=10,
-    )
+        plain_kernels=(),  # plain decoding on the model's own kernel only (test_linear_auto.py
+    )  # checks the fastest-kernel baseline)
     return run_spec_table(tiny_model, settings, make, progress=False)
 
 
@@ -61,6 +62,7 @@ def test_the_long_table_carries_every_metric_and_per_arm_losslessness(table):
     long = long_table(table)
     assert list(long.columns) == TABLE_COLUMNS
     assert len(long) == 2 * 3 and long["lossless"].all()
+    assert set(long["plain_kernel"]) == {"aten"}  # the baseline's kernel, on every row
     spec = long[long["arm"] != "plain"]
     for r in spec.itertuples():
         run = table.runs[r.domain]

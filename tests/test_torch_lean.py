@@ -1,8 +1,10 @@
-"""The lean draft forward (kakeya_lab/backends/torch_lean.py) against the dense masked oracle: blocks
-with wrong tails, partial commits and rollbacks, and chunked appends that mix lean blocks
-(up to 8 tokens) with transformers' forward (longer ones), over histories that wrap a small
-window many times, in global and rolling positions; then what a draft model does with it.
-Its speed is a benchmark (benchmarks/draft_model_cost.py), not a test."""
+"""The lean forward (kakeya_lab/backends/torch_lean.py) against the dense masked oracle, as
+tightly as transformers' forward (1e-4 on float32): one-token steps, blocks with wrong tails,
+partial commits and rollbacks, and chunked appends that mix lean blocks (up to 8 tokens)
+with transformers' forward (longer ones), over histories that wrap a small window many
+times, in global and rolling positions; which verifiers run it by default; then what a
+draft model does with it. Its speed is a benchmark (benchmarks/decode_floor.py,
+benchmarks/draft_model_cost.py), not a test."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import random
 
 import pytest
 import torch
-from oracle_cases import blocks_with_rollback, check_close, chunked
+from oracle_cases import blocks_with_rollback, check_close, chunked, token_by_token
 
 from kakeya_lab import SinkWindowConfig, load_model
 from kakeya_lab.backends.torch_lean import MAX_TOKENS, LeanForward
@@ -22,7 +24,7 @@ from kakeya_lab.models import DEFAULT_MODEL, tiny_random_model
 from kakeya_lab.proposers import DraftModelProposer
 from kakeya_lab.reference import oracle_logits
 
-TOL = 2e-4
+TOL = 1e-4  # what tests/test_oracle.py holds transformers' forward to
 
 
 @pytest.mark.parametrize("mode", ["global", "rolling"])
@@ -37,8 +39,12 @@ def test_lean_forward_gives_the_oracle_logits_past_eviction(architecture, mode, 
     got, v = blocks_with_rollback(model, ids, config, random.Random(3), lean=True)
     assert v.history_len == len(ids) > 4 * config.budget
     assert lean.forwards > len(ids) // 8  # every block of this path is lean-sized
+    assert v.backend.lean_steps > len(ids) // 8
     name = f"tiny {architecture} lean/{mode}"
     check_close(f"{name}/blocks+rollback", got, want, TOL, record_tolerance)
+    got, v = token_by_token(model, ids, config)  # the default verifier: lean steps
+    assert v.backend.lean_forward is lean and v.backend.lean_steps == len(ids)
+    check_close(f"{name}/token-by-token", got, want, TOL, record_tolerance)
     before = lean.forwards
     rows, last, _ = chunked(model, ids, config, random.Random(4), lean=True)
     assert lean.forwards > before  # blocks of up to 8 lean, longer ones transformers'
@@ -52,10 +58,13 @@ def test_lean_forward_of_the_default_model_gives_the_oracle_logits(
     config = SinkWindowConfig(sink=4, window=28)
     ids = text_ids[:120]
     lean = LeanForward.of(default_model.model)
-    got, v = blocks_with_rollback(default_model.model, ids, config, random.Random(5), lean=True)
+    got, v = blocks_with_rollback(default_model.model, ids, config, random.Random(5))
     assert v.history_len == len(ids) > 3 * config.budget and lean.forwards > len(ids) // 8
+    assert v.backend.lean_forward is lean and v.backend.lean_steps > len(ids) // 8
     want = oracle_logits(default_model.model, ids, config)
-    check_close("smollm2 lean/global/blocks+rollback", got, want, TOL, record_tolerance)
+    check_close(
+        "smollm2 lean (default verifier)/global/blocks+rollback", got, want, TOL, record_tolerance
+    )
 
 
 @pytest.mark.slow  # 21 s: the full suite runs it, not the fast loop
@@ -110,3 +119,62 @@ def test_models_the_lean_forward_cannot_run_keep_transformers_forward(tiny_model
 
     assert Verifier(wrapped, config, lean=True).backend.lean_forward is None
     assert Verifier(tiny_model.model, config, lean=True).backend.lean_forward is not None
+
+
+def test_which_verifiers_run_the_lean_forward(tiny_model, text_ids, record_tolerance):
+    """By default every verifier of a full-precision model runs it (and counts its steps);
+    a quantised model's verifier only when asked (its lean forward packs fused copies);
+    ``lean=False`` never; a hidden-state trace, a tree or a padded block take transformers'
+    forward; a kernel changed after the verifier was built is picked up (repacked)."""
+    from kakeya_lab import Verifier
+    from kakeya_lab.linear import set_linear_kernel
+    from kakeya_lab.tree import DraftTree
+
+    model = copy.deepcopy(tiny_random_model("llama", seed=1).model)
+    config = SinkWindowConfig(sink=2, window=14)
+    ids = text_ids[:40]
+    want = oracle_logits(model, ids, config)
+    v = Verifier(model, config)
+    assert v.backend.lean_forward is not None
+    v.append(ids[:20])  # a long chunk: transformers' forward
+    assert v.backend.lean_steps == 0
+    v.trace_hidden()
+    v.append(ids[20:21])  # a hidden-state trace: transformers' forward
+    assert v.backend.lean_steps == 0
+    v.trace = None
+    v.forward_tree(DraftTree(tokens=(ids[21], ids[22]), parents=(-1, -1)))
+    v.commit_path([0])
+    assert v.backend.lean_steps == 0
+    rows = torch.stack([v.append([t]) for t in ids[22:]])
+    assert v.backend.lean_steps == len(ids) - 22
+    check_close(
+        "tiny llama default verifier/mixed forwards", rows, want[22:], TOL, record_tolerance
+    )
+    assert Verifier(model, config, lean=False).backend.lean_forward is None
+
+    set_linear_kernel(model, "int8")
+    assert Verifier(model, config).backend.lean_forward is None
+    assert Verifier(model, config, lean=True).backend.lean_forward is not None
+    w = Verifier(model, config, lean=True)
+    set_linear_kernel(model, "aten")  # v's lean forward was built for aten: still current
+    assert v.backend.lean_forward is not None and v.backend.lean_forward.current()
+    w.append([ids[0]])
+    assert w.backend.lean_forward.kernel == "aten"  # repacked, not the stale int8 copies
+    set_linear_kernel(model, "int4")
+    assert not v.backend.lean_forward.current()
+    v.append([ids[0]])  # a quantised model's default verifier: transformers' forward
+    assert v.backend.lean_forward is None
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_a_bfloat16_lean_forward_rounds_as_transformers_forward(architecture, record_tolerance):
+    """In bfloat16 the lean forward rounds as transformers' does (norms in float32, then
+    cast; the keys repeated for a block's grouped heads): the same blocks, commits and
+    rollbacks give the same logits to within a bfloat16 step (here they are identical)."""
+    model = copy.deepcopy(tiny_random_model(architecture, seed=1).model).to(torch.bfloat16)
+    ids = [random.Random(2).randrange(model.config.vocab_size) for _ in range(100)]
+    config = SinkWindowConfig(sink=3, window=17)
+    want, _ = blocks_with_rollback(model, ids, config, random.Random(3), lean=False)
+    got, v = blocks_with_rollback(model, ids, config, random.Random(3), lean=True)
+    assert v.backend.lean_steps > len(ids) // 8
+    check_close(f"tiny {architecture} bf16 lean vs transformers", got, want, 1e-2, record_tolerance)

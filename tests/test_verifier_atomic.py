@@ -12,7 +12,8 @@ TOL = 1e-4
 
 
 class Interrupt:
-    """A forward hook on a real decoder layer that raises on its ``at``-th call."""
+    """A forward hook on a real decoder layer's down projection (a module the lean forward
+    and transformers' both call) that raises on its ``at``-th call."""
 
     def __init__(self, at: int, error: type[BaseException]):
         self.at, self.error, self.calls = at, error, 0
@@ -56,7 +57,7 @@ def test_interrupted_multi_chunk_append_changes_nothing(
     assert v.history_len > v.cache_len == config.budget
     before = _state(v)
 
-    layer = model.base_model.layers[-1]
+    layer = model.base_model.layers[-1].mlp.down_proj
     hook = layer.register_forward_hook(Interrupt(chunk_index, error))
     try:
         with pytest.raises(error):
@@ -83,7 +84,9 @@ def test_interrupted_multi_chunk_append_changes_nothing(
 def test_interrupt_in_the_first_chunk_of_an_empty_verifier(tiny_model):
     model = tiny_model.model
     v = Verifier(model, SinkWindowConfig(sink=2, window=6), prefill_chunk=3)
-    hook = model.base_model.layers[0].register_forward_hook(Interrupt(1, KeyboardInterrupt))
+    hook = model.base_model.layers[0].mlp.down_proj.register_forward_hook(
+        Interrupt(1, KeyboardInterrupt)
+    )
     try:
         with pytest.raises(KeyboardInterrupt):
             v.append([5, 6, 7, 8, 9])

@@ -7,7 +7,7 @@
   protocol the verifier sits on;
 * :mod:`~kakeya_lab.backends.registry` — backends by name, detected from a loaded model;
 * ``torch_backend`` / ``torch_cache`` / ``torch_attention`` / ``torch_lean`` — the torch
-  backend, its transformers cache, its attention mask and a draft model's lean forward;
+  backend, its transformers cache, its attention mask and the lean forward of short blocks;
 * ``mlx_backend`` — the MLX backend and its cache.
 
 This package imports no tensor runtime; a backend's modules load when it is used.

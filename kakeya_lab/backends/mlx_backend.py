@@ -433,7 +433,7 @@ def make_backend(
     config: SinkWindowConfig,
     *,
     block_padding: Mapping[int, int] | None = None,
-    lean: bool = False,
+    lean: bool | None = None,
 ) -> MLXBackend:
     """The registry's constructor: an :class:`MLXBackend` (no block padding; ``lean``
     changes nothing: MLX has one forward)."""

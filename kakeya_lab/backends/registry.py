@@ -7,7 +7,7 @@ object cannot exist before its runtime was imported, so ``sys.modules`` suffices
 
 A backend module provides (see :class:`BackendModule`):
 
-* ``make_backend(model, config, *, block_padding=None, lean=False)`` — the
+* ``make_backend(model, config, *, block_padding=None, lean=None)`` — the
   :class:`~kakeya_lab.backends.seam.Backend` for one sequence;
 * ``vocab_size_of(model)``, ``kv_bytes_per_token(model)`` — read from a loaded model;
 * ``check_tree_support(model)`` — NotImplementedError if draft trees cannot run on it;
@@ -42,7 +42,7 @@ class BackendModule(Protocol):
         config: SinkWindowConfig,
         *,
         block_padding: Mapping[int, int] | None = None,
-        lean: bool = False,
+        lean: bool | None = None,
     ) -> Backend: ...
 
     def vocab_size_of(self, model: Any) -> int: ...
@@ -124,7 +124,7 @@ def make_backend(
     config: SinkWindowConfig,
     *,
     block_padding: Mapping[int, int] | None = None,
-    lean: bool = False,
+    lean: bool | None = None,
 ) -> Backend:
     """The backend for ``model`` (``block_padding`` and ``lean``: see
     :class:`~kakeya_lab.verifier.Verifier`)."""

@@ -2,9 +2,11 @@
 :class:`~kakeya_lab.backends.torch_cache.SinkWindowCache` (registered as ``"torch"``).
 
 Options: ``block_padding`` (a block scored at a cheaper larger size, see
-:func:`kakeya_lab.cost_model.block_padding`) and ``lean`` (a draft model's cache: short
-blocks run through :class:`~kakeya_lab.backends.torch_lean.LeanForward` when it supports
-the model, rounded differently).
+:func:`kakeya_lab.cost_model.block_padding`) and ``lean``: short chain blocks run through
+:class:`~kakeya_lab.backends.torch_lean.LeanForward` when it supports the model (the same
+logits as transformers' forward to float rounding, checked against the dense oracle);
+``None`` (the default) does so unless the model runs a quantised kernel (whose lean forward
+packs fused copies of the projections), ``True`` also then (draft models), ``False`` never.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kakeya_lab.backends.seam import CacheBackend, Forward
 from kakeya_lab.backends.torch_attention import enable_sink_window_attention
 from kakeya_lab.backends.torch_cache import SinkWindowCache, cache_kwarg
 from kakeya_lab.backends.torch_lean import MAX_TOKENS, LeanForward
+from kakeya_lab.linear import QUANTISED, linear_kernel_of
 from kakeya_lab.models.dims import model_dims
 from kakeya_lab.tree import DraftTree
 
@@ -31,7 +34,7 @@ def make_backend(
     config: SinkWindowConfig,
     *,
     block_padding: Mapping[int, int] | None = None,
-    lean: bool = False,
+    lean: bool | None = None,
 ) -> TorchBackend:
     """The registry's constructor: a :class:`TorchBackend`."""
     return TorchBackend(model, config, block_padding=block_padding, lean=lean)
@@ -72,11 +75,22 @@ def final_norm(model: torch.nn.Module) -> torch.nn.Module:
     return norm
 
 
+def wants_lean(model: PreTrainedModel, lean: bool | None) -> bool:
+    """Whether a backend of ``model`` runs short blocks through its
+    :class:`~kakeya_lab.backends.torch_lean.LeanForward` (module docstring: ``lean``)."""
+    if lean is False or not LeanForward.supports(model):
+        return False
+    return lean is True or linear_kernel_of(model) not in QUANTISED
+
+
 class TorchBackend(CacheBackend):
-    """A transformers causal LM over a :class:`SinkWindowCache` (``auto_commit=False``);
-    with ``lean`` (draft models) short blocks that need no hidden states run through the
-    model's :class:`~kakeya_lab.backends.torch_lean.LeanForward` when it supports the model
-    (``lean_forward``; None otherwise)."""
+    """A transformers causal LM over a :class:`SinkWindowCache` (``auto_commit=False``).
+    Chain blocks of up to :data:`~kakeya_lab.backends.torch_lean.MAX_TOKENS` tokens that
+    need no hidden states run through the model's
+    :class:`~kakeya_lab.backends.torch_lean.LeanForward` when :func:`wants_lean`
+    (``lean_forward``; None otherwise; ``lean_steps`` counts the forwards it ran); trees,
+    hidden-state traces, padded blocks and longer chunks run transformers' forward, the
+    reference."""
 
     name = "torch"
     hidden_states = True
@@ -87,7 +101,7 @@ class TorchBackend(CacheBackend):
         config: SinkWindowConfig,
         *,
         block_padding: Mapping[int, int] | None = None,
-        lean: bool = False,
+        lean: bool | None = None,
     ):
         enable_sink_window_attention(model)
         self.model = model
@@ -96,7 +110,12 @@ class TorchBackend(CacheBackend):
         self.device = next(model.parameters()).device
         self.cache = SinkWindowCache(model, config, auto_commit=False)
         self.block_padding = dict(block_padding or {})
-        self.lean_forward = LeanForward.of(model) if lean and LeanForward.supports(model) else None
+        self.lean = lean
+        self.lean_forward = self._lean_forward()
+        self.lean_steps = 0
+
+    def _lean_forward(self) -> LeanForward | None:
+        return LeanForward.of(self.model) if wants_lean(self.model, self.lean) else None
 
     def forward(
         self,
@@ -113,9 +132,13 @@ class TorchBackend(CacheBackend):
         # comes after every real row, so no real row sees it, and is dropped afterwards
         pad = self.block_padding.get(n, n) - n if all_rows and tree is None else 0
         lean = self.lean_forward
+        if lean is not None and not lean.current():  # the kernel changed: decide, pack again
+            lean = self.lean_forward = self._lean_forward()
         if lean is not None and tree is None and not hidden and not pad and n <= MAX_TOKENS:
             try:
-                return Forward(lean(self.cache, ids, all_rows=all_rows), None)
+                logits = lean(self.cache, ids, all_rows=all_rows)
+                self.lean_steps += 1
+                return Forward(logits, None)
             except BaseException:
                 self.cache.crop(start)  # drop this forward's partial block only
                 raise

@@ -1,42 +1,55 @@
-"""A draft model's forward of a few tokens, written out: :class:`LeanForward`.
+"""A forward of a few tokens, written out: :class:`LeanForward`.
 
-A draft model spends its time in one-token forwards. On a laptop CPU, once its weights are
-quantised (:mod:`kakeya_lab.linear`), a small model's token costs more in the Python around
-the products than in the products: transformers' forward calls about twenty modules per
-layer, converts dtypes at each linear layer and builds the mask and rotary tables every time.
-:class:`LeanForward` computes the same forward of the same weights as one straight sequence
-of tensor operations over the model's own :class:`~kakeya_lab.backends.torch_cache.SinkWindowCache`: the
-q, k and v projections fused into one product and the gate and up projections into another
-(copies of the weights packed with the model's kernel), the cache's own key layout as the
-attention mask (so eviction, rolling positions and pending blocks mean what they mean for
-transformers' forward), and transformers' rotary module for the angles.
+A one-token step (plain decoding, a draft model's step) or a short verification block is
+dominated by reading the weights; on a CPU the Python around the products adds a real
+share on top: transformers' forward calls about twenty modules per layer, converts dtypes at
+each linear layer and builds the mask and rotary tables every time. :class:`LeanForward`
+computes the same forward of the same weights as one straight sequence of tensor operations
+over the model's own :class:`~kakeya_lab.backends.torch_cache.SinkWindowCache`: the cache's
+own key layout as the attention mask (so eviction, rolling positions and pending blocks mean
+what they mean for transformers' forward), transformers' rotary module for the angles, the
+RMSNorms in one fused operation each (rounded as transformers' module rounds them), and
+PyTorch's SDPA with a one-token query's heads packed onto their key heads (a float32
+block's heads grouped onto them with ``enable_gqa``, no repeated keys; other dtypes repeat
+the keys, as transformers does, PyTorch's bfloat16 CPU kernel being slow with grouping).
 
-It is for draft models only: its rounding can differ from transformers' forward (one fused
-RMSNorm computed in the model's dtype; on a float32 model the logits agree to float
-rounding, as the tests check against the dense oracle), which can change which drafts a
-draft model proposes, never what speculative decoding emits. With a quantised kernel the
-fused projections hold only their packed copies; with a full-precision kernel they are the
-model's own layers, so a lean forward adds no full-precision weights. The
-torch backend builds it for a verifier created with ``lean=True`` (a draft model's cache;
-:class:`~kakeya_lab.backends.torch_backend.TorchBackend`); a verifier whose output is
-delivered always runs transformers' forward. Supported: Llama, Qwen2 and Qwen3 layer stacks
-with plain (or this package's) linear layers and no sliding-window layers
+With a full-precision kernel the projections are the model's own layers (q/k/v and
+gate/up run as separate products whose outputs are concatenated), so a lean forward adds no
+weights and its logits are transformers' to float rounding: the tests hold it to the dense
+oracle at 1e-4 (float32), as transformers' forward is held. With a quantised kernel the q/k/v
+and the gate/up projections are fused into one packed copy each (the draft models' case),
+which the torch backend only builds when asked (``lean=True``). The backend runs every
+verifier's short chain blocks through it by default
+(:class:`~kakeya_lab.backends.torch_backend.TorchBackend`); trees, hidden-state traces and
+long chunks keep transformers' forward, the reference. Supported: Llama, Qwen2 and Qwen3
+layer stacks with plain (or this package's) linear layers and no sliding-window layers
 (:meth:`LeanForward.supports`); anything else keeps transformers' forward.
+
+The forward is made of per-layer pieces (:meth:`LeanForward.embed`, :meth:`~LeanForward.rope`,
+:meth:`~LeanForward.qkv`, :meth:`~LeanForward.attend`, :meth:`~LeanForward.finish_layer`,
+:meth:`~LeanForward.logits`) over 2-D rows, so rows of several caches can share the
+projections while each attends over its own cache.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kakeya_lab.backends.torch_cache import SinkWindowCache
-from kakeya_lab.linear import FEW_ROWS, QuantizedLinear, linear_kernel_of, set_linear_kernel
+from kakeya_lab.linear import (
+    FEW_ROWS,
+    QUANTISED,
+    QuantizedLinear,
+    linear_kernel_of,
+    set_linear_kernel,
+)
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 MAX_TOKENS = FEW_ROWS  # longer blocks (prefills) keep transformers' forward
@@ -50,6 +63,8 @@ def _fused(layers: Sequence[nn.Linear], kernel: str) -> Projection:
     tile their stacked weights: one layer holding only the packed copy of the stack (the
     full-precision stack is dropped once packed, so it costs the packed bytes alone, and
     only :func:`_product` may call it); otherwise the layers themselves (no copy)."""
+    if kernel not in QUANTISED:
+        return tuple(layers)
     weight = torch.cat([layer.weight.detach() for layer in layers])
     with torch.device("meta"):  # no throw-away initialisation
         fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
@@ -79,8 +94,29 @@ def _product(layer: Projection, rows: torch.Tensor) -> torch.Tensor:
 
 
 def _rms(x: torch.Tensor, norm: Any) -> torch.Tensor:
-    """RMSNorm of ``x`` in one fused operation (transformers' module takes eight)."""
-    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+    """RMSNorm of ``x`` in one fused operation (transformers' module takes eight), rounded
+    as transformers' module rounds: normalised in float32, then cast to ``x``'s dtype and
+    scaled by the weight in it."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+    normed = F.rms_norm(x.float(), norm.weight.shape, None, norm.variance_epsilon)
+    return norm.weight * normed.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class LeanLayer:
+    """One decoder layer's pieces as :class:`LeanForward` runs them: its two RMSNorms, the
+    fused q/k/v and gate/up projections (:func:`_fused`), Qwen3's per-head q and k norms
+    (None elsewhere), and the output and down projections (the model's own layers)."""
+
+    norm1: Any
+    qkv: Projection
+    q_norm: Any
+    k_norm: Any
+    o_proj: nn.Linear
+    norm2: Any
+    gate_up: Projection
+    down: nn.Linear
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -106,29 +142,32 @@ class LeanForward:
         self.model = model
         self.kernel = kernel
         self.forwards = 0  # calls so far (how a caller can tell the lean path ran)
-        self.embed = base.embed_tokens
+        self.embed_tokens = base.embed_tokens
         self.norm = base.norm
         self.rotary = base.rotary_emb
         self.lm_head: Any = model.lm_head
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        self.layers: list[tuple[Any, ...]] = []
-        for layer in base.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append(
-                (
-                    attn,
-                    layer.input_layernorm,
-                    _fused([attn.q_proj, attn.k_proj, attn.v_proj], kernel),
-                    getattr(attn, "q_norm", None),
-                    getattr(attn, "k_norm", None),
-                    attn.o_proj,
-                    layer.post_attention_layernorm,
-                    _fused([mlp.gate_proj, mlp.up_proj], kernel),
-                    mlp.down_proj,
-                )
+        self.scaling = float(base.layers[0].self_attn.scaling)
+        # the layer whose class tells whether the model's kernel changed since (current())
+        self._probe = (base.layers[0].self_attn.o_proj, type(base.layers[0].self_attn.o_proj))
+        self.layers = [
+            LeanLayer(
+                norm1=layer.input_layernorm,
+                qkv=_fused(
+                    [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+                    kernel,
+                ),
+                q_norm=getattr(layer.self_attn, "q_norm", None),
+                k_norm=getattr(layer.self_attn, "k_norm", None),
+                o_proj=layer.self_attn.o_proj,
+                norm2=layer.post_attention_layernorm,
+                gate_up=_fused([layer.mlp.gate_proj, layer.mlp.up_proj], kernel),
+                down=layer.mlp.down_proj,
             )
+            for layer in base.layers
+        ]
 
     @staticmethod
     def unsupported(model: nn.Module) -> str:
@@ -166,14 +205,100 @@ class LeanForward:
         # kept in the model's __dict__: not a submodule (no state dict entries), and it goes
         # with the model (a weak-keyed table would not: the forward refers to the model)
         lean = model.__dict__.get("_lean_forward")
-        if lean is None or lean.kernel != linear_kernel_of(model):
+        if lean is None or not lean.current():
             lean = model.__dict__["_lean_forward"] = cls(model)
         return lean
+
+    def current(self) -> bool:
+        """Whether this forward still fits the model's kernel (a cheap check; :meth:`of`
+        builds a new one otherwise): a quantised one must be the one it packed for; any
+        full-precision one (``aten``, ``onednn``, ``auto``) runs through the model's own
+        layers, so a switch among those needs nothing new."""
+        layer, cls = self._probe
+        if self.kernel in QUANTISED:
+            return type(layer) is cls
+        return not isinstance(layer, QuantizedLinear)
 
     @classmethod
     def supports(cls, model: nn.Module) -> bool:
         """Whether :class:`LeanForward` can run ``model``."""
         return not cls.unsupported(model)
+
+    # ------------------------------------------------------------ per-layer pieces
+    # A forward is embed -> rope -> for each layer: qkv, attend, finish_layer -> logits. The
+    # pieces work on 2-D rows ``[rows, hidden]`` with per-row rotary tables, so a caller can
+    # run the projections of several caches' rows at once and attend per cache.
+
+    def embed(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """The input rows ``[rows, hidden]`` of ``token_ids``."""
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.embed_tokens.weight.device)
+        return self.embed_tokens(ids)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables ``(cos, sin)``, ``[rows, head_dim]`` in ``x``'s dtype, of the
+        rows at ``positions`` (``[rows]``, any positions: one cache's run or several)."""
+        cos, sin = self.rotary(x[None], positions[None])
+        return cos[0], sin[0]
+
+    def qkv(
+        self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s rotated queries ``[heads, rows, head_dim]`` and keys and values
+        ``[kv_heads, rows, head_dim]`` of the rows ``x`` ``[rows, hidden]``."""
+        layer = self.layers[i]
+        n = x.shape[0]
+        h, kv, d = self.heads, self.kv_heads, self.head_dim
+        rows = _product(layer.qkv, _rms(x, layer.norm1)).view(n, h + 2 * kv, d).transpose(0, 1)
+        if layer.q_norm is None:  # q and k rotated in one go
+            qk = _rotate(rows[: h + kv], cos, sin)
+            q, k = qk[:h], qk[h:]
+        else:  # Qwen3: each head's q and k normalised first
+            q = _rotate(layer.q_norm(rows[:h]), cos, sin)
+            k = _rotate(layer.k_norm(rows[h : h + kv]), cos, sin)
+        return q, k, rows[h + kv :]
+
+    def attend(
+        self,
+        i: int,
+        cache: SinkWindowCache,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Store layer ``i``'s keys and values (from :meth:`qkv`, one cache's rows) in
+        ``cache`` and return the attention output ``[rows, heads * head_dim]`` over every key
+        column of the forward, ``mask`` ``[1, 1, rows, columns]`` being the cache's layout
+        (``cache.get_mask_sizes(rows, 0)[1].mask``; None when every row sees every column)."""
+        n = q.shape[1]
+        keys, values = cache.update(k[None], v[None], i)
+        h, kv, d = self.heads, self.kv_heads, self.head_dim
+        if n == 1:  # one query: each key head's group of query heads as its rows
+            out = F.scaled_dot_product_attention(
+                q.view(1, kv, h // kv, d), keys, values, attn_mask=mask, scale=self.scaling
+            )
+            return out.reshape(1, h * d)
+        if h != kv and q.dtype != torch.float32:  # the bf16 CPU kernel is slow with GQA:
+            keys, values = (  # each key head repeated for its query heads, as transformers does
+                t[:, :, None].expand(1, kv, h // kv, *t.shape[2:]).reshape(1, h, *t.shape[2:])
+                for t in (keys, values)
+            )
+        out = F.scaled_dot_product_attention(
+            q[None], keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=h != keys.shape[1]
+        )
+        return out[0].transpose(0, 1).reshape(n, h * d)
+
+    def finish_layer(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s output rows: ``x`` plus the output projection of ``attended``
+        (from :meth:`attend`), then plus the MLP of that."""
+        layer = self.layers[i]
+        x = x + _product(layer.o_proj, attended)
+        gate, up = _product(layer.gate_up, _rms(x, layer.norm2)).chunk(2, dim=-1)
+        return x + _product(layer.down, F.silu(gate) * up)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The float32 logits ``[rows, vocab]`` of the last layer's rows ``x``."""
+        return _product(self.lm_head, _rms(x, self.norm)).float()
 
     @torch.inference_mode()
     def __call__(
@@ -187,29 +312,12 @@ class LeanForward:
             raise ValueError(f"LeanForward takes 1 to {MAX_TOKENS} tokens, got {n}")
         self.forwards += 1
         start = cache.next_position
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.embed.weight.device)
-        x = self.embed(ids)[None]  # [1, n, hidden]
-        positions = torch.arange(start, start + n, device=ids.device)[None]
-        cos, sin = self.rotary(x, positions)  # [1, n, head_dim], broadcast over heads
-        mask = cache.get_mask_sizes(n, 0)[1].mask  # what transformers' forward is given
-        h, kv, d = self.heads, self.kv_heads, self.head_dim
-        for i, (attn, norm1, qkv, q_norm, k_norm, o_proj, norm2, gate_up, down) in enumerate(
-            self.layers
-        ):
-            qkv_rows = _product(qkv, _rms(x, norm1)[0]).view(n, h + 2 * kv, d)
-            if q_norm is None:  # q and k rotated in one go
-                qk = _rotate(qkv_rows[:, : h + kv].transpose(0, 1), cos, sin)
-                q, k = qk[None, :h], qk[None, h:]
-            else:  # Qwen3: each head's q and k normalised first
-                q = _rotate(q_norm(qkv_rows[:, :h]).transpose(0, 1), cos, sin)[None]
-                k = _rotate(k_norm(qkv_rows[:, h : h + kv]).transpose(0, 1), cos, sin)[None]
-            v = qkv_rows[:, h + kv :].transpose(0, 1)[None]
-            keys, values = cache.update(k, v, i)
-            # transformers' own SDPA call: the same kernel choice (e.g. a one-token query's
-            # heads packed onto the key heads) as its forward
-            out = sdpa_attention_forward(attn, q, keys, values, mask, scaling=attn.scaling)[0]
-            x = x + _product(o_proj, out.reshape(n, h * d))[None]
-            gate, up = _product(gate_up, _rms(x, norm2)[0]).chunk(2, dim=-1)
-            x = x + _product(down, F.silu(gate) * up)[None]
-        rows = _rms(x, self.norm)[0] if all_rows else _rms(x[:, -1:], self.norm)[0]
-        return _product(self.lm_head, rows).float()
+        x = self.embed(token_ids)
+        cos, sin = self.rope(x, torch.arange(start, start + n, device=x.device))
+        layout = cache.get_mask_sizes(n, 0)[1].mask  # what transformers' forward is given
+        # a one-token step that sees every column needs no mask (SDPA's cheaper path)
+        mask = None if n == 1 and bool(layout.all()) else layout
+        for i in range(len(self.layers)):
+            q, k, v = self.qkv(i, x, cos, sin)
+            x = self.finish_layer(i, x, self.attend(i, cache, q, k, v, mask))
+        return self.logits(x if all_rows else x[-1:])

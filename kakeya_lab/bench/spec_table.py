@@ -47,6 +47,7 @@ TABLE_COLUMNS = [
     "step_cost_speedup",
     "lossless",
     "generated_tokens",
+    "plain_kernel",
 ]
 
 
@@ -106,7 +107,14 @@ def long_table(table: SpecTable) -> pd.DataFrame:
             for key in ("predicted_speedup", "step_cost_speedup"):
                 value = cost[key].get(r["arm"]) if key in cost else None
                 row[key] = None if value is None or pd.isna(value) else float(value)
-            rows.append({**row, "domain": domain, "lossless": lossless.get(r["arm"])})
+            rows.append(
+                {
+                    **row,
+                    "domain": domain,
+                    "lossless": lossless.get(r["arm"]),
+                    "plain_kernel": run.plain_kernel,  # the baseline of this row's speedup
+                }
+            )
         hf = table.assisted.get(domain)
         if hf is not None:
             rows.append(
@@ -126,7 +134,7 @@ def wide_table(long: pd.DataFrame) -> pd.DataFrame:
     """Methods down, domains across: ``speedup× (τ tau)``, plain as tokens/s."""
 
     def cell(r) -> str:
-        if r["arm"] == "plain":
+        if str(r["arm"]).startswith("plain"):  # "plain[KERNEL]": a slower kernel's plain decoding
             return f"{r['tokens_per_s']:.1f} tok/s"
         tau = "" if pd.isna(r["tau"]) else f" (τ {r['tau']:.2f})"
         return f"{r['speedup']:.2f}×{tau}"

@@ -40,9 +40,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import pandas as pd
+import torch
 from tqdm.auto import tqdm
 
 from kakeya_lab.bench.speculative_cost import (
@@ -54,6 +56,7 @@ from kakeya_lab.bench.speculative_settings import SpeculativeSettings
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.cost_model import CostModel, block_padding, fit_block_cost
 from kakeya_lab.data import Conversation
+from kakeya_lab.linear import kernel_switched, linear_kernel_of
 from kakeya_lab.proposers import Proposer, is_tree_proposer
 from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.session import SessionStore, chat_turn, collect_reply
@@ -68,6 +71,8 @@ class SpeculativeRun:
     summary: pd.DataFrame  # one row per arm
     cost: RunCostModel | None = None  # the run's fitted cost model (measure_cost=True)
     block_padding: dict[int, int] | None = None  # the @padK arms' plan (pad_blocks=True)
+    plain_kernel: str = ""  # the linear kernel of the "plain" arm: the fastest plain decoding
+    plain_tokens_per_s: dict[str, float] | None = None  # plain decoding per kernel tried
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,13 @@ def run_speculative(
     large (:func:`~kakeya_lab.cost_model.block_padding` of the timings taken before the
     arms run; tree arms are not padded, so they get none).
 
+    ``settings.plain_kernels`` (torch) times plain decoding on each of those full-precision
+    kernels too, as more plain arms beside the others; the fastest (tokens/s over the run)
+    becomes ``plain``, the baseline of every speedup, and the others stay as
+    ``plain[KERNEL]`` rows; ``run.plain_kernel`` names the winner and
+    ``run.plain_tokens_per_s`` has every kernel's rate. The other arms run the model's own
+    kernel.
+
     Raises ValueError for no conversations, or a proposer key with no draft length."""
     if not conversations:
         raise ValueError("no conversations to run")
@@ -160,6 +172,12 @@ def run_speculative(
             if not is_tree_proposer(factory()):
                 for n in lengths[name]:
                     arms[f"{_spec_of(name)}@pad{n}"] = (factory, n, None, plan)
+    own_kernel = linear_kernel_of(model) if isinstance(model, torch.nn.Module) else ""
+    plain_arm = {"plain": own_kernel}
+    for kernel in settings.plain_kernels if own_kernel else ():
+        if kernel != own_kernel:
+            plain_arm[f"plain[{kernel}]"] = kernel
+            arms[f"plain[{kernel}]"] = (None, 0, None, None)
     turn_rows, step_rows = [], []
     total = sum(min(turns_per_conversation, len(c.turns[0::2])) for c in conversations) * len(arms)
     bar = tqdm(total=total, desc="speculative", unit="turn", disable=not progress)
@@ -190,9 +208,15 @@ def run_speculative(
                     draft_length=max(draft_length, 1),
                     cost_model=cost_model,
                 )
-                t0 = time.perf_counter()  # the stream computes lazily: this times generation
-                result = collect_reply(turn)
-                seconds = time.perf_counter() - t0
+                switch = (
+                    kernel_switched(model, plain_arm[arm])
+                    if arm in plain_arm and arm != "plain"
+                    else nullcontext()
+                )
+                with switch:
+                    t0 = time.perf_counter()  # the stream computes lazily: this times generation
+                    result = collect_reply(turn)
+                    seconds = time.perf_counter() - t0
                 for step in result.steps:
                     step_rows.append(
                         {
@@ -247,13 +271,39 @@ def run_speculative(
             "tree",
         ],
     )
+    turns, plain_kernel, plain_rates = _fastest_plain(turns, plain_arm)
     turns = _add_turn_speedups(turns)
     summary = summarize(turns, steps)
     cost = None
     if probe is not None:
         probe.measure(cost_repeats)
         cost = run_cost_model(probe.timings, probe.context_tokens, summary, steps)
-    return SpeculativeRun(turns=turns, steps=steps, summary=summary, cost=cost, block_padding=plan)
+    return SpeculativeRun(
+        turns=turns,
+        steps=steps,
+        summary=summary,
+        cost=cost,
+        block_padding=plan,
+        plain_kernel=plain_kernel,
+        plain_tokens_per_s=plain_rates,
+    )
+
+
+def _fastest_plain(
+    turns: pd.DataFrame, plain_arm: Mapping[str, str]
+) -> tuple[pd.DataFrame, str, dict[str, float]]:
+    """Rename the plain arms so ``plain`` is the fastest (tokens/s over the run) and the
+    others are ``plain[KERNEL]``; the winner's kernel and every kernel's tokens/s."""
+    rates = {}
+    for arm, kernel in plain_arm.items():
+        rows = turns[turns["arm"] == arm]
+        rates[kernel] = float(rows["generated_tokens"].sum() / rows["seconds"].sum())
+    fastest = max(rates, key=lambda k: rates[k])
+    names = {a: "plain" if k == fastest else f"plain[{k}]" for a, k in plain_arm.items()}
+    turns = turns.assign(arm=turns["arm"].map(lambda a: names.get(a, a)))
+    rank = turns["arm"].map(lambda a: 0 if a == "plain" else 1 if a.startswith("plain[") else 2)
+    turns = turns.iloc[rank.argsort(kind="stable")].reset_index(drop=True)  # plain rows first
+    return turns, fastest, rates
 
 
 def arm_draft_lengths(name: str, draft_lengths: Sequence[int]) -> list[int]:

@@ -118,6 +118,8 @@ def save_spec_table(
             "assisted_draft": settings.assisted_draft,
             "draft_dtype": draft_dtype,
             "linear": settings.linear,
+            "plain_kernels": list(settings.plain_kernels),
+            "plain_kernel": {domain: run.plain_kernel for domain, run in table.runs.items()},
             "draft_linear": settings.draft_linear or settings.linear,
             "draft_window": settings.draft_window or settings.window,
         },

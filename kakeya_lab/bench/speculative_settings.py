@@ -33,7 +33,10 @@ class SpeculativeSettings(Settings):
     ``window``/``positions``: the cache of every arm (``window`` None: one that never evicts). ``temperature`` > 0 samples (seeded
     per turn from ``seed``). ``measure_cost``: time the verifier's block cost before and
     after the arms (``cost_repeats`` times per size); ``cost_aware`` and ``pad_blocks``
-    (both need it) add the ``@costK`` and ``@padK`` arms.
+    (both need it) add the ``@costK`` and ``@padK`` arms. ``plain_kernels``: full-precision
+    linear kernels plain decoding is also timed on, side by side with the arms (torch); every
+    speedup is then against the fastest plain decoding of the run, whichever kernel that was
+    (``run.plain_kernel``).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -54,9 +57,16 @@ class SpeculativeSettings(Settings):
     cost_repeats: int = 5
     cost_aware: bool = False
     pad_blocks: bool = False
+    plain_kernels: tuple[str, ...] = ()
 
     def validate(self) -> None:
         """Raise :class:`~kakeya_lab.settings.SettingsError` for a setting that cannot work."""
+        for kernel in self.plain_kernels:
+            if kernel not in ("aten", "onednn"):
+                raise SettingsError(
+                    "plain_kernels",
+                    f"must name full-precision kernels (aten, onednn), got {kernel!r}",
+                )
         for n in self.draft_lengths:
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise SettingsError(
@@ -120,7 +130,9 @@ class SpecTableSettings(Settings):
     (a model name): also time transformers' assisted generation with it, loaded with
     ``draft_dtype``/``draft_linear`` (None: the verifier's); ``draft_window``: a draft
     model's own cache window (None: ``window``). ``cost_aware``/``pad_blocks``: the
-    ``@costK``/``@padK`` arms (:class:`SpeculativeSettings`).
+    ``@costK``/``@padK`` arms (:class:`SpeculativeSettings`). ``plain_kernels``: the kernels
+    plain decoding is timed on; speedups are against the fastest (torch; ``()``: only
+    ``linear``).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -141,6 +153,7 @@ class SpecTableSettings(Settings):
     draft_window: int | None = None
     cost_aware: bool = False
     pad_blocks: bool = False
+    plain_kernels: tuple[str, ...] = ("aten", "onednn")
 
     def validate(self) -> None:
         """Raise :class:`~kakeya_lab.settings.SettingsError` for a setting that cannot work."""
@@ -175,4 +188,5 @@ class SpecTableSettings(Settings):
             window=self.window,
             cost_aware=self.cost_aware,
             pad_blocks=self.pad_blocks,
+            plain_kernels=self.plain_kernels,
         )

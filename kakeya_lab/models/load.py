@@ -50,7 +50,7 @@ class ModelDescription:
     dtype, e.g. ``"float32"``. ``backend`` is the runtime holding the weights: ``"torch"``
     or ``"mlx"`` (same files, same ``weight_sha256``). ``blas`` is, for MLX, the BLAS its
     CPU backend calls (:func:`kakeya_lab.blas.mlx_blas`); "" for torch. ``linear`` is, for
-    torch, the kernel its linear layers run (``"aten"``, ``"onednn"``, ``"int8"`` or
+    torch, the kernel its linear layers run (``"aten"``, ``"onednn"``, ``"auto"``, ``"int8"`` or
     ``"int4"``, :mod:`kakeya_lab.linear`); "" for MLX.
     """
 
@@ -319,7 +319,9 @@ def load_model(
     dtype). The model is put in eval mode and switched to the sink-window attention
     (:func:`kakeya_lab.backends.torch_attention.enable_sink_window_attention`). ``linear`` is the kernel its
     linear layers run (torch only): ``"aten"`` (PyTorch's default), ``"onednn"`` (oneDNN's,
-    cheaper for blocks of a few rows on CPU) or ``"int8"``/``"int4"`` (quantised copies of
+    cheaper for blocks of a few rows on some CPUs), ``"auto"`` (the faster of the two on this
+    machine for each row count, measured once and cached: :mod:`kakeya_lab.linear_auto`) or
+    ``"int8"``/``"int4"`` (quantised copies of
     the weights for a draft model: cheaper steps, changed numbers; :mod:`kakeya_lab.linear`);
     ``ValueError`` for another name, before anything is loaded.
 
@@ -372,7 +374,7 @@ def load_model(
         )
     model.eval()
     enable_sink_window(model)
-    set_linear_kernel(model, linear)
+    set_linear_kernel(model, linear, identity=found.weight_sha256)
     description = describe(
         model,
         name=found.name,

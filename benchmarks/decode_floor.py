@@ -1,0 +1,213 @@
+"""Plain decoding against the weight-read floor, on this machine.
+
+    OMP_NUM_THREADS=2 python benchmarks/decode_floor.py --out-dir evidence/decode_floor
+
+A one-token step must read every weight once, so it cannot beat ``weight bytes / read
+bandwidth``. In one run this script measures the read bandwidth (one pass over a float32
+tensor of ``--gib`` GiB, ``t.sum()``, best of ``--bandwidth-repeats``), the floor that
+implies for the model's weights (each tensor counted once: a tied embedding is read once,
+as the lm_head), and plain greedy decoding (``Verifier.append`` of one token, the cache
+full at ``--live`` entries so every step evicts) through transformers' forward
+(``lean=False``) and through the lean step (the default), each on every full-precision
+linear kernel (``aten``, ``onednn``), interleaved round by round after one warm-up round
+(``--steps`` tokens a round, ``--rounds`` rounds, every live size in every round, and one
+more bandwidth pass a round, so a changing load falls on all alike; the median round per
+token, the best bandwidth pass). Prints each
+as a ratio to the floor and whether the target (plain decoding, the fastest kernel, at most
+``--target`` times the floor) is met at every live size; writes ``decode_floor.json`` (with
+the CPU's model and flags, the machine's load average before and after) and
+``command.txt`` into ``--out-dir``. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kakeya_lab import SinkWindowConfig, Verifier, load_model
+from kakeya_lab.chat import ChatTemplate
+from kakeya_lab.data import domain_conversations
+from kakeya_lab.durable import write_json_atomic
+from kakeya_lab.linear import set_linear_kernel
+from kakeya_lab.results import hardware, now_iso
+
+KERNELS = ("aten", "onednn")
+FORWARDS = {"transformers": False, "lean": None}  # Verifier(lean=...)
+
+
+def read_bandwidth(gib: float, repeats: int) -> tuple[torch.Tensor, list[float]]:
+    """A float32 tensor of ``gib`` GiB and the seconds of ``repeats`` passes over it
+    (``t.sum()``); its bytes over the best pass are the read bandwidth."""
+    t = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    t.sum()  # warm: the pages are touched by ones() already; this loads the kernel
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        t.sum()
+        times.append(time.perf_counter() - t0)
+    return t, times
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, each storage once (tied weights once)."""
+    seen: dict[int, int] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def context_tokens(tokenizer, limit: int) -> list[int]:
+    """Chat-templated held-out conversations until ``limit`` tokens."""
+    chat = ChatTemplate(tokenizer)
+    out: list[int] = []
+    while len(out) < limit:
+        for conv in domain_conversations("chitchat", "dev"):
+            for i, text in enumerate(conv.turns):
+                out.extend(chat.user(text) if i % 2 == 0 else chat.assistant(text))
+                if len(out) >= limit:
+                    return out[:limit]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--live", default="256,1024", help="live cache entries, comma-separated")
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--bandwidth-repeats", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--target", type=float, default=1.3)
+    parser.add_argument("--note", default="", help="a line for command.txt (e.g. the load)")
+    parser.add_argument("--out-dir", type=Path, required=True)
+    args = parser.parse_args(argv)
+    lives = [int(x) for x in args.live.split(",")]
+
+    started = now_iso()
+    load_before = os.getloadavg()
+    loaded = load_model(args.model, progress=False)
+    model = loaded.model
+    wbytes = weight_bytes(model)
+    bandwidth_tensor, passes = read_bandwidth(args.gib, args.bandwidth_repeats)
+    print(
+        f"{loaded.description.name}: {wbytes / 1e6:.1f} MB of weights; torch threads "
+        f"{torch.get_num_threads()}"
+    )
+
+    verifiers, next_ids = {}, {}
+    for live in lives:
+        config = SinkWindowConfig(sink=4, window=live - 4)
+        ctx = context_tokens(loaded.tokenizer, live)
+        for forward, lean in FORWARDS.items():
+            v = Verifier(model, config, lean=lean)
+            next_ids[live, forward] = int(v.append(ctx).argmax())
+            verifiers[live, forward] = v
+    names = [f"{fw}/{k}" for fw in FORWARDS for k in KERNELS]
+    times: dict[int, dict[str, list[float]]] = {live: {n: [] for n in names} for live in lives}
+    for r in range(args.rounds + 1):
+        for kernel in KERNELS:  # every live size, forward and kernel in every round
+            set_linear_kernel(model, kernel)
+            for (live, forward), v in verifiers.items():
+                t0 = time.perf_counter()
+                for _ in range(args.steps):  # greedy plain decoding, one token a step
+                    next_ids[live, forward] = int(v.append([next_ids[live, forward]]).argmax())
+                if r:  # round 0 warms up
+                    times[live][f"{forward}/{kernel}"].append(
+                        (time.perf_counter() - t0) / args.steps
+                    )
+        t0 = time.perf_counter()  # one more bandwidth pass a round, beside the steps
+        bandwidth_tensor.sum()
+        passes.append(time.perf_counter() - t0)
+    set_linear_kernel(model, "aten")
+    bandwidth = bandwidth_tensor.nbytes / min(passes)
+    floor_s = wbytes / bandwidth
+    print(
+        f"read bandwidth {bandwidth / 1e9:.2f} GB/s (best of {len(passes)} passes over "
+        f"{args.gib:g} GiB, {args.bandwidth_repeats} first, one a round); floor "
+        f"{floor_s * 1e3:.2f} ms/token"
+    )
+    results: dict[str, dict] = {}
+    for live in lives:
+        lean_steps = verifiers[live, "lean"].backend.lean_steps
+        assert verifiers[live, "lean"].cache_len == live and lean_steps > 0
+        assert verifiers[live, "transformers"].backend.lean_steps == 0
+        median = {name: statistics.median(ts) for name, ts in times[live].items()}
+        best = {fw: min(KERNELS, key=lambda k, fw=fw: median[f"{fw}/{k}"]) for fw in FORWARDS}
+        results[str(live)] = {
+            "median_s": median,
+            "timings_s": times[live],
+            "ratio_to_floor": {name: s / floor_s for name, s in median.items()},
+            "fastest_kernel": best,
+            "fastest_s": {fw: median[f"{fw}/{best[fw]}"] for fw in FORWARDS},
+            "fastest_ratio": {fw: median[f"{fw}/{best[fw]}"] / floor_s for fw in FORWARDS},
+            "lean_speedup": median[f"transformers/{best['transformers']}"]
+            / median[f"lean/{best['lean']}"],
+            "lean_steps": lean_steps,
+        }
+        print(f"\n{live} live entries (ms/token, × floor):")
+        for name, s in median.items():
+            print(f"  {name:22s} {s * 1e3:7.2f}  {s / floor_s:5.2f}×")
+        for fw in FORWARDS:
+            row = results[str(live)]
+            print(
+                f"  fastest {fw}: {best[fw]} {row['fastest_s'][fw] * 1e3:.2f} ms "
+                f"({row['fastest_ratio'][fw]:.2f}× floor)"
+            )
+    met = {live: row["fastest_ratio"]["lean"] <= args.target for live, row in results.items()}
+    verdict = "met" if all(met.values()) else "not met"
+    print(
+        f"\ntarget: plain decoding <= {args.target}× the floor: {verdict} "
+        + ", ".join(f"{live}: {results[live]['fastest_ratio']['lean']:.2f}×" for live in met)
+    )
+    load_after = os.getloadavg()
+    hw = hardware()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(
+        args.out_dir / "decode_floor.json",
+        {
+            "model": loaded.description.name,
+            "weight_sha256": loaded.description.weight_sha256,
+            "weight_bytes": wbytes,
+            "bandwidth_bytes_per_s": bandwidth,
+            "bandwidth_gb_per_s": bandwidth / 1e9,
+            "bandwidth_pass_s": passes,
+            "floor_s": floor_s,
+            "floor_ms": floor_s * 1e3,
+            "steps_per_round": args.steps,
+            "rounds": args.rounds,
+            "target_ratio": args.target,
+            "target_met": {live: bool(ok) for live, ok in met.items()},
+            "live": results,
+            "hardware": hw,
+            "torch": torch.__version__,
+            "load_average_before": list(load_before),
+            "load_average_after": list(load_after),
+            "started": started,
+            "finished": now_iso(),
+        },
+    )
+    command = "OMP_NUM_THREADS={} python benchmarks/decode_floor.py {}".format(
+        os.environ.get("OMP_NUM_THREADS", ""), shlex.join(sys.argv[1:] if argv is None else argv)
+    )
+    lines = [
+        "# Plain decoding against the weight-read floor (benchmarks/decode_floor.py), one run:",
+        f"# {hw['cpu']}, {hw['cpu_count']} cores, torch {torch.__version__} with "
+        f"{torch.get_num_threads()} threads; load average {load_before[0]:.2f} before, "
+        f"{load_after[0]:.2f} after.",
+    ]
+    if args.note:
+        lines.append(f"# {args.note}")
+    (args.out_dir / "command.txt").write_text("\n".join([*lines, command]) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

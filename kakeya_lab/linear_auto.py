@@ -1,0 +1,181 @@
+"""``linear="auto"``: the fastest full-precision kernel of this machine, per row count.
+
+Which CPU kernel multiplies a few rows fastest depends on the CPU (and its load): on one
+machine PyTorch's default (``aten``) wins one-token steps and oneDNN blocks, on another
+oneDNN wins both. :func:`auto_choice` times every full-precision kernel (``aten`` and, when
+this PyTorch has it, ``onednn``) over all of a model's linear layers, for 1 to
+:data:`~kakeya_lab.linear.FEW_ROWS` rows (one-token steps and verification blocks) and for a
+prefill chunk of :data:`PREFILL_ROWS` rows (what more rows run), interleaved, best of
+:data:`REPEATS`; a few seconds for a 135M model. The choice is cached on disk as JSON under
+the model store (``$KAKEYA_LAB_HOME/kernels/``), one file per key: the model's identity
+(its weights' sha256 when loaded from the store), dtype, the CPU's model name and flags,
+the torch version and its thread count. A second call with the same key reads the file
+(no measurement), so the choice is deterministic given the file; a file that cannot be read
+or does not fit is measured again and rewritten. :class:`~kakeya_lab.linear.AutoLinear`
+layers then dispatch each call by its row count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kakeya_lab.linear import FEW_ROWS, FULL_PRECISION, _onednn_linear
+from kakeya_lab.results import cpu_identity
+
+PREFILL_ROWS = 64  # the row count timed for "more than FEW_ROWS rows"
+REPEATS = 3  # passes over the layers per kernel and row count (the best is kept)
+measurements = 0  # choices measured in this process (how a test sees a cache hit)
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """The kernel for each row count: ``few[r - 1]`` for ``r`` rows up to
+    :data:`~kakeya_lab.linear.FEW_ROWS`, ``many`` beyond; ``ms[kernel][label]`` the best
+    time of one pass over the model's linear layers (labels ``"1"``..``"8"``, ``"prefill"``);
+    ``key`` the cache key it was measured under; ``cached`` whether it was read from disk."""
+
+    few: tuple[str, ...]
+    many: str
+    ms: dict[str, dict[str, float]]
+    key: dict[str, Any]
+    cached: bool = False
+
+    def kernel_for(self, rows: int) -> str:
+        return self.few[rows - 1] if 1 <= rows <= len(self.few) else self.many
+
+    def describe(self) -> str:
+        """One line: which kernel won which row count, with its ms per pass."""
+        parts = []
+        for label, kernel in [(str(r), k) for r, k in enumerate(self.few, 1)] + [
+            ("prefill", self.many)
+        ]:
+            parts.append(f"{label}: {kernel} {self.ms[kernel][label]:.1f} ms")
+        return (
+            "linear=auto (" + ("cached" if self.cached else "measured") + "): " + ", ".join(parts)
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("cached")
+        return data
+
+
+def _kernels() -> tuple[str, ...]:
+    return tuple(k for k in FULL_PRECISION if k != "onednn" or torch.backends.mkldnn.is_available())
+
+
+def choice_key(model: nn.Module, identity: str | None = None) -> dict[str, Any]:
+    """What a cached choice is valid for (module docstring)."""
+    if identity is None:  # not from the store: the name and every linear layer's shape
+        shapes = [tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)]
+        name = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
+        identity = f"{name}:" + hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]
+    weight = next(model.parameters())
+    return {
+        "model": identity,
+        "dtype": str(weight.dtype).removeprefix("torch."),
+        **cpu_identity(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "kernels": list(_kernels()),
+    }
+
+
+def default_cache_dir() -> Path:
+    from kakeya_lab.models.store import store_home
+
+    return store_home() / "kernels"
+
+
+def _cache_file(key: dict[str, Any], cache_dir: Path) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_dir / f"linear-{digest}.json"
+
+
+def _read(path: Path, key: dict[str, Any]) -> AutoChoice | None:
+    """The choice cached in ``path`` for ``key``; None if missing, unreadable or not fitting."""
+    try:
+        data = json.loads(path.read_text())
+        kernels = set(key["kernels"])
+        few, many, ms = tuple(data["few"]), data["many"], data["ms"]
+        if data["key"] != key or len(few) != FEW_ROWS or not set(few) | {many} <= kernels:
+            return None
+        if not all(isinstance(ms[k][label], float) for k in kernels for label in _labels()):
+            return None
+        return AutoChoice(few, many, ms, key, cached=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _labels() -> list[str]:
+    return [str(r) for r in range(1, FEW_ROWS + 1)] + ["prefill"]
+
+
+def _one_pass(layers: list[nn.Linear], inputs: dict[int, torch.Tensor], kernel: str) -> float:
+    """Milliseconds of one product per layer on ``kernel``."""
+    t0 = time.perf_counter()
+    for layer in layers:
+        x = inputs[layer.in_features]
+        if kernel == "onednn":
+            _onednn_linear(layer, x)
+        else:
+            F.linear(x, layer.weight, layer.bias)
+    return (time.perf_counter() - t0) * 1000
+
+
+@torch.inference_mode()
+def _measure(model: nn.Module, key: dict[str, Any]) -> AutoChoice:
+    """Time every kernel over ``model``'s linear layers for each row count (interleaved)."""
+    global measurements
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    weight = next(model.parameters())
+    kernels = _kernels()
+    ms: dict[str, dict[str, float]] = {k: {} for k in kernels}
+    for label in _labels():
+        rows = PREFILL_ROWS if label == "prefill" else int(label)
+        inputs = {
+            width: torch.randn(rows, width, dtype=weight.dtype, device=weight.device)
+            for width in {layer.in_features for layer in layers}
+        }
+        for kernel in kernels:  # warm-up (oneDNN builds its primitives on first use)
+            _one_pass(layers, inputs, kernel)
+        for _ in range(REPEATS):
+            for kernel in kernels:
+                t = _one_pass(layers, inputs, kernel)
+                ms[kernel][label] = min(ms[kernel].get(label, float("inf")), t)
+    best = {label: min(kernels, key=lambda k: ms[k][label]) for label in _labels()}
+    measurements += 1
+    return AutoChoice(tuple(best[str(r)] for r in range(1, FEW_ROWS + 1)), best["prefill"], ms, key)
+
+
+def auto_choice(
+    model: nn.Module, *, identity: str | None = None, cache_dir: Path | None = None
+) -> AutoChoice:
+    """The fastest kernel of ``model``'s linear layers per row count on this machine, read
+    from the cache when it holds one for this key, else measured (a few seconds) and
+    written there (module docstring). ``identity`` names the weights (e.g. their sha256);
+    ``cache_dir`` defaults to ``$KAKEYA_LAB_HOME/kernels``."""
+    key = choice_key(model, identity)
+    path = _cache_file(key, cache_dir or default_cache_dir())
+    choice = _read(path, key)
+    if choice is not None:
+        return choice
+    choice = _measure(model, key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(choice.to_json(), indent=1))
+        tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+    except OSError:  # a read-only store: the choice still holds for this process
+        pass
+    return choice

@@ -1,0 +1,162 @@
+"""``linear="auto"`` (kakeya_lab/linear_auto.py): measured once per model and machine, cached on
+disk and reused, measured again for another key or a broken file, dispatched per row count,
+and the oracle's logits through it; plain decoding timed on every kernel in a speculative
+run, the fastest as the baseline. Which kernel wins is this machine's business, so no test
+asserts a winner."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import pytest
+import torch
+from oracle_cases import blocks_with_rollback, check_close, token_by_token
+
+from kakeya_lab import SinkWindowConfig, linear_auto
+from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
+from kakeya_lab.bench.speculative_settings import SpeculativeSettings
+from kakeya_lab.data import domain_conversations
+from kakeya_lab.linear import (
+    FEW_ROWS,
+    AutoLinear,
+    OneDNNLinear,
+    kernel_switched,
+    linear_kernel_of,
+    set_linear_kernel,
+)
+from kakeya_lab.models import tiny_random_model
+from kakeya_lab.proposers import make_proposer
+from kakeya_lab.reference import oracle_logits
+
+TOL = 1e-4
+
+
+@pytest.fixture
+def model():
+    return copy.deepcopy(tiny_random_model("llama", seed=1).model)
+
+
+def _files(folder):
+    return sorted(folder.glob("linear-*.json"))
+
+
+def test_the_choice_is_measured_once_then_read_from_the_cache(model, tmp_path):
+    before = linear_auto.measurements
+    assert set_linear_kernel(model, "auto", cache_dir=tmp_path) > 0
+    first = model.linear_auto_choice
+    assert linear_auto.measurements == before + 1 and not first.cached
+    assert linear_kernel_of(model) == "auto"
+    (path,) = _files(tmp_path)
+    saved = json.loads(path.read_text())
+    assert saved["key"]["cpu"] and saved["key"]["threads"] == torch.get_num_threads()
+    assert len(first.few) == FEW_ROWS and set(first.ms) == {"aten", "onednn"}
+    assert "1: " in first.describe() and "prefill: " in first.describe()
+
+    set_linear_kernel(model, "aten")
+    set_linear_kernel(model, "auto", cache_dir=tmp_path)  # the second call reads the file
+    assert linear_auto.measurements == before + 1 and model.linear_auto_choice.cached
+    assert model.linear_auto_choice.few == first.few and model.linear_auto_choice.many == first.many
+
+
+def test_a_file_of_another_cpu_or_a_broken_file_is_measured_again(model, tmp_path):
+    set_linear_kernel(model, "auto", cache_dir=tmp_path)
+    (path,) = _files(tmp_path)
+    before = linear_auto.measurements
+    other_cpu = json.loads(path.read_text())
+    other_cpu["key"]["cpu"] = "another CPU"
+    for broken in (json.dumps(other_cpu), "{not json", json.dumps({"few": ["aten"]}), ""):
+        path.write_text(broken)
+        set_linear_kernel(model, "auto", cache_dir=tmp_path)
+        assert not model.linear_auto_choice.cached
+        assert json.loads(path.read_text())["key"]["cpu"] != "another CPU"  # rewritten
+    assert linear_auto.measurements == before + 4
+    threads = torch.get_num_threads()
+    try:  # another thread count is another key: a second file
+        torch.set_num_threads(threads + 1)
+        set_linear_kernel(model, "auto", cache_dir=tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    assert linear_auto.measurements == before + 5 and len(_files(tmp_path)) == 2
+
+
+def test_the_cached_choice_decides_each_row_count(model, tmp_path):
+    """A cache file decides the dispatch (no measurement): here oneDNN for odd row counts
+    and for prefills, PyTorch's default otherwise."""
+    set_linear_kernel(model, "auto", cache_dir=tmp_path)
+    (path,) = _files(tmp_path)
+    data = json.loads(path.read_text())
+    data["few"] = ["onednn" if r % 2 else "aten" for r in range(1, FEW_ROWS + 1)]
+    data["many"] = "onednn"
+    path.write_text(json.dumps(data))
+    before = linear_auto.measurements
+    set_linear_kernel(model, "auto", cache_dir=tmp_path)
+    assert linear_auto.measurements == before
+    layer = model.model.layers[0].mlp.down_proj
+    assert isinstance(layer, AutoLinear)
+    assert [model.linear_auto_choice.kernel_for(r) for r in (1, 2, 3, 9)] == [
+        "onednn",
+        "aten",
+        "onednn",
+        "onednn",
+    ]
+    for rows in (1, 2, 3, 20):
+        x = torch.randn(rows, layer.in_features)
+        with torch.inference_mode():
+            got = layer(x)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("mode", ["global", "rolling"])
+def test_auto_gives_the_oracle_logits_past_eviction(model, tmp_path, mode, record_tolerance):
+    set_linear_kernel(model, "auto", cache_dir=tmp_path)
+    config = SinkWindowConfig(sink=3, window=17, positions=mode)
+    ids = [random.Random(2).randrange(model.config.vocab_size) for _ in range(90)]
+    want = oracle_logits(model, ids, config)
+    got, v = token_by_token(model, ids, config)
+    assert v.backend.lean_steps == len(ids)  # auto is full precision: the lean step runs
+    check_close(f"tiny llama auto/{mode}/token-by-token", got, want, TOL, record_tolerance)
+    got, _ = blocks_with_rollback(model, ids, config, random.Random(3))
+    check_close(f"tiny llama auto/{mode}/blocks+rollback", got, want, TOL, record_tolerance)
+
+
+def test_kernel_switched_restores_every_layer(model, tmp_path):
+    set_linear_kernel(model, "auto", cache_dir=tmp_path)
+    with kernel_switched(model, "onednn"):
+        assert isinstance(model.model.layers[0].mlp.down_proj, OneDNNLinear)
+        assert linear_kernel_of(model) == "onednn"
+    assert linear_kernel_of(model) == "auto"
+    with pytest.raises(ValueError, match="full-precision"):
+        with kernel_switched(model, "int4"):
+            pass
+
+
+def test_plain_decoding_on_every_kernel_the_fastest_is_the_baseline(tiny_model):
+    """Each kernel's plain arm emits the same stream; the fastest is named ``plain`` and
+    every speedup is against it; the run says which kernel that was."""
+    config = SinkWindowConfig(sink=4, window=28)
+    settings = SpeculativeSettings.for_cache(
+        config,
+        draft_lengths=(4,),
+        turns=1,
+        max_new_tokens=16,
+        measure_cost=False,
+        plain_kernels=("aten", "onednn"),
+    )
+    run = run_speculative(
+        tiny_model,
+        {"ngram": lambda: make_proposer("ngram")},
+        domain_conversations("chitchat", "dev")[:1],
+        settings,
+        progress=False,
+    )
+    arms = set(run.turns["arm"])
+    other = {"aten": "onednn", "onednn": "aten"}[run.plain_kernel]
+    assert {"plain", f"plain[{other}]", "ngram@4"} <= arms
+    assert greedy_streams_identical(run.turns)
+    rates = run.plain_tokens_per_s
+    assert rates is not None and rates[run.plain_kernel] == max(rates.values())
+    plain = run.summary.set_index("arm")
+    assert plain.loc["plain", "speedup"] == pytest.approx(1.0)
+    assert plain.loc[f"plain[{other}]", "speedup"] <= 1.0
