@@ -40,8 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -219,33 +218,26 @@ _CLASSES: dict[str, type[nn.Linear]] = {
 }
 
 
-def set_linear_kernel(
-    model: nn.Module,
-    kernel: str,
-    *,
-    identity: str | None = None,
-    cache_dir: Path | None = None,
-) -> int:
+def set_linear_kernel(model: nn.Module, kernel: str, *, choice: Any = None) -> int:
     """Make every ``nn.Linear`` of ``model`` run ``kernel`` (one of :data:`KERNELS`);
     return how many layers run it now.
 
     Only CPU layers in float32 or bfloat16 are switched away from ``aten`` (others keep it;
     for ``int8`` and ``int4`` also those whose shape the kernel cannot tile); a layer of a
     subclass of ``nn.Linear`` other than these kernels' is left alone. ``"auto"`` runs, per
-    call, the full-precision kernel this machine measured fastest for that many rows
-    (:func:`kakeya_lab.linear_auto.auto_choice`, cached on disk under ``cache_dir`` for the
-    model named ``identity``; the choice is kept as ``model.linear_auto_choice``). Raises
-    ``ValueError`` for an unknown kernel, before anything changes."""
+    call, the full-precision kernel ``choice`` names for that many rows (its ``few`` per row
+    count up to :data:`FEW_ROWS`, ``many`` beyond; kept as ``model.linear_auto_choice``):
+    :func:`kakeya_lab.linear_auto.set_auto_kernel` measures it on this machine and calls
+    this. Raises ``ValueError`` for an unknown kernel, or ``"auto"`` without a choice,
+    before anything changes."""
     check_linear_kernel(kernel)
     target = _CLASSES[kernel]
     if kernel == "auto":
-        for module in model.modules():  # measure the plain layers, not a previous kernel
-            if type(module) in _CLASSES.values():
-                module.__dict__.pop("_packed", None)
-                module.__class__ = nn.Linear
-        from kakeya_lab.linear_auto import auto_choice
-
-        choice = auto_choice(model, identity=identity, cache_dir=cache_dir)
+        if choice is None:
+            raise ValueError(
+                'set_linear_kernel(model, "auto") needs the measured choice: '
+                "use kakeya_lab.linear_auto.set_auto_kernel(model)"
+            )
         model.__dict__["linear_auto_choice"] = choice
     switched = 0
     for module in model.modules():

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kakeya_lab.linear import FEW_ROWS, FULL_PRECISION, _onednn_linear
+from kakeya_lab.linear import FEW_ROWS, FULL_PRECISION, _onednn_linear, set_linear_kernel
 from kakeya_lab.results import cpu_identity
 
 PREFILL_ROWS = 64  # the row count timed for "more than FEW_ROWS rows"
@@ -179,3 +179,15 @@ def auto_choice(
     except OSError:  # a read-only store: the choice still holds for this process
         pass
     return choice
+
+
+def set_auto_kernel(
+    model: nn.Module, *, identity: str | None = None, cache_dir: Path | None = None
+) -> int:
+    """Make ``model``'s linear layers run ``"auto"``: the fastest kernel this machine measured
+    for each row count (:func:`auto_choice`, measured over the plain layers, not a previous
+    kernel); return how many layers run it (:func:`~kakeya_lab.linear.set_linear_kernel`)."""
+    set_linear_kernel(model, "aten")
+    return set_linear_kernel(
+        model, "auto", choice=auto_choice(model, identity=identity, cache_dir=cache_dir)
+    )

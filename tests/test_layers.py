@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "models",
             "linear",
+            "linear_auto",
             "backends",
             "reference",
             "tree",

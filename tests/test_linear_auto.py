@@ -26,6 +26,7 @@ from kakeya_lab.linear import (
     linear_kernel_of,
     set_linear_kernel,
 )
+from kakeya_lab.linear_auto import set_auto_kernel
 from kakeya_lab.models import tiny_random_model
 from kakeya_lab.proposers import make_proposer
 from kakeya_lab.reference import oracle_logits
@@ -44,7 +45,7 @@ def _files(folder):
 
 def test_the_choice_is_measured_once_then_read_from_the_cache(model, tmp_path):
     before = linear_auto.measurements
-    assert set_linear_kernel(model, "auto", cache_dir=tmp_path) > 0
+    assert set_auto_kernel(model, cache_dir=tmp_path) > 0
     first = model.linear_auto_choice
     assert linear_auto.measurements == before + 1 and not first.cached
     assert linear_kernel_of(model) == "auto"
@@ -55,27 +56,27 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(model, tmp_path):
     assert "1: " in first.describe() and "prefill: " in first.describe()
 
     set_linear_kernel(model, "aten")
-    set_linear_kernel(model, "auto", cache_dir=tmp_path)  # the second call reads the file
+    set_auto_kernel(model, cache_dir=tmp_path)  # the second call reads the file
     assert linear_auto.measurements == before + 1 and model.linear_auto_choice.cached
     assert model.linear_auto_choice.few == first.few and model.linear_auto_choice.many == first.many
 
 
 def test_a_file_of_another_cpu_or_a_broken_file_is_measured_again(model, tmp_path):
-    set_linear_kernel(model, "auto", cache_dir=tmp_path)
+    set_auto_kernel(model, cache_dir=tmp_path)
     (path,) = _files(tmp_path)
     before = linear_auto.measurements
     other_cpu = json.loads(path.read_text())
     other_cpu["key"]["cpu"] = "another CPU"
     for broken in (json.dumps(other_cpu), "{not json", json.dumps({"few": ["aten"]}), ""):
         path.write_text(broken)
-        set_linear_kernel(model, "auto", cache_dir=tmp_path)
+        set_auto_kernel(model, cache_dir=tmp_path)
         assert not model.linear_auto_choice.cached
         assert json.loads(path.read_text())["key"]["cpu"] != "another CPU"  # rewritten
     assert linear_auto.measurements == before + 4
     threads = torch.get_num_threads()
     try:  # another thread count is another key: a second file
         torch.set_num_threads(threads + 1)
-        set_linear_kernel(model, "auto", cache_dir=tmp_path)
+        set_auto_kernel(model, cache_dir=tmp_path)
     finally:
         torch.set_num_threads(threads)
     assert linear_auto.measurements == before + 5 and len(_files(tmp_path)) == 2
@@ -84,14 +85,14 @@ def test_a_file_of_another_cpu_or_a_broken_file_is_measured_again(model, tmp_pat
 def test_the_cached_choice_decides_each_row_count(model, tmp_path):
     """A cache file decides the dispatch (no measurement): here oneDNN for odd row counts
     and for prefills, PyTorch's default otherwise."""
-    set_linear_kernel(model, "auto", cache_dir=tmp_path)
+    set_auto_kernel(model, cache_dir=tmp_path)
     (path,) = _files(tmp_path)
     data = json.loads(path.read_text())
     data["few"] = ["onednn" if r % 2 else "aten" for r in range(1, FEW_ROWS + 1)]
     data["many"] = "onednn"
     path.write_text(json.dumps(data))
     before = linear_auto.measurements
-    set_linear_kernel(model, "auto", cache_dir=tmp_path)
+    set_auto_kernel(model, cache_dir=tmp_path)
     assert linear_auto.measurements == before
     layer = model.model.layers[0].mlp.down_proj
     assert isinstance(layer, AutoLinear)
@@ -110,7 +111,7 @@ def test_the_cached_choice_decides_each_row_count(model, tmp_path):
 
 @pytest.mark.parametrize("mode", ["global", "rolling"])
 def test_auto_gives_the_oracle_logits_past_eviction(model, tmp_path, mode, record_tolerance):
-    set_linear_kernel(model, "auto", cache_dir=tmp_path)
+    set_auto_kernel(model, cache_dir=tmp_path)
     config = SinkWindowConfig(sink=3, window=17, positions=mode)
     ids = [random.Random(2).randrange(model.config.vocab_size) for _ in range(90)]
     want = oracle_logits(model, ids, config)
@@ -122,7 +123,7 @@ def test_auto_gives_the_oracle_logits_past_eviction(model, tmp_path, mode, recor
 
 
 def test_kernel_switched_restores_every_layer(model, tmp_path):
-    set_linear_kernel(model, "auto", cache_dir=tmp_path)
+    set_auto_kernel(model, cache_dir=tmp_path)
     with kernel_switched(model, "onednn"):
         assert isinstance(model.model.layers[0].mlp.down_proj, OneDNNLinear)
         assert linear_kernel_of(model) == "onednn"
@@ -160,3 +161,10 @@ def test_plain_decoding_on_every_kernel_the_fastest_is_the_baseline(tiny_model):
     plain = run.summary.set_index("arm")
     assert plain.loc["plain", "speedup"] == pytest.approx(1.0)
     assert plain.loc[f"plain[{other}]", "speedup"] <= 1.0
+
+
+def test_auto_without_a_measured_choice_is_refused_before_anything_changes(model):
+    set_linear_kernel(model, "onednn")
+    with pytest.raises(ValueError, match="set_auto_kernel"):
+        set_linear_kernel(model, "auto")
+    assert linear_kernel_of(model) == "onednn"

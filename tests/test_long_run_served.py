@@ -85,7 +85,7 @@ def test_long_run_against_a_running_server(server, tmp_path, capsys):
 def test_paced_run_and_the_stateless_cap(server):
     """Rounds start ``turn_spacing_s`` apart; the stateless arm stops after its first
     request over ``stateless_cap_s`` while the session arms go on."""
-    from kakeya_lab.serve.served_long_run import run_served_long_run
+    from kakeya_lab.bench.long_run.served import run_served_long_run
 
     grpc_url, http_url = server
     lines: list[str] = []

@@ -612,7 +612,7 @@ def test_served_long_run_arms(main_server):
     """The three client-driven arms over the same turns: session-bound gRPC and reusing HTTP
     prefill only each turn's new tokens; stateless HTTP re-prefills a growing history."""
     from kakeya_lab.bench.aggregate import aggregate_arm
-    from kakeya_lab.serve.served_long_run import run_served_long_run
+    from kakeya_lab.bench.long_run.served import run_served_long_run
 
     turns = ["Hi! What is your name?", "Tell me about the sea.", "And about mountains?"]
     df = run_served_long_run(

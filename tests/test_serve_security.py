@@ -236,7 +236,7 @@ def test_reuse_and_session_ids_never_cross_keys(servers):
 def test_the_projects_clients_send_the_key_from_the_environment(servers, monkeypatch):
     """With ``$KAKEYA_LAB_API_KEY`` set, the project's gRPC client and the served long run
     (gRPC, ``openai`` and httpx) work against a keyed server and leave nothing open."""
-    from kakeya_lab.serve.served_long_run import run_served_long_run
+    from kakeya_lab.bench.long_run.served import run_served_long_run
 
     server = servers["keyed"]
     open_before = server.metrics()["kakeya_sessions_open"]

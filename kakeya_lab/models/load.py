@@ -374,7 +374,12 @@ def load_model(
         )
     model.eval()
     enable_sink_window(model)
-    set_linear_kernel(model, linear, identity=found.weight_sha256)
+    if linear == "auto":
+        from kakeya_lab.linear_auto import set_auto_kernel
+
+        set_auto_kernel(model, identity=found.weight_sha256)
+    else:
+        set_linear_kernel(model, linear)
     description = describe(
         model,
         name=found.name,

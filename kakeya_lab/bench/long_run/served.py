@@ -1,20 +1,20 @@
 """A long run against a running ``kakeya-lab serve``: endpoints (or a loopback server started
 for the run), the server's cache budget, the proposer probe, and the same summaries as the
-in-process run (:mod:`kakeya_lab.bench.long_run.served_driver` drives the rounds durably,
-:mod:`kakeya_lab.serve.served_long_run` the turns)."""
+in-process run (:mod:`~kakeya_lab.bench.long_run.served_driver` drives the rounds durably,
+:mod:`~kakeya_lab.bench.long_run.served_turns` each turn through the clients,
+:mod:`~kakeya_lab.bench.long_run.served_report` holds what a run produced)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import pandas as pd
-
-from kakeya_lab.bench.aggregate import aggregate_arm, bucket_table
+from kakeya_lab.bench.long_run.served_report import ServedRun
+from kakeya_lab.bench.long_run.served_turns import ARMS, GRPC_ARMS, HTTP_ARMS
 from kakeya_lab.bench.long_run.settings import SERVED_ARMS, LongRunSettings
 
 
@@ -69,8 +69,6 @@ def parse_endpoints(values: Sequence[str]) -> Endpoints:
 def check_arms_reachable(names: Sequence[str], endpoints: Endpoints) -> None:
     """ValueError (one line) for an arm whose endpoint was not given: ``grpc_session``
     needs ``grpc://``, the ``http_*`` arms ``http://``."""
-    from kakeya_lab.serve.served_long_run import GRPC_ARMS, HTTP_ARMS
-
     if endpoints.grpc_target is None and (need := [n for n in names if n in GRPC_ARMS]):
         raise ValueError(
             f"arm(s) {', '.join(need)} need a gRPC endpoint: add --endpoint grpc://HOST:PORT "
@@ -85,8 +83,6 @@ def check_arms_reachable(names: Sequence[str], endpoints: Endpoints) -> None:
 
 def default_served_arms(endpoints: Endpoints) -> list[str]:
     """The served arms the given endpoints can drive (all three with both)."""
-    from kakeya_lab.serve.served_long_run import GRPC_ARMS, HTTP_ARMS
-
     return [
         *(GRPC_ARMS if endpoints.grpc_target else ()),
         *(HTTP_ARMS if endpoints.http_base else ()),
@@ -225,64 +221,6 @@ def probe_proposer(endpoints: Endpoints, proposer: str, draft_length: int) -> No
         reply.raise_for_status()
 
 
-def summarize_served(
-    table: pd.DataFrame,
-    cache: dict,
-    *,
-    turns_per_bucket: int = 50,
-    seconds_per_bucket: float = 600.0,
-    prefill_tolerance: float = 0.10,
-    prefill_direction: str = "increase",
-) -> dict[str, dict]:
-    """:func:`~kakeya_lab.bench.aggregate.aggregate_arm` of every served arm, against the
-    server's budget (``cache`` from :func:`server_cache`), with both prefill gates.
-
-    A row with ``measured`` False (an ``http_reuse`` turn that re-prefilled the whole
-    conversation because its server-side session was gone: after a resume or a server
-    restart) is counted in ``unmeasured_turns``, not aggregated."""
-    budget_tokens = cache.get("budget_tokens") or None
-    budget_bytes = cache.get("kv_budget_bytes") or None
-    out = {}
-    for arm, df in table.groupby("arm", sort=False):
-        measured = df[df["measured"].fillna(True).astype(bool)] if "measured" in df else df
-        summary = aggregate_arm(
-            measured,
-            budget_tokens=budget_tokens,
-            budget_bytes=budget_bytes,
-            turns_per_bucket=turns_per_bucket,
-            seconds_per_bucket=seconds_per_bucket,
-            prefill_tolerance=prefill_tolerance,
-            prefill_direction=prefill_direction,
-        )
-        summary["budget_bytes"] = budget_bytes
-        summary["unmeasured_turns"] = int(len(df) - len(measured))
-        for column in ("server_restart", "resumed"):
-            if column in df:
-                summary[f"{column}_turns"] = int(df[column].fillna(False).astype(bool).sum())
-        if "session_epoch" in df and df["session_epoch"].notna().any():
-            summary["session_epochs"] = int(df["session_epoch"].max()) + 1
-        summary.update(
-            append_latency_buckets(
-                measured, turns_per_bucket=turns_per_bucket, seconds_per_bucket=seconds_per_bucket
-            )
-        )
-        out[str(arm)] = summary
-    return out
-
-
-def append_latency_buckets(
-    df: pd.DataFrame, *, turns_per_bucket: int = 50, seconds_per_bucket: float = 600.0
-) -> dict[str, list[dict]]:
-    """One arm's per-turn prefill (``append_latency_s``: the server-measured prefill of the
-    turn's new tokens) by turn buckets and by wall-clock buckets
-    (:func:`~kakeya_lab.bench.aggregate.bucket_table` rows: p50_s, p95_s, turns, full)."""
-    ok = df[df["error"].isna()] if "error" in df else df
-    return {
-        "append_buckets_by_turns": bucket_table(ok, "turns", turns_per_bucket, "append_latency_s"),
-        "append_buckets_by_time": bucket_table(ok, "time", seconds_per_bucket, "append_latency_s"),
-    }
-
-
 SERVE_HERE = "serve"
 
 
@@ -327,40 +265,6 @@ def served_endpoints(
         yield Endpoints(grpc_target=server.grpc_target, http_base=server.http_base)
     finally:
         server.stop(timeout_s=30)
-
-
-@dataclass
-class ServedRun:
-    """A served long run: the per-turn ``turns`` (one row per arm and turn), every arm's
-    ``summary`` (:func:`summarize_served`), the server's ``cache`` figures and model.
-    ``partial``: the run is not over (a periodic report, or a run stopped early:
-    ``abort_reason`` names why — a signal, e.g. ``"SIGTERM"``, or ``"max_errors"`` with
-    ``abort_detail``); ``duration_s``: wall time so far; ``events``: session re-creations
-    (``resume``, ``server_restart``, ``after_error``) and server outages, each with its
-    arm, turn and wall time."""
-
-    turns: pd.DataFrame
-    summary: dict[str, dict]
-    cache: dict
-    model: str
-    endpoints: Endpoints
-    partial: bool = False
-    abort_reason: str | None = None
-    abort_detail: str | None = None
-    duration_s: float = 0.0
-    events: list[dict] = field(default_factory=list)
-
-    def report_fields(self) -> dict:
-        """The run-level report fields: ``partial``, ``abort_reason``, ``duration_s`` (and
-        ``abort_detail`` when there is one)."""
-        out: dict = {
-            "partial": self.partial,
-            "abort_reason": self.abort_reason,
-            "duration_s": self.duration_s,
-        }
-        if self.abort_detail is not None:
-            out["abort_detail"] = self.abort_detail
-        return out
 
 
 def run_served(
@@ -437,3 +341,54 @@ def run_served(
         log=log,
         restart_wait_s=restart_wait_s,
     )
+
+
+def run_served_long_run(
+    grpc_target: str | None,
+    http_base: str | None,
+    user_turns: Sequence[str],
+    *,
+    max_new_tokens: int = 32,
+    model: str | None = None,
+    arms: Sequence[str] = ARMS,
+    turn_spacing_s: float | None = None,
+    duration_s: float | None = None,
+    stateless_cap_s: float | None = None,
+    log: Callable[[str], None] | None = None,
+):
+    """Drive ``user_turns`` through the server once, in memory (no checkpoint, no report):
+    one row per (arm, turn) as a DataFrame. ``http_base`` is ``http://HOST:PORT`` (no
+    ``/v1``); either address may be None when no arm needs it. ``turn_spacing_s``: round
+    ``i`` starts ``i * turn_spacing_s`` seconds after the start; ``duration_s``: no round
+    starts after this much wall time (the turns are cycled until then);
+    ``stateless_cap_s``: the ``http_stateless`` arm stops after its first slower request.
+    ``model``: the model name (default: the server's; its tokenizer serves the gRPC arm's
+    mirror). The durable run is :func:`kakeya_lab.bench.long_run.served.run_served`."""
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        raise ValueError(f"unknown served arm(s) {sorted(unknown)}: use {', '.join(ARMS)}")
+    for name, value in (
+        ("turn_spacing_s", turn_spacing_s),
+        ("duration_s", duration_s),
+        ("stateless_cap_s", stateless_cap_s),
+    ):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0 (got {value})")
+    endpoints = Endpoints(grpc_target=grpc_target, http_base=http_base)
+    settings = LongRunSettings(
+        model=model or LongRunSettings.model,
+        arms=(),
+        served_arms=tuple(arms),
+        turns=len(user_turns),
+        max_new_tokens=max_new_tokens,
+        turn_spacing_s=turn_spacing_s,
+        duration_s=duration_s,
+        reprefill_cap_s=stateless_cap_s,
+        max_errors=0,
+    )
+    served = run_served(
+        endpoints, settings, list(user_turns), model=model, log=log, catch_signals=False
+    )
+    if served.abort_reason is not None:
+        raise RuntimeError(f"the served run stopped: {served.abort_reason}")
+    return served.turns

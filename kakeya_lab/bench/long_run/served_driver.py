@@ -39,18 +39,19 @@ import pandas as pd
 from kakeya_lab.bench.long_run.checkpoint import start_over
 from kakeya_lab.bench.long_run.driver import NoSignals, StoppedBeforeStart, StopSignals, wait_until
 from kakeya_lab.bench.long_run.identity import check_checkpoint
-from kakeya_lab.bench.long_run.settings import CHECKPOINT, LongRunSettings
-from kakeya_lab.durable import write_json_atomic
-from kakeya_lab.serve.served_long_run import (
+from kakeya_lab.bench.long_run.served_report import ServedRun, summarize_served
+from kakeya_lab.bench.long_run.served_turns import (
     error_text,
     grpc_turn,
     http_turn,
     is_server_gone,
     server_rss,
 )
+from kakeya_lab.bench.long_run.settings import CHECKPOINT, LongRunSettings
+from kakeya_lab.durable import write_json_atomic
 
 if TYPE_CHECKING:
-    from kakeya_lab.bench.long_run.served import Endpoints, ServedRun
+    from kakeya_lab.bench.long_run.served import Endpoints
 
 MAX_ERRORS = "max_errors"
 
@@ -494,8 +495,6 @@ def drive_served(
     :class:`~kakeya_lab.resume.DamagedCheckpoint` before anything is sent; ``force_new``
     starts over). A signal before the first round raises
     :class:`~kakeya_lab.bench.long_run.StoppedBeforeStart` with nothing written."""
-    from kakeya_lab.bench.long_run.served import ServedRun, summarize_served
-
     arms = list(settings.served_arms)
     saved = served_settings(model_identity, settings, turns, served_model=served_model, cache=cache)
     out = Path(out_dir) if out_dir is not None else None

@@ -251,5 +251,8 @@ def load_named_drafter(name: str, model, verifier_sha256: str | None) -> AnyDraf
     drafter = build_drafter(config, model)
     load_trainable(drafter, read_tensors(folder / WEIGHTS), str(folder / WEIGHTS))
     drafter.eval()
-    set_linear_kernel(drafter, linear_kernel_of(model))  # the verifier's kernel
+    # the verifier's kernel ("auto": the verifier's measured choice per row count)
+    set_linear_kernel(
+        drafter, linear_kernel_of(model), choice=getattr(model, "linear_auto_choice", None)
+    )
     return drafter

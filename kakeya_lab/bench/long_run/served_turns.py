@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -226,57 +225,3 @@ def http_turn(
         "session_id": ext["session_id"],
         "error": None,
     }
-
-
-def run_served_long_run(
-    grpc_target: str | None,
-    http_base: str | None,
-    user_turns: Sequence[str],
-    *,
-    max_new_tokens: int = 32,
-    model: str | None = None,
-    arms: Sequence[str] = ARMS,
-    turn_spacing_s: float | None = None,
-    duration_s: float | None = None,
-    stateless_cap_s: float | None = None,
-    log: Callable[[str], None] | None = None,
-):
-    """Drive ``user_turns`` through the server once, in memory (no checkpoint, no report):
-    one row per (arm, turn) as a DataFrame. ``http_base`` is ``http://HOST:PORT`` (no
-    ``/v1``); either address may be None when no arm needs it. ``turn_spacing_s``: round
-    ``i`` starts ``i * turn_spacing_s`` seconds after the start; ``duration_s``: no round
-    starts after this much wall time (the turns are cycled until then);
-    ``stateless_cap_s``: the ``http_stateless`` arm stops after its first slower request.
-    ``model``: the model name (default: the server's; its tokenizer serves the gRPC arm's
-    mirror). The durable run is :func:`kakeya_lab.bench.long_run.served.run_served`."""
-    unknown = set(arms) - set(ARMS)
-    if unknown:
-        raise ValueError(f"unknown served arm(s) {sorted(unknown)}: use {', '.join(ARMS)}")
-    for name, value in (
-        ("turn_spacing_s", turn_spacing_s),
-        ("duration_s", duration_s),
-        ("stateless_cap_s", stateless_cap_s),
-    ):
-        if value is not None and not value > 0:
-            raise ValueError(f"{name} must be > 0 (got {value})")
-    from kakeya_lab.bench.long_run.served import Endpoints, run_served
-    from kakeya_lab.bench.long_run.settings import LongRunSettings
-
-    endpoints = Endpoints(grpc_target=grpc_target, http_base=http_base)
-    settings = LongRunSettings(
-        model=model or LongRunSettings.model,
-        arms=(),
-        served_arms=tuple(arms),
-        turns=len(user_turns),
-        max_new_tokens=max_new_tokens,
-        turn_spacing_s=turn_spacing_s,
-        duration_s=duration_s,
-        reprefill_cap_s=stateless_cap_s,
-        max_errors=0,
-    )
-    served = run_served(
-        endpoints, settings, list(user_turns), model=model, log=log, catch_signals=False
-    )
-    if served.abort_reason is not None:
-        raise RuntimeError(f"the served run stopped: {served.abort_reason}")
-    return served.turns
