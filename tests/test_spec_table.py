@@ -76,7 +76,7 @@ def test_the_long_table_carries_every_metric_and_per_arm_losslessness(table):
     wide = wide_table(long)
     assert list(wide.columns) == ["code", "chitchat"]
     assert list(wide.index) == ["plain", "ngram@2", "suffix-tree@3"]
-    assert wide.loc["plain", "code"].endswith("tok/s") and "×" in wide.loc["ngram@2", "chitchat"]
+    assert wide.loc["plain", "code"].endswith("tok/s (aten)") and "×" in wide.loc["ngram@2", "chitchat"]
     assert list(cost_models(table)["domain"]) == ["code", "chitchat"]
     record = table_records(table)
     assert len(record["rows"]) == 6 and set(record["cost_models"]) == {"code", "chitchat"}
@@ -91,6 +91,8 @@ def test_targets_pick_the_fastest_lossless_arm_and_say_whether_it_is_met():
             {"domain": "code", "arm": "a@2", "speedup": 2.7, "lossless": False},
             {"domain": "code", "arm": "b@2", "speedup": 2.1, "lossless": True},
             {"domain": "code", "arm": "hf-assisted", "speedup": 3.0, "lossless": True},
+            # a slower kernel's plain decoding is a row of the table, never its best method
+            {"domain": "code", "arm": "plain[onednn]", "speedup": 2.4, "lossless": True},
         ]
     )
     check = targets_check(long, {"code": 2.5, "prose": 2.5}).set_index("domain")
@@ -147,3 +149,19 @@ def test_the_results_table_quotes_each_cell_with_a_claim_on_its_csv_row(table, t
         number = re.findall(r"\d+\.\d+", claim["quote"])[claim.get("index", 0)]
         decimals = len(number.split(".")[1])
         assert float(number) == round(float(rows.loc[int(i), column]), decimals)
+
+
+def test_the_wide_table_puts_plain_decoding_first_and_names_the_baseline_kernel():
+    row = {"tau": None, "lossless": True}
+    long = pd.DataFrame(
+        [
+            {**row, "domain": "code", "arm": "plain", "tokens_per_s": 20.0, "speedup": 1.0, "plain_kernel": "aten"},
+            {**row, "domain": "code", "arm": "ngram@4", "tokens_per_s": 30.0, "speedup": 1.5, "plain_kernel": "aten", "tau": 1.6},
+            {**row, "domain": "code", "arm": "plain[onednn]", "tokens_per_s": 18.0, "speedup": 0.9, "plain_kernel": "aten"},
+        ]
+    )  # fmt: skip
+    wide = wide_table(long)
+    assert list(wide.index) == ["plain", "plain[onednn]", "ngram@4"]
+    assert wide.loc["plain", "code"] == "20.0 tok/s (aten)"
+    assert wide.loc["plain[onednn]", "code"] == "18.0 tok/s"
+    assert wide.loc["ngram@4", "code"] == "1.50× (τ 1.60)"
