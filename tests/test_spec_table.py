@@ -76,7 +76,10 @@ def test_the_long_table_carries_every_metric_and_per_arm_losslessness(table):
     wide = wide_table(long)
     assert list(wide.columns) == ["code", "chitchat"]
     assert list(wide.index) == ["plain", "ngram@2", "suffix-tree@3"]
-    assert wide.loc["plain", "code"].endswith("tok/s (aten)") and "×" in wide.loc["ngram@2", "chitchat"]
+    assert (
+        wide.loc["plain", "code"].endswith("tok/s (aten)")
+        and "×" in wide.loc["ngram@2", "chitchat"]
+    )
     assert list(cost_models(table)["domain"]) == ["code", "chitchat"]
     record = table_records(table)
     assert len(record["rows"]) == 6 and set(record["cost_models"]) == {"code", "chitchat"}
