@@ -30,7 +30,8 @@ def _run(
         for arm, latencies in arms.items()
         for turn, latency in enumerate(latencies)
     ]
-    pd.DataFrame(rows).to_csv(folder / "turns.csv", index=False)
+    served = all(arm.startswith(("grpc_", "http_")) for arm in arms)
+    pd.DataFrame(rows).to_csv(folder / ("served_turns.csv" if served else "turns.csv"), index=False)
     if status != "running":
         record.finish(status, error=None if status == "completed" else "stopped by SIGTERM")
 

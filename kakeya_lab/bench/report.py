@@ -26,6 +26,7 @@ LONG_RUN_EXPERIMENTS = ("quickstart", "long_run")
 # A run's results are readable once it has ended, completed or not: a partial run (a signal,
 # an error budget, a time limit) wrote a valid report of the turns it ran.
 REPORTED_STATUSES = ("completed", "partial")
+TURN_TABLES = ("turns.csv", "served_turns.csv")
 
 
 def read_index(results_root: str | Path) -> pd.DataFrame:
@@ -59,7 +60,8 @@ def long_run_latency_p50(
 ) -> pd.DataFrame:
     """Rows ``run, experiment, status, arm, served, label, turn, append_p50_s,
     kv_live_bytes`` per bucket of turns (about ``buckets`` buckets per run) for every
-    completed or partial long run with a ``turns.csv`` (:data:`REPORTED_STATUSES`).
+    completed or partial long run with a ``turns.csv`` or ``served_turns.csv``
+    (:data:`REPORTED_STATUSES`).
 
     ``served``: the arm went through a server (``grpc_session``, ``http_reuse``,
     ``http_stateless``); ``label`` names the run and arm for a legend, with ``(partial)``
@@ -69,10 +71,12 @@ def long_run_latency_p50(
 
     rows = []
     for run in completed(index, LONG_RUN_EXPERIMENTS, REPORTED_STATUSES).itertuples():
-        turns_csv = run_folder(run, results_root) / "turns.csv"
-        if not turns_csv.is_file():
+        folder = run_folder(run, results_root)
+        # in-process arms in turns.csv, served arms in served_turns.csv (a run may have both)
+        tables = [pd.read_csv(folder / n) for n in TURN_TABLES if (folder / n).is_file()]
+        if not tables:
             continue
-        turns = pd.read_csv(turns_csv)
+        turns = pd.concat(tables, ignore_index=True)
         if "error" in turns:
             turns = turns[turns["error"].isna()]
         if turns.empty:
