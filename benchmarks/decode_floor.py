@@ -22,6 +22,7 @@ the CPU's model and flags, the machine's load average before and after) and
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shlex
 import statistics
@@ -64,19 +65,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
-def context_tokens(tokenizer, limit: int) -> list[int]:
-    """Chat-templated held-out conversations until ``limit`` tokens."""
-    chat = ChatTemplate(tokenizer)
-    out: list[int] = []
-    while len(out) < limit:
-        for conv in domain_conversations("chitchat", "dev"):
-            for i, text in enumerate(conv.turns):
-                out.extend(chat.user(text) if i % 2 == 0 else chat.assistant(text))
-                if len(out) >= limit:
-                    return out[:limit]
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -105,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     verifiers, next_ids = {}, {}
     for live in lives:
         config = SinkWindowConfig(sink=4, window=live - 4)
-        ctx = context_tokens(loaded.tokenizer, live)
+        conversations = [c.turns for c in domain_conversations("chitchat", "dev")]
+        ctx = ChatTemplate(loaded.tokenizer).replay(itertools.cycle(conversations), live)
         for forward, lean in FORWARDS.items():
             v = Verifier(model, config, lean=lean)
             next_ids[live, forward] = int(v.append(ctx).argmax())

@@ -38,18 +38,6 @@ def branching_tree(n: int, width: int = 3) -> DraftTree:
     return DraftTree([100 + i for i in range(n)], parents)
 
 
-def context_tokens(tokenizer, limit: int) -> list[int]:
-    """Chat-templated held-out conversations until ``limit`` tokens (a full cache)."""
-    chat = ChatTemplate(tokenizer)
-    out: list[int] = []
-    for conv in domain_conversations("chitchat", "dev"):
-        for i, text in enumerate(conv.turns):
-            out.extend(chat.user(text) if i % 2 == 0 else chat.assistant(text))
-            if len(out) >= limit:
-                return out[:limit]
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -65,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     plain = Verifier(loaded.model, config)
     traced = Verifier(loaded.model, config)
     traced.trace_hidden()
-    ctx = context_tokens(loaded.tokenizer, config.budget)
+    ctx = ChatTemplate(loaded.tokenizer).replay(
+        (c.turns for c in domain_conversations("chitchat", "dev")), config.budget
+    )
     plain.append(ctx)
     traced.append(ctx)
     head = loaded.model.get_output_embeddings().weight.detach()

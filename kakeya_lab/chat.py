@@ -14,7 +14,7 @@ the next user delta.
 from __future__ import annotations
 
 import copy
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 
 class ChatTemplate:
@@ -125,6 +125,19 @@ class ChatTemplate:
         chat.rendered = str(state["rendered"])
         chat.awaiting_reply = bool(state["awaiting_reply"])
         return chat
+
+    def replay(self, conversations: Iterable[Sequence[str]], limit: int) -> list[int]:
+        """The ids of ``conversations`` (each a list of turns: user first, then alternating
+        with the assistant) rendered one after another on this template, cut at ``limit``
+        tokens (fewer if the conversations run out first): a real chat context to fill a
+        cache with."""
+        out: list[int] = []
+        for turns in conversations:
+            for i, text in enumerate(turns):
+                out.extend(self.user(text) if i % 2 == 0 else self.assistant(text))
+                if len(out) >= limit:
+                    return out[:limit]
+        return out
 
     def full_ids(self, add_generation_prompt: bool | None = None) -> list[int]:
         """The tokenizer's template over the whole conversation, as ids (the reference)."""

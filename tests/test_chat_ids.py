@@ -78,3 +78,22 @@ def test_a_reply_ending_on_a_token_the_template_does_not_close_with_is_refused(d
     assert chat.to_state() == state  # nothing recorded
     assert chat.generated(reply, eos_token_ids={tokenizer.eos_token_id}) == "Hi!"
     assert chat.end_of_turn_ids() == tokenizer("\n", add_special_tokens=False)["input_ids"]
+
+
+def test_replay_renders_conversations_in_turn_and_cuts_at_the_limit(default_model):
+    tok = default_model.tokenizer
+    conversations = [
+        ["Hi there.", "Hello!", "How are you?", "Fine."],
+        ["Name a river.", "The Nile."],
+    ]
+    reference = ChatTemplate(tok)
+    whole = [
+        *reference.user("Hi there."),
+        *reference.assistant("Hello!"),
+        *reference.user("How are you?"),
+        *reference.assistant("Fine."),
+        *reference.user("Name a river."),  # each conversation starts with its user turn
+        *reference.assistant("The Nile."),
+    ]
+    assert ChatTemplate(tok).replay(conversations, 10_000) == whole  # they ran out first
+    assert ChatTemplate(tok).replay(conversations, 17) == whole[:17]

@@ -108,16 +108,13 @@ class BlockCostProbe:
         *,
         system: str | None = None,
     ):
-        chat = ChatTemplate(loaded.tokenizer, system=system)
-        context: list[int] = []
         limit = config.budget or 1024  # a full cache is the run's steady state; no longer
-        for i, text in enumerate(conversations[0].turns):
-            if len(context) >= limit:
-                break
-            context.extend(chat.user(text) if i % 2 == 0 else chat.assistant(text))
-        self.context_tokens = len(context[:limit])
+        context = ChatTemplate(loaded.tokenizer, system=system).replay(
+            [conversations[0].turns], limit
+        )
+        self.context_tokens = len(context)
         self.verifier = Verifier(loaded.model, config)
-        self.verifier.append(context[:limit])
+        self.verifier.append(context)
         self.sizes = list(range(1, max(2, max_block) + 1))
         measure_block_cost(self.verifier, self.sizes, repeats=1)  # warm-up, not kept
         self.timings: dict[int, list[float]] = {n: [] for n in self.sizes}
