@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -164,6 +165,18 @@ class Server(ServerProcess):
         """The Authorization header of ``api_key`` (default: the server's first key)."""
         key = api_key or self.api_key
         return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def cancelled_streams(self) -> float:
+        """How many generation streams the server has counted as cancelled."""
+        return self.metrics().get("kakeya_streams_total{end=cancelled}", 0)
+
+    def wait_cancelled(self, before: float, timeout_s: float = 120) -> None:
+        """Wait until the server counts a cancelled stream beyond ``before`` (the count is
+        taken once the session has settled, so its history is then final)."""
+        deadline = time.monotonic() + timeout_s
+        while self.cancelled_streams() == before:
+            assert time.monotonic() < deadline, "the server kept generating after the client left"
+            time.sleep(0.1)
 
     def metrics(self) -> dict[str, float]:
         """The server's /metrics samples as ``name{label=value,...}`` -> value."""

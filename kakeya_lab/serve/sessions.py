@@ -669,8 +669,10 @@ class ServedSessions:
                 end = "cancelled"
             raise
         finally:
-            self.metrics.streams_ended.labels(end).inc()
             turn.close()  # the session keeps what was yielded; the template records it
+            # counted once the session has settled: a client that sees the count go up
+            # reads the session's final history
+            self.metrics.streams_ended.labels(end).inc()
 
     # ------------------------------------------------------------------ info
     def info(self, session_id: str, owner: str | None = None) -> dict:
