@@ -596,6 +596,8 @@ def test_cli_refuses_bad_arguments_before_loading_the_model(tmp_path, monkeypatc
         "different ports": ["--grpc-port", "9000", "--http-port", "9000"],
         "--draft takes one draft model": ["--draft", "ngram"],
         "no-such-model": ["--draft", "draft:no-such-model:int4"],
+        "no named drafter 'nope'": ["--draft", "drafter:nope"],
+        "drafter:NAME (it serves drafter-tree:NAME too)": ["--draft", "drafter-tree:nope"],
         "needs a --draft": ["--draft-window", "8"],
     }
     for needle, args in cases.items():

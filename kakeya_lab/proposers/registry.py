@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -103,11 +103,14 @@ class ProposerRequest:
     """What a kind's builder gets besides its argument: the verifier's ``model`` (what
     ``load_model`` returns, or its bare network), the sink-window ``config``, the
     verifier's ``tokenizer``, and the options some kinds read: ``draft_model`` (an already
-    loaded draft model for ``draft:``), ``shared_replies`` (a
+    loaded draft model for ``draft:``; with ``drafters`` holding a LoRA drafter, its merged
+    draft model), ``shared_replies`` (a
     :class:`~kakeya_lab.proposers.suffix.SharedReplies` for the suffix kinds),
     ``verifier_sha256`` (the verifier's weight sha256, which a named drafter must have been
-    trained for), ``draft_linear`` (a draft model's kernel when its spec names none) and
-    ``draft_window`` (a draft model's own cache window)."""
+    trained for), ``drafters`` (already loaded named drafters by name, e.g. the ones a
+    server shares; a name not in it is loaded from the store), ``draft_linear`` (a draft
+    model's kernel when its spec names none) and ``draft_window`` (a draft model's own
+    cache window)."""
 
     model: Any
     config: Any
@@ -117,6 +120,7 @@ class ProposerRequest:
     verifier_sha256: str | None = None
     draft_linear: str | None = None
     draft_window: int | None = None
+    drafters: Mapping[str, Any] | None = None
 
     def build(self, spec: str) -> Any:
         """The proposer of another spec with this request (for kinds that wrap one)."""

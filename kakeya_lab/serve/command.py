@@ -110,11 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft",
         action="append",
         default=[],
-        metavar="draft:MODEL[:KERNEL]",
-        help="load this draft model once at startup (repeatable): requests may then name it "
-        "as their proposer (gRPC proposer, HTTP proposer and draft_length), each session "
-        "with its own draft cache over the shared weights, e.g. "
-        "draft:smollm2-135m-instruct:int4; model-free proposers need no loading",
+        metavar="draft:MODEL[:KERNEL]|drafter:NAME",
+        help="load this draft model or named drafter once at startup (repeatable): requests "
+        "may then name it as their proposer (gRPC proposer, HTTP proposer and draft_length), "
+        "each session with its own draft cache or hidden-state trace over the shared weights, "
+        "e.g. draft:smollm2-135m-instruct:int4; drafter:NAME also serves drafter-tree:NAME; "
+        "model-free proposers need no loading",
     )
     p.add_argument(
         "--draft-window",
@@ -196,16 +197,28 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
 
 
 def check_drafts(args: argparse.Namespace) -> None:
-    """``--draft`` (one ``draft:MODEL[:KERNEL]`` each, the model found without loading it)
-    and ``--draft-window``."""
+    """``--draft`` (one ``draft:MODEL[:KERNEL]`` or ``drafter:NAME`` each, the model or
+    drafter found without loading it) and ``--draft-window``."""
     from kakeya_lab.proposers.builtin import draft_model_spec
+    from kakeya_lab.proposers.drafters.named import read_record
     from kakeya_lab.serve.served_proposers import check_draft_flag
 
     for spec in args.draft:
         try:
-            argument = check_draft_flag(spec)
+            kind, argument = check_draft_flag(spec)
         except ValueError as exc:
             raise UserError(str(exc)) from None
+        if kind == "drafter":
+            try:
+                read_record(argument)  # a name the store does not hold: listed, one line
+            except ValueError as exc:
+                raise UserError(f"--draft {spec}: {exc}") from None
+            if args.backend != "torch":
+                raise UserError(
+                    f"--draft {spec}: a named drafter reads the verifier's hidden states, "
+                    f"which only the torch backend records, not {args.backend}"
+                )
+            continue
         name, kernel = draft_model_spec(argument)
         if kernel and args.backend != "torch":
             raise UserError(

@@ -1,25 +1,31 @@
 """The proposers a server accepts per request: every model-free kind of the registry, and
-the draft models it loaded once at startup (``kakeya-lab serve --draft draft:MODEL[:KERNEL]``).
+the draft models and named drafters it loaded once at startup (``kakeya-lab serve --draft
+draft:MODEL[:KERNEL]`` or ``--draft drafter:NAME``).
 
-A draft model's weights are loaded once and shared by every session; each session that
-uses it gets its own :class:`~kakeya_lab.proposers.draft_model.DraftModelProposer` (its
-own draft cache), built by the registry's own builder
-(:func:`~kakeya_lab.proposers.make_proposer` with the loaded ``draft_model``, as in-process
-callers share one), lazily when the session first names it, and kept with the session until
-it closes. The draft cache follows the session's history by itself: before each draft it
-catches up with the tokens committed since (another proposer's turn, appends) or, if the
-history is not an extension of what it holds, is rebuilt.
+A draft model's or a named drafter's weights are loaded once and shared by every session;
+each session that uses it gets its own proposer, built by the registry's own builder
+(:func:`~kakeya_lab.proposers.make_proposer` with the loaded ``draft_model`` or
+``drafters``, as in-process callers share them), lazily when the session first names it,
+and kept with the session until it closes:
 
-A request naming a proposer the server has not loaded (a draft model it did not load, a
-kind that needs the verifier's weights or a named drafter) is refused before any state
-changes, with what is loaded and how to load it.
+* a draft model's :class:`~kakeya_lab.proposers.draft_model.DraftModelProposer` holds the
+  session's own draft cache, which follows the session's history by itself: before each
+  draft it catches up with the tokens committed since (another proposer's turn, appends)
+  or, if the history is not an extension of what it holds, is rebuilt;
+* a named drafter's proposer (``drafter:NAME``, and ``drafter-tree:NAME`` for a feature
+  drafter) reads the hidden states its session's verifier records (the session's own
+  trace); a LoRA drafter drafts as a draft model, with its own cache.
+
+A request naming a proposer the server has not loaded (a draft model or drafter it did not
+load, a kind that needs the verifier's own weights) is refused before any state changes,
+with what is loaded and how to load it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, cast
 
 from kakeya_lab.proposers import (
     ProposerKind,
@@ -30,17 +36,31 @@ from kakeya_lab.proposers import (
     proposer_kinds,
 )
 
-DRAFT_FLAG = "--draft draft:MODEL[:KERNEL]"
+if TYPE_CHECKING:
+    from kakeya_lab.proposers.drafters.lora import LoraDrafter
+
+DRAFT_FLAG = "--draft draft:MODEL[:KERNEL] or --draft drafter:NAME"
+
+
+# the kinds a server loads with --draft, and the request kinds each one serves
+LOADED_KINDS = {"draft": ("draft",), "drafter": ("drafter", "drafter-tree")}
 
 
 @dataclass(frozen=True)
 class LoadedDraft:
-    """A draft model the server loaded: ``spec`` is its canonical ``draft:MODEL:KERNEL``."""
+    """A draft model or named drafter the server loaded: ``spec`` is its canonical
+    ``draft:MODEL:KERNEL`` or ``drafter:NAME``; ``kernel`` is empty for a drafter (it runs
+    the verifier's)."""
 
     spec: str
     name: str
     kernel: str
-    model: Any  # what load_model returns
+    model: Any  # what load_model returns, or the loaded drafter network
+    merged: Any = None  # a LoRA drafter's draft model (its adapters merged)
+
+    @property
+    def kind(self) -> str:
+        return self.spec.partition(":")[0]
 
 
 def _draft_caches(proposer: Any) -> Iterator[Any]:
@@ -96,18 +116,31 @@ class ServedProposers:
         verifier_sha256: str | None = None,
         draft_window: int | None = None,
     ) -> ServedProposers:
-        """Load each ``draft:MODEL[:KERNEL]`` of ``specs`` once (ValueError, before any
-        loads, for a spec of another kind) and check it drafts for this verifier (same
-        tokenizer) by building one proposer."""
+        """Load each ``draft:MODEL[:KERNEL]`` and ``drafter:NAME`` of ``specs`` once
+        (ValueError, before any loads, for a spec of another kind) and check it drafts for
+        this verifier (same tokenizer; a drafter trained for these weights) by building one
+        proposer."""
         from kakeya_lab.proposers.draft_model import load_draft_model
+        from kakeya_lab.proposers.drafters.named import load_named_drafter
 
         served = cls(
             model, config, tokenizer, verifier_sha256=verifier_sha256, draft_window=draft_window
         )
-        wanted = {served._canonical(check_draft_flag(spec)): spec for spec in specs}
+        wanted = {served._canonical(*check_draft_flag(spec)): spec for spec in specs}
         drafts = []
         for canonical in wanted:
-            argument = canonical.partition(":")[2]
+            kind, _, argument = canonical.partition(":")
+            if kind == "drafter":
+                try:
+                    drafter = load_named_drafter(argument, model, verifier_sha256)
+                except (OSError, ValueError) as exc:  # not found, another verifier, damaged
+                    raise ValueError(f"--draft {wanted[canonical]}: {exc}") from exc
+                # a LoRA drafter drafts as a draft model: its adapters merged once, shared
+                merged = None
+                if drafter.config.kind == "lora":
+                    merged = cast("LoraDrafter", drafter).draft_model()
+                drafts.append(LoadedDraft(canonical, argument, "", drafter, merged))
+                continue
             name, _, kernel = argument.rpartition(":")
             loaded = load_draft_model(argument, served.request)
             drafts.append(LoadedDraft(canonical, name, kernel, loaded))
@@ -119,7 +152,11 @@ class ServedProposers:
                 raise ValueError(f"--draft {wanted[draft.spec]}: {exc}") from exc
         return served
 
-    def _canonical(self, argument: str) -> str:
+    def _canonical(self, kind: str, argument: str) -> str:
+        """The spec a loaded ``kind:argument`` is known by (``drafter-tree:NAME`` drafts
+        with the loaded ``drafter:NAME``)."""
+        if kind != "draft":
+            return f"drafter:{argument}"
         from kakeya_lab.proposers.draft_model import draft_model_choice
 
         name, kernel = draft_model_choice(argument, self.request)
@@ -131,59 +168,60 @@ class ServedProposers:
         return [kind for kind in proposer_kinds() if kind.model_free]
 
     def loaded(self) -> list[str]:
-        """The canonical specs of the loaded draft models."""
+        """The canonical specs of the loaded draft models and drafters."""
         return list(self.drafts)
 
     def _served(self) -> str:
         kinds = ", ".join(k.usage for k in self.model_free())
-        drafts = ", ".join(self.drafts) or "no draft model"
-        return f"none, the model-free kinds ({kinds}) and the draft models loaded ({drafts})"
+        drafts = ", ".join(self.drafts) or "none"
+        return f"none, the model-free kinds ({kinds}) and the drafts loaded ({drafts})"
 
     def resolve(self, spec: str | None) -> LoadedDraft | None:
-        """The loaded draft model ``spec`` drafts with (None for a model-free spec);
-        ValueError, naming what is served and how to load a draft model, for a spec this
-        server cannot serve (the grammar's own message for a malformed one)."""
+        """The loaded draft model or drafter ``spec`` drafts with (None for a model-free
+        spec); ValueError, naming what is served and how to load it, for a spec this server
+        cannot serve (the grammar's own message for a malformed one)."""
         leaves = check_proposer_spec(spec)
         used: list[LoadedDraft] = []
         for kind, argument in leaves:
             if proposer_kind(kind).model_free:
                 continue
-            if kind == "draft":
-                draft = self.drafts.get(self._canonical(argument))
+            if any(kind in kinds for kinds in LOADED_KINDS.values()):
+                canonical = self._canonical(kind, argument)
+                draft = self.drafts.get(canonical)
                 if draft is not None:
                     used.append(draft)
                     continue
+                what = "draft model" if kind == "draft" else "named drafter"
                 raise ValueError(
-                    f"proposer {spec!r}: the draft model {self._canonical(argument)} is not loaded "
-                    f"on this server; it serves {self._served()}. Start the server with "
-                    f"--draft {self._canonical(argument)} to serve it"
+                    f"proposer {spec!r}: the {what} {canonical} is not loaded on this server; "
+                    f"it serves {self._served()}. Start the server with --draft {canonical} "
+                    "to serve it"
                 )
             raise ValueError(
                 f"proposer {spec!r} is not served here: {kind} needs a "
                 f"{proposer_kind(kind).needs}, which a server does not load; this server "
-                f"serves {self._served()}; load a draft model with {DRAFT_FLAG} at startup"
+                f"serves {self._served()}; load a draft model or a named drafter with {DRAFT_FLAG} at "
+                "startup"
             )
         if len({d.spec for d in used}) > 1:
             raise ValueError(
-                f"proposer {spec!r} names two draft models: a request drafts with one at a time"
+                f"proposer {spec!r} names two loaded drafts: a request drafts with one at a time"
             )
         return used[0] if used else None
 
     # ----------------------------------------------------------------- building
     def build(self, spec: str) -> Any:
-        """A new proposer of ``spec`` (a loaded draft model's: its own draft cache over the
-        shared weights); None for ``none``."""
+        """A new proposer of ``spec`` (a loaded draft model's or drafter's: its own draft
+        cache or trace over the shared weights); None for ``none``."""
         draft = self.resolve(spec)
         request = self.request
         if draft is not None:
-            request = ProposerRequest(
-                request.model,
-                request.config,
-                request.tokenizer,
-                draft_model=draft.model,
-                verifier_sha256=request.verifier_sha256,
-                draft_window=request.draft_window,
+            shared = (
+                {"draft_model": draft.model}
+                if draft.kind == "draft"
+                else {"drafters": {draft.name: draft.model}, "draft_model": draft.merged}
             )
+            request = replace(request, **shared)
         return make_proposer(spec, request=request)
 
     def listing(self) -> list[dict]:
@@ -192,22 +230,29 @@ class ServedProposers:
             {"id": k.name, "usage": k.usage, "summary": k.summary, "tree": k.tree, "loaded": False}
             for k in self.model_free()
         ]
-        draft = proposer_kind("draft")
-        rows += [
-            {"id": d.spec, "usage": d.spec, "summary": draft.summary, "tree": False, "loaded": True}
-            for d in self.drafts.values()
-        ]
+        for d in self.drafts.values():
+            for kind in LOADED_KINDS[d.kind]:
+                if kind == "drafter-tree" and d.model.config.kind != "feature":
+                    continue  # only a feature drafter drafts trees
+                spec = d.spec if kind == d.kind else f"{kind}:{d.name}"
+                tree = proposer_kind(kind).tree
+                summary = proposer_kind(kind).summary
+                rows.append(
+                    {"id": spec, "usage": spec, "summary": summary, "tree": tree, "loaded": True}
+                )
         return rows
 
 
-def check_draft_flag(spec: str) -> str:
-    """The ``MODEL[:KERNEL]`` of a ``--draft`` value; ValueError unless it is one well-formed
-    ``draft:MODEL[:KERNEL]`` (checked before anything loads)."""
+def check_draft_flag(spec: str) -> tuple[str, str]:
+    """The kind (``draft`` or ``drafter``) and argument of a ``--draft`` value; ValueError
+    unless it is one well-formed ``draft:MODEL[:KERNEL]`` or ``drafter:NAME`` (checked
+    before anything loads)."""
     leaves = check_proposer_spec(spec)
-    if not (isinstance(spec, str) and spec.startswith("draft:") and len(leaves) == 1):
+    if not (len(leaves) == 1 and leaves[0][0] in LOADED_KINDS and spec == ":".join(leaves[0])):
         raise ValueError(
             f"--draft takes one draft model, written draft:MODEL[:KERNEL] "
-            f"(e.g. draft:smollm2-135m-instruct:int4), got {spec!r}; model-free proposers "
-            "need no loading"
+            f"(e.g. draft:smollm2-135m-instruct:int4), or one named drafter, written "
+            f"drafter:NAME (it serves drafter-tree:NAME too), got {spec!r}; model-free "
+            "proposers need no loading"
         )
-    return leaves[0][1]
+    return leaves[0]

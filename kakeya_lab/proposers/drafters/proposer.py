@@ -116,6 +116,9 @@ class DrafterTreeProposer(DrafterProposer):
 
 
 def _named(argument: str, request: ProposerRequest):
+    """The named drafter ``argument``: the request's already loaded one, else from the store."""
+    if request.drafters and argument in request.drafters:
+        return request.drafters[argument]
     from kakeya_lab.proposers.drafters.named import load_named_drafter
 
     return load_named_drafter(argument, request.model, request.verifier_sha256)
@@ -124,13 +127,18 @@ def _named(argument: str, request: ProposerRequest):
 def build_chain(argument: str, request: ProposerRequest) -> Any:
     """``drafter:NAME``: the named drafter ``NAME`` of the store, which must have been
     trained for the request's ``verifier_sha256``; a LoRA drafter drafts as a draft model
-    with its own cache."""
+    with its own cache (merged here, unless the caller that shared the drafter in
+    ``drafters`` also shared its merged model as ``draft_model``)."""
     drafter = _named(argument, request)
     if drafter.config.kind == "lora":
         from kakeya_lab.proposers.draft_model import DraftModelProposer
 
         lora = cast("LoraDrafter", drafter)
-        return DraftModelProposer(lora.draft_model(), request.config, label=argument)
+        shared = request.drafters is not None and argument in request.drafters
+        merged = request.draft_model if shared and request.draft_model is not None else None
+        if merged is None:
+            merged = lora.draft_model()
+        return DraftModelProposer(merged, request.config, label=argument)
     return DrafterProposer(cast(Drafter, drafter), label=argument)
 
 
