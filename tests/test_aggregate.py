@@ -250,3 +250,24 @@ def test_gates_on_all_error_and_mixed_runs():
     assert out["errors"] == 2 and out["turns"] == 12
     drift = out["prefill_bounded_by_turns"]
     assert drift["last_p50_s"] == pytest.approx(0.105) and out["prefill_bounded"], drift
+
+
+def test_speculation_summary_over_successful_turns():
+    ok = table([100, 400, 400, 400], [0.1] * 4, [4, 8, 8, 8])
+    ok["generated_tokens"] = [10, 12, 6, 8]
+    ok["proposed"] = [8, 10, 4, 100]
+    ok["accepted"] = [6, 5, 4, 100]
+    ok["tau"] = [2.0, 3.0, None, 4.0]
+    ok.loc[3, "error"] = "boom"  # a failed turn's drafting is not counted
+    spec = aggregate_arm(ok, budget_tokens=8, budget_bytes=400, turns_per_bucket=2)["speculation"]
+    assert spec["proposed"] == 22 and spec["accepted"] == 15
+    assert spec["acceptance_rate"] == pytest.approx(15 / 22)
+    # forwards 10/2 + 12/3 = 9 over the turns with tau; their 22 tokens
+    assert spec["tokens_per_forward"] == pytest.approx(22 / 9)
+    ok["proposed"] = ok["accepted"] = 0  # a plain arm: no drafting block
+    assert "speculation" not in aggregate_arm(ok, budget_tokens=8, budget_bytes=400)
+    served = table([400] * 2, [0.1] * 2, [8] * 2).assign(
+        generated_tokens=[5, 5], proposed=[4, 4], accepted=[3, 4]
+    )  # served rows carry no tau
+    spec = aggregate_arm(served, budget_tokens=8, budget_bytes=400)["speculation"]
+    assert spec["acceptance_rate"] == pytest.approx(7 / 8) and spec["tokens_per_forward"] is None

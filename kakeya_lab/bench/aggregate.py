@@ -555,6 +555,9 @@ def aggregate_arm(
     }
     out["rss_drift"] = rss_drift(ok, start_turn=start, size=turns_per_bucket)
     out["eos_rate"] = float((ok["stop_reason"] == "eos").mean())
+    speculation = speculation_summary(ok)
+    if speculation is not None:
+        out["speculation"] = speculation
     if "repetition" in ok:
         out["repetition_rate"] = float(ok["repetition"].mean())
     out["first_full_turn"] = start
@@ -567,4 +570,29 @@ def aggregate_arm(
     out["append_latency_last_over_first_bucket"] = (
         float(ratio) if ratio is not None and math.isfinite(ratio) else None
     )
+    return out
+
+
+def speculation_summary(ok: pd.DataFrame) -> dict | None:
+    """A speculative arm's drafting over its successful turns: draft tokens ``proposed``,
+    ``accepted``, ``acceptance_rate`` (accepted / proposed) and ``tokens_per_forward``
+    (generated tokens per verifier forward, from the per-turn ``tau``, when recorded);
+    None for an arm that never drafted."""
+    if "proposed" not in ok or "accepted" not in ok:
+        return None
+    proposed = int(ok["proposed"].fillna(0).sum())
+    if proposed == 0:
+        return None
+    accepted = int(ok["accepted"].fillna(0).sum())
+    out: dict = {
+        "proposed": proposed,
+        "accepted": accepted,
+        "acceptance_rate": accepted / proposed,
+        "tokens_per_forward": None,
+    }
+    if "tau" in ok and ok["tau"].notna().any():
+        rows = ok[ok["tau"].notna() & (ok["tau"] > 0)]
+        forwards = float((rows["generated_tokens"] / rows["tau"]).sum())
+        if forwards > 0:
+            out["tokens_per_forward"] = float(rows["generated_tokens"].sum()) / forwards
     return out

@@ -245,6 +245,7 @@ def print_summary(summary: dict[str, dict]) -> None:
             f"prefill_flat_vs_history turns/time "
             f"{(v.get('prefill_flat_vs_history') or {}).get('by_turns')}/"
             f"{(v.get('prefill_flat_vs_history') or {}).get('by_time')}  append p50 drift {shown}"
+            + _drafting(s)
             + (f"  stopped: {s['stopped']}" if s.get("stopped") else "")
         )
     for arm, s in summary.items():
@@ -256,6 +257,14 @@ def print_summary(summary: dict[str, dict]) -> None:
                 f"{m['turns_compared']} turns"
                 + (f" (first mismatch: turn {first})" if first is not None else "")
             )
+
+
+def _drafting(summary: dict) -> str:
+    """``  accepted 2990/3015 (99.2%)``: a speculative arm's drafting, else empty."""
+    spec = summary.get("speculation")
+    if not spec:
+        return ""
+    return f"  accepted {spec['accepted']}/{spec['proposed']} ({spec['acceptance_rate']:.1%})"
 
 
 def _gate(summary: dict) -> str:
