@@ -6,10 +6,10 @@ the pending blocks of several caches (a token each in plain decoding, a speculat
 each) as one forward: the embedding, the projections, the MLP and the lm_head run over
 the rows of every block concatenated, so the weights are read once for all of them; the
 rotary angles come from each row's own position; attention runs per cache, over that
-cache's own key layout and mask (exactly what
-:class:`~kakeya_lab.backends.torch_lean.LeanForward` gives one cache: ``get_mask_sizes``
-for the mask, ``update`` layer by layer for the keys and values), so eviction, rolling
-positions and open blocks mean what they mean for a solo forward. Each block is left
+cache's own key layout and mask. It is :class:`~kakeya_lab.backends.torch_lean.LeanForward`
+itself, piece by piece (``embed``, ``rope``, ``qkv``, ``attend`` per cache,
+``finish_layer``, ``logits``), so eviction, rolling positions and open blocks mean what
+they mean for a solo forward, and a row computes what a solo lean step computes. Each block is left
 provisional in its cache, as a solo forward leaves it: committing or rolling it back
 stays its verifier's business.
 
@@ -33,9 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kakeya_lab.backends.seam import CacheBackend, Forward, interrupts_deferred
 from kakeya_lab.backends.torch_cache import SinkWindowCache
@@ -44,17 +42,6 @@ from kakeya_lab.tree import DraftTree
 
 MAX_BLOCK = 64  # a session's block in a batch (a token, a speculative block, a chat turn's
 # append); longer ones (long prompts) run alone, so one cannot hold up every session's step
-
-
-def _rms(x: torch.Tensor, norm: Any) -> torch.Tensor:
-    """RMSNorm of ``x`` in one fused operation (as :class:`LeanForward` computes it)."""
-    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The rotary embedding of ``x`` ``[..., rows, head_dim]`` (``rotate_half`` form)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 @dataclass
@@ -79,19 +66,9 @@ class BatchForward:
         problem = LeanForward.unsupported(model)
         if problem:
             raise ValueError(f"BatchForward does not support this model: {problem}")
-        cfg = model.config
-        base: Any = model.base_model
         self.model = model
         self.forwards = 0  # batched forwards so far
         self.rows = 0  # rows they carried (rows / forwards: the mean batch)
-        self.embed = base.embed_tokens
-        self.norm = base.norm
-        self.rotary = base.rotary_emb
-        self.lm_head: Any = model.lm_head
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        self.layers: list[Any] = list(base.layers)
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> BatchForward:
@@ -131,51 +108,37 @@ class BatchForward:
             raise
 
     def _forward(self, steps: Sequence[BatchStep], starts: list[int]) -> list[torch.Tensor]:
+        # LeanForward's own pieces (for the model's current kernel), over every row at once
+        # but attention, which runs per cache
+        lean = LeanForward.of(self.model)
         self.forwards += 1
-        device = self.embed.weight.device
         sizes = [len(s.token_ids) for s in steps]
         bounds = [0]
         for n in sizes:
             bounds.append(bounds[-1] + n)
-        total = bounds[-1]
-        self.rows += total
-        ids = torch.tensor([t for s in steps for t in s.token_ids], dtype=torch.long, device=device)
+        self.rows += bounds[-1]
+        x = lean.embed([t for s in steps for t in s.token_ids])  # [rows, hidden]
         positions = torch.cat(
-            [torch.arange(p, p + n, device=device) for p, n in zip(starts, sizes)]
+            [torch.arange(p, p + n, device=x.device) for p, n in zip(starts, sizes)]
         )
-        masks = [s.cache.get_mask_sizes(n, 0)[1].mask for s, n in zip(steps, sizes)]
-        x = self.embed(ids)  # [rows, hidden]
-        cos, sin = self.rotary(x[None], positions[None])
-        cos, sin = cos[0], sin[0]  # [rows, head_dim], broadcast over heads
-        h, kv, d = self.heads, self.kv_heads, self.head_dim
-        for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            normed = _rms(x, layer.input_layernorm)
-            q = attn.q_proj(normed).view(total, h, d)
-            k = attn.k_proj(normed).view(total, kv, d)
-            v = attn.v_proj(normed).view(total, kv, d).transpose(0, 1)
-            q_norm = getattr(attn, "q_norm", None)
-            if q_norm is not None:  # Qwen3: each head's q and k normalised first
-                q, k = q_norm(q), attn.k_norm(k)
-            q = _rotate(q.transpose(0, 1), cos, sin)  # [heads, rows, head_dim]
-            k = _rotate(k.transpose(0, 1), cos, sin)
-            outs = []
-            for j, step in enumerate(steps):
-                a, b = bounds[j], bounds[j + 1]
-                keys, values = step.cache.update(k[None, :, a:b], v[None, :, a:b], i)
-                out = sdpa_attention_forward(
-                    attn, q[None, :, a:b], keys, values, masks[j], scaling=attn.scaling
-                )[0]
-                outs.append(out.reshape(b - a, h * d))
-            x = x + attn.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
-            normed = _rms(x, layer.post_attention_layernorm)
-            x = x + mlp.down_proj(F.silu(mlp.gate_proj(normed)) * mlp.up_proj(normed))
+        cos, sin = lean.rope(x, positions)
+        masks = []
+        for s, n in zip(steps, sizes):
+            layout = s.cache.get_mask_sizes(n, 0)[1].mask
+            # as a solo step: one token that sees every column needs no mask
+            masks.append(None if n == 1 and bool(layout.all()) else layout)
+        for i in range(len(lean.layers)):
+            q, k, v = lean.qkv(i, x, cos, sin)
+            outs = [
+                lean.attend(i, step.cache, q[:, a:b], k[:, a:b], v[:, a:b], mask)
+                for step, a, b, mask in zip(steps, bounds, bounds[1:], masks)
+            ]
+            x = lean.finish_layer(i, x, torch.cat(outs) if len(outs) > 1 else outs[0])
         keep = [
             torch.arange(bounds[j] if s.all_rows else bounds[j + 1] - 1, bounds[j + 1])
             for j, s in enumerate(steps)
         ]
-        kept = torch.cat(keep).to(device)
-        logits = self.lm_head(_rms(x[kept], self.norm)).float()
+        logits = lean.logits(x[torch.cat(keep).to(x.device)])
         # copies: a view would keep the whole batch's logits alive as long as any one
         # session holds its row (its next-token logits)
         return [part.clone() for part in logits.split([len(r) for r in keep])]
