@@ -3,7 +3,7 @@
 In process, each level runs that many sessions in threads over one ``SessionStore``
 (``batch=False``, then ``batch=True``): every session appends its prompt and greedily
 decodes ``--new-tokens`` tokens (no EOS stop). Through the server, the same levels run
-against a ``kakeya-lab serve`` without and with ``--batch``: over gRPC with
+against a ``kakeya-lab serve`` with ``--no-batch`` and with ``--batch``: over gRPC with
 :func:`kakeya_lab.serve.load.run_load` (one turn per session; its per-turn latency) and
 with the ``openai`` client streaming a chat completion per session (time to first chunk,
 gaps between chunks). Every level reports the aggregate tokens/s, the per-token latency
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("solo", "batched"):
             extra = ["--sink", str(args.sink), "--window", str(args.window)]
             extra += ["--capacity", str(max(levels)), "--admission", "evict_lru"]
-            extra += ["--batch"] if mode == "batched" else []
+            extra += ["--batch"] if mode == "batched" else ["--no-batch"]
             server = start_server(*extra, model=args.model, timeout_s=300)
             try:
                 for n in levels:

@@ -206,7 +206,7 @@ def start_server(
         extra = (*extra, "--api-key-file", str(key_file))
     env = {k: v for k, v in os.environ.items() if k != "KAKEYA_LAB_API_KEY"}
     p = start_process(*extra, model=model, timeout_s=SERVER_START_TIMEOUT_S, env=env)
-    server = Server(p.proc, p.grpc_target, p.http_base, p.stderr)
+    server = Server(p.proc, p.grpc_target, p.http_base, p.stderr, p.ready)
     server.api_key = api_keys[0] if api_keys else None
     return server
 

@@ -40,13 +40,15 @@ CONFIG = SinkWindowConfig(sink=SINK, window=WINDOW)
 
 @pytest.fixture(scope="module")
 def servers(serve):
-    """Both servers, started in parallel (the ``serve`` factory stops them)."""
+    """Both servers, started in parallel (the ``serve`` factory stops them): the main one
+    batches its sessions' steps (the default), the queued one does not (``--no-batch``)."""
     common = ("--sink", str(SINK), "--window", str(WINDOW))
     with ThreadPoolExecutor(2) as pool:
         main = pool.submit(serve, *common, "--capacity", "10", "--admission", "reject")
         queued = pool.submit(
-            serve, *common, "--capacity", "2", "--admission", "queue", "--max-wait-s", "3"
-        )
+            serve, *common, "--capacity", "2", "--admission", "queue", "--max-wait-s", "3",
+            "--no-batch",
+        )  # fmt: skip
         return {"main": main.result(), "queued": queued.result()}
 
 
@@ -479,6 +481,21 @@ def test_concurrent_sessions_with_faults_equal_a_clean_run(main_server, default_
     assert after["kakeya_kv_live_bytes"] <= before["kakeya_kv_live_bytes"]
 
 
+def test_batched_steps_are_the_default_and_no_batch_turns_them_off(servers, oracle):
+    assert "batched steps on" in servers["main"].ready
+    assert "batched steps off" in servers["queued"].ready
+    turns = [[504, 1573, 40061, 761, 288], [16380, 260, 24224]]
+    for server in servers.values():  # both reply as in-process greedy decoding
+        with server.client() as client:
+            sid = client.create()
+            replies = []
+            for ids in turns:
+                client.append_ids(sid, ids)
+                replies.append(client.generate(sid, 6).token_ids)
+            client.close_session(sid)
+        assert replies == oracle(turns, 6)
+
+
 def test_queue_admission_waits_for_a_slot_then_gives_up(servers):
     queued = servers["queued"]
     with queued.client() as client:
@@ -599,6 +616,7 @@ def test_cli_refuses_bad_arguments_before_loading_the_model(tmp_path, monkeypatc
         "no named drafter 'nope'": ["--draft", "drafter:nope"],
         "drafter:NAME (it serves drafter-tree:NAME too)": ["--draft", "drafter-tree:nope"],
         "needs a --draft": ["--draft-window", "8"],
+        "--batch runs on the torch backend only": ["--backend", "mlx", "--batch"],
     }
     for needle, args in cases.items():
         assert main(["serve", *args]) == 2, args

@@ -1,6 +1,6 @@
 """Load, CI-sized: 8 concurrent sessions x 50 turns against a real ``kakeya-lab serve``
-(the default model; short turns of 6 token ids and 2-token greedy replies keep it to
-minutes on a shared 2-core machine). Every reply equals a clean sequential in-process run
+(the default model, its steps batched as the server does by default; short turns of 6
+token ids and 2-token greedy replies keep it to minutes on a shared 2-core machine). Every reply equals a clean sequential in-process run
 over the same cache configuration, and afterwards the server is back to its baseline
 (open sessions and live KV bytes exactly; RSS within a tolerance, see test_serve_faults)."""
 
@@ -23,10 +23,14 @@ RSS_TOLERANCE_BYTES = 64 * 2**20
 
 def test_concurrent_load_equals_a_sequential_clean_run_and_leaks_nothing(serve, default_model):
     server = serve("--sink", str(SINK), "--window", str(WINDOW), "--capacity", str(SESSIONS))
+    assert "batched steps on" in server.ready  # the server's default for this model
     conversations = load_conversations(SESSIONS, TURNS)
     # Warm up at full concurrency until every session's cache is full (10 turns x 8 tokens >
-    # sink + window), so the allocator has seen the peak before the baseline is taken.
+    # sink + window), then once more as long as half the run, so the allocator and the
+    # kernels' per-shape caches have seen the peak (batched steps meet a new mix of row
+    # counts for a while) before the baseline is taken.
     run_load(server.grpc_target, load_conversations(SESSIONS, 10, seed=1), NEW_TOKENS)
+    run_load(server.grpc_target, load_conversations(SESSIONS, TURNS // 2, seed=2), NEW_TOKENS)
     m = server.metrics()
     before = (
         m["kakeya_sessions_open"],

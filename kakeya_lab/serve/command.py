@@ -127,9 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--batch",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="run the steps of concurrently generating sessions in shared forwards "
-        "(continuous batching; torch Llama/Qwen models)",
+        "(continuous batching); default: on wherever the model allows it (torch Llama and "
+        "Qwen models of linear layers), --batch to require it, --no-batch to turn it off",
     )
     add_proposer_modules(p)
     p.set_defaults(func=run_serve)

@@ -22,12 +22,14 @@ READY = re.compile(r"gRPC ([\d.]+:\d+); HTTP (http://[\d.]+:\d+)/v1")
 
 @dataclass
 class ServerProcess:
-    """A running server: its process, addresses and the stderr lines read so far."""
+    """A running server: its process, addresses, the stderr lines read so far and its
+    ready line (what it loaded and how it serves)."""
 
     proc: subprocess.Popen
     grpc_target: str
     http_base: str
     stderr: list[str] = field(default_factory=list)
+    ready: str = ""
 
     def stop(self, timeout_s: float = 20.0) -> int | None:
         """SIGTERM, then kill after ``timeout_s``; the exit status."""
@@ -62,11 +64,13 @@ def start_server(
     stderr: list[str] = []
     threading.Thread(target=lambda: stderr.extend(proc.stderr or []), daemon=True).start()
     found: list[re.Match] = []
+    ready: list[str] = []
 
     def read_ready() -> None:
         for line in proc.stdout or []:
             if match := READY.search(line):
                 found.append(match)
+                ready.append(line.strip())
                 break
 
     reader = threading.Thread(target=read_ready, daemon=True)
@@ -81,4 +85,4 @@ def start_server(
         proc.kill()
         proc.wait(timeout=10)
         raise RuntimeError(f"server {how}: {''.join(stderr)[-2000:]}")
-    return ServerProcess(proc, found[0].group(1), found[0].group(2), stderr)
+    return ServerProcess(proc, found[0].group(1), found[0].group(2), stderr, ready[0])

@@ -41,13 +41,14 @@ class ServeOptions:
     ``admission``: ``reject`` / ``queue`` (wait up to ``max_wait_s``, 0: without limit; at
     most ``max_queued`` callers at once) when all ``capacity`` slots are used, or
     ``evict_lru`` (the least recently used idle session is closed). ``drafts``: the
-    ``draft:MODEL[:KERNEL]`` specs loaded once at startup, which requests may then name as
+    ``draft:MODEL[:KERNEL]`` and ``drafter:NAME`` specs loaded once at startup, which requests may then name as
     their proposer (``draft_window``: their caches' window; None: the cache's). ``idle_ttl_s`` closes any session idle
     that long, ``implicit_ttl_s`` the implicit ones (stateless HTTP requests'; None: never).
     ``api_keys``: the accepted keys (empty: open to every caller, loopback only);
     ``allowed_hosts`` / ``allowed_origins``: HTTP Host names and Origins accepted besides
     this server's own address. ``batch``: concurrent sessions' steps share forwards
-    (:class:`~kakeya_lab.session.store.SessionStore`'s ``batch``)."""
+    (:class:`~kakeya_lab.session.store.SessionStore`'s ``batch``: None, the default, where
+    the model allows it; True requires it; False turns it off)."""
 
     host: str = "127.0.0.1"
     grpc_port: int = 50051
@@ -65,7 +66,7 @@ class ServeOptions:
     allowed_origins: tuple[str, ...] = ()
     drafts: tuple[str, ...] = ()
     draft_window: int | None = None
-    batch: bool = False
+    batch: bool | None = None
 
     def __repr__(self) -> str:  # never print the keys
         return f"ServeOptions(host={self.host!r}, keys={len(self.api_keys)}, ...)"
@@ -174,6 +175,7 @@ def run_server(
         f"{prog}: ready: model {d.name} (weights sha256 {d.weight_sha256[:16]}, {getattr(d, 'backend', 'torch')}, {d.dtype}); "
         f"cache sink {cache.sink} window {cache.window} ({budget} tokens, {cache.positions} positions); "
         f"capacity {options.capacity} ({options.admission}); "
+        f"batched steps {'on' if served.store.batcher is not None else 'off'}; "
         f"proposers: model-free{''.join(', ' + d for d in served.proposers.loaded())}; "
         f"{'API key required' if keys.required else 'no API key (loopback only)'}; "
         f"gRPC {options.host}:{grpc_port}; HTTP http://{options.host}:{http_port}/v1",

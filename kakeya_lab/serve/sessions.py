@@ -48,6 +48,7 @@ from kakeya_lab.proposers import ProposerKind, proposer_kind, proposer_kinds
 from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.serve.admission import Admission, ServerShuttingDown
 from kakeya_lab.serve.api_keys import ANONYMOUS
+from kakeya_lab.serve.memory import trim_heap
 from kakeya_lab.serve.metrics import ServeMetrics
 from kakeya_lab.serve.served_proposers import (
     ServedProposers,
@@ -191,6 +192,8 @@ class ServedSessions:
             )
         )
         self.shutting_down = threading.Event()
+        self._running = 0  # generations running now (the heap is trimmed when none is)
+        self._running_lock = threading.Lock()
         self.metrics = ServeMetrics(
             open_sessions=self._open_sessions,
             kv_live_bytes=self._kv_live_bytes,
@@ -206,6 +209,16 @@ class ServedSessions:
         if isinstance(metadata, ServedSession):
             metadata.release_proposers()
         self.admission.released()
+        self._trim_if_idle()
+
+    def _trim_if_idle(self) -> None:
+        """Hand freed heap memory back to the system (:func:`trim_heap`) unless a
+        generation is running: after the last generation of a burst ends, and after a
+        session's caches are freed."""
+        with self._running_lock:
+            if self._running:
+                return
+        trim_heap()
 
     def next_expiry_s(self) -> float | None:
         """The ``time.monotonic()`` at which an idle TTL (the store's, or ``implicit_ttl_s``
@@ -637,6 +650,8 @@ class ServedSessions:
         end = "error"
         t0 = last = time.perf_counter()
         served.generations += 1
+        with self._running_lock:
+            self._running += 1
         try:
             for event in turn:
                 if isinstance(event, Token):
@@ -670,6 +685,9 @@ class ServedSessions:
             raise
         finally:
             turn.close()  # the session keeps what was yielded; the template records it
+            with self._running_lock:
+                self._running -= 1
+            self._trim_if_idle()
             # counted once the session has settled: a client that sees the count go up
             # reads the session's final history
             self.metrics.streams_ended.labels(end).inc()
