@@ -142,5 +142,9 @@ def test_loaded_drafter_is_listed_and_others_are_refused_with_the_flag(server):
         assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         details = refused.value.details()
         assert "--draft drafter:other" in details and CHAIN in details, details
+        with pytest.raises(grpc.RpcError) as refused:  # loaded, but it drafts no trees
+            client.generate(sid, 4, proposer=f"drafter-tree:{LORA_NAME}")
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "only a feature drafter drafts trees" in refused.value.details()
         assert client.info(sid).generated_tokens == 0  # refused before anything ran
         client.close_session(sid)

@@ -189,6 +189,10 @@ class ServedProposers:
                 canonical = self._canonical(kind, argument)
                 draft = self.drafts.get(canonical)
                 if draft is not None:
+                    if kind == "drafter-tree":
+                        from kakeya_lab.proposers.drafters.proposer import check_tree_drafter
+
+                        check_tree_drafter(argument, draft.model)
                     used.append(draft)
                     continue
                 what = "draft model" if kind == "draft" else "named drafter"

@@ -143,6 +143,17 @@ def build_chain(argument: str, request: ProposerRequest) -> Any:
 
 
 def build_tree(argument: str, request: ProposerRequest) -> DrafterTreeProposer:
-    """``drafter-tree:NAME``: the named feature drafter ``NAME`` drafting EAGLE-2 trees."""
+    """``drafter-tree:NAME``: the named feature drafter ``NAME`` drafting EAGLE-2 trees
+    (ValueError for a drafter of another kind: only a feature drafter drafts trees)."""
     drafter = _named(argument, request)
+    check_tree_drafter(argument, drafter)
     return DrafterTreeProposer(cast(FeatureDrafter, drafter), label=f"{argument} (tree)")
+
+
+def check_tree_drafter(name: str, drafter: Any) -> None:
+    """ValueError unless ``drafter`` (the named drafter ``name``) can draft trees."""
+    if drafter.config.kind != "feature":
+        raise ValueError(
+            f"drafter-tree:{name}: only a feature drafter drafts trees, and {name!r} is a "
+            f"{drafter.config.kind} drafter; use drafter:{name}"
+        )
