@@ -526,3 +526,40 @@ def test_store_stream_drops_a_token_computed_after_cancel(tiny_model):
     assert store.info(sid).generated_tokens == 3
     rest = [e.id for e in store.generate(sid, 7) if isinstance(e, Token)]
     assert got + rest == full
+
+
+@slow
+def test_reuse_survives_a_reply_whose_text_tokenizes_to_other_ids(server, http, default_model):
+    """A client sends back the reply's text, and that text tokenizes to other ids than the
+    model generated (greedy "List three fruits." cut at 16 tokens ends in "\\n\\n1", written
+    as ids that re-tokenize differently): the next request still reuses the session,
+    keeping the ids the model generated, instead of prefilling the whole conversation."""
+    tok = default_model.tokenizer
+    first = [{"role": "user", "content": "List three fruits."}]
+    r1 = http.post("/v1/chat/completions", json={"messages": first, "max_tokens": 16})
+    assert r1.status_code == 200, r1.text
+    sid, reply = r1.json()["session_id"], r1.json()["choices"][0]["message"]["content"]
+    history = http.get(f"/v1/sessions/{sid}").json()["history"]
+    prompt = tok(
+        tok.apply_chat_template(first, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )["input_ids"]
+    generated = history[len(prompt) :]
+    assert history[: len(prompt)] == prompt
+    # the case under test: the reply's text does not tokenize back to what was generated
+    assert tok(reply, add_special_tokens=False)["input_ids"] != generated, reply
+    second = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
+    r2 = http.post("/v1/chat/completions", json={"messages": second, "max_tokens": 4})
+    assert r2.status_code == 200, r2.text
+    body = r2.json()
+    assert body["session_id"] == sid  # reused
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(history)
+    after = http.get(f"/v1/sessions/{sid}").json()["history"]
+    assert after[: len(history)] == history  # the generated ids kept
+    rest = tok.apply_chat_template(second, tokenize=False, add_generation_prompt=True)
+    rest = rest[len(tok.decode(history, skip_special_tokens=False)) :]
+    assert (
+        after[len(history) :][: len(tok(rest, add_special_tokens=False)["input_ids"])]
+        == (tok(rest, add_special_tokens=False)["input_ids"])
+    )
+    assert http.delete(f"/v1/sessions/{sid}").status_code == 200

@@ -78,9 +78,9 @@ def prepare(
     appended)."""
     options = options_of(served, req)
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    prompt_ids = served.render_ids(messages, owner)
+    prompt_text, prompt_ids = served.render(messages, owner)
     return options, served.attach(
-        prompt_ids, session_id=req.session_id, reuse=req.reuse, owner=owner
+        prompt_ids, session_id=req.session_id, reuse=req.reuse, owner=owner, prompt_text=prompt_text
     )
 
 

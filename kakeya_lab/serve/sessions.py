@@ -414,16 +414,17 @@ class ServedSessions:
         )
 
     # ------------------------------------------------------------ HTTP reuse
-    def render_ids(self, messages: list[dict], owner: str | None = None) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template, ending with
-        the assistant generation prompt (a size bound from ``owner``'s sessions: None, all)."""
+    def render(self, messages: list[dict], owner: str | None = None) -> tuple[str, list[int]]:
+        """A conversation rendered with the model's chat template, ending with the
+        assistant generation prompt: its text and its token ids (a size bound from
+        ``owner``'s sessions: None, all)."""
         if no_chat_template(self.tokenizer):
             raise ValueError(self._no_template("chat completions (messages)"))
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
         self._check_prompt_text(text, owner)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _check_prompt_text(self, text: str, owner: str | None = None) -> None:
         """Refuse a prompt that cannot fit before tokenizing all of it: a prompt may be the
@@ -461,14 +462,16 @@ class ServedSessions:
         session_id: str | None,
         reuse: bool,
         owner: str = ANONYMOUS,
+        prompt_text: str | None = None,
     ) -> Attached:
         """Bind a session of ``owner`` to an HTTP request whose conversation renders to
-        ``prompt_ids``.
+        ``prompt_ids`` (``prompt_text``: the rendered text, when known).
 
         ``session_id``: that session (explicit from now on), whose history must be a prefix
         of ``prompt_ids``. Else, with ``reuse``, the owner's idle implicit session with the
-        longest history that is a prefix (then only the remainder is prefilled); else a new
-        implicit session. The session is marked in use until :meth:`detach`.
+        longest history that is a prefix (then only the remainder is prefilled), or, failing
+        that, whose history's text is a prefix of ``prompt_text`` (:meth:`_claim_prefix`);
+        else a new implicit session. The session is marked in use until :meth:`detach`.
         """
         self.check_running()
         inputs.token_ids(prompt_ids, self.store.vocab_size, "prompt")
@@ -486,8 +489,9 @@ class ServedSessions:
             served.chat = None
             served.implicit = False  # named by its client: never matched by prefix again
             return self._attach_append(served, prompt_ids, len(history), 0.0)
-        claimed = self._claim_prefix(prompt_ids, owner) if reuse else None
-        if claimed is not None:
+        match = self._claim_prefix(prompt_ids, owner, prompt_text) if reuse else None
+        if match is not None:
+            claimed, prompt_ids = match
             reused = len(self.store.verifier(claimed.id).history_token_ids)
             self.metrics.prefix_reuse.labels("hit").inc()
             self.metrics.reused_tokens.inc(reused)
@@ -496,22 +500,46 @@ class ServedSessions:
         served, queued_s = self.create(origin="http", implicit=True, claimed=True, owner=owner)
         return self._attach_append(served, prompt_ids, 0, queued_s)
 
-    def _claim_prefix(self, prompt_ids: list[int], owner: str) -> ServedSession | None:
+    def _claim_prefix(
+        self, prompt_ids: list[int], owner: str, prompt_text: str | None = None
+    ) -> tuple[ServedSession, list[int]] | None:
         """Claim ``owner``'s unclaimed implicit session with the longest history that is a
-        prefix of ``prompt_ids`` (None if there is none)."""
+        prefix of ``prompt_ids``; with none, and ``prompt_text`` given, the one with the
+        longest history whose text is a prefix of ``prompt_text``. Returns the session and
+        the prompt's ids to use: ``prompt_ids``, or, for a text match, the session's
+        history followed by the ids of the rest of the text (None if nothing matches).
+
+        The text match keeps a conversation's reuse when its client sends back a reply
+        whose text tokenizes to other ids than the model generated (``"\n\n"`` written
+        as two ids, re-read as one): the session keeps the ids it generated, as a gRPC
+        text session does, where re-tokenizing the whole conversation would not extend
+        its history and would prefill all of it again."""
 
         def mine(metadata: object) -> bool:
             return _is_implicit(metadata) and metadata.owner == owner  # type: ignore[attr-defined]
 
         candidates = self.store.claim_where(mine)
-        best, best_len = None, -1
+        best, best_len, ids = None, -1, prompt_ids
+        histories = {}
         for sid in candidates:
             try:
-                history = self.store.verifier(sid).history_token_ids
+                histories[sid] = self.store.verifier(sid).history_token_ids
             except SessionError:
                 continue
+        for sid, history in histories.items():
             if best_len < len(history) <= len(prompt_ids) and prompt_ids[: len(history)] == history:
                 best, best_len = sid, len(history)
+        if best is None and prompt_text is not None:
+            matched = ""
+            for sid, history in histories.items():
+                text = self.tokenizer.decode(
+                    history, skip_special_tokens=False, clean_up_tokenization_spaces=False
+                )
+                if len(matched) < len(text) and prompt_text.startswith(text):
+                    best, matched = sid, text
+            if best is not None:
+                rest = self.tokenizer(prompt_text[len(matched) :], add_special_tokens=False)
+                ids = histories[best] + list(rest["input_ids"])
         for sid in candidates:
             if sid != best:
                 self.store.release(sid)
@@ -520,7 +548,7 @@ class ServedSessions:
         if best is None:
             return None
         try:
-            return self.get(best)
+            return self.get(best), ids
         except UnknownSession:  # closed meanwhile
             return None
 
