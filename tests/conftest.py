@@ -227,3 +227,59 @@ def serve():
     finally:
         for server in started:
             server.stop()
+
+
+def plain_greedy(store, sid: str, ids: list[int], max_new: int) -> list[int]:
+    """Append ``ids`` to the in-process session ``sid`` of ``store`` and decode ``max_new``
+    tokens greedily (plain decoding): the token ids (the oracle of served replies)."""
+    from kakeya_lab.session import Token
+
+    store.append(sid, ids)
+    return [e.id for e in store.generate(sid, max_new) if isinstance(e, Token)]
+
+
+def grpc_turns_equal_plain(
+    client, store, tokenizer, turns: list[tuple[str, str]], max_new: int
+) -> tuple[str, object, list[list]]:
+    """Drive a new gRPC text session over ``client`` through ``turns`` (each a user message
+    and the proposer its reply streams with, drafts of 4) and assert every reply equals
+    in-process plain greedy decoding of the same ids on ``store`` (a ``SessionStore`` over
+    the same model and cache), and the histories end equal. Returns the session's id (left
+    open), its final info (history included) and each turn's speculative steps."""
+    from kakeya_lab.chat import ChatTemplate
+
+    chat = ChatTemplate(tokenizer)  # what the server's template does
+    oracle = store.create()
+    steps = []
+    sid = client.create()
+    for question, proposer in turns:
+        client.append_text(sid, question)
+        ids = chat.user(question)
+        events = list(client.stream(sid, max_new, proposer=proposer, draft_length=4))
+        got = [e.token.id for e in events if e.WhichOneof("event") == "token"]
+        assert got == plain_greedy(store, oracle, ids, max_new), (question, proposer)
+        chat.generated(got, eos_token_ids=[tokenizer.eos_token_id])
+        steps.append([e.step for e in events if e.WhichOneof("event") == "step"])
+    info = client.info(sid, include_history=True)
+    assert list(info.history) == store.verifier(oracle).history_token_ids
+    store.close(oracle)
+    return sid, info, steps
+
+
+class drafters_home:
+    """``KAKEYA_LAB_DRAFTERS`` set to ``path`` inside the block (for this process and the
+    servers it starts), restored after."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __enter__(self):
+        self.old = os.environ.get("KAKEYA_LAB_DRAFTERS")
+        os.environ["KAKEYA_LAB_DRAFTERS"] = self.path
+        return self
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            del os.environ["KAKEYA_LAB_DRAFTERS"]
+        else:
+            os.environ["KAKEYA_LAB_DRAFTERS"] = self.old

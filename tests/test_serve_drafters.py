@@ -13,19 +13,16 @@ it starts) so the user's named drafters are never touched.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 grpc = pytest.importorskip("grpc", reason="needs the serve extra")
 httpx = pytest.importorskip("httpx", reason="needs the serve extra")
 
-from conftest import Server  # noqa: E402
+from conftest import Server, drafters_home, grpc_turns_equal_plain, plain_greedy  # noqa: E402
 
 from kakeya_lab.backends.config import SinkWindowConfig  # noqa: E402
-from kakeya_lab.chat import ChatTemplate  # noqa: E402
 from kakeya_lab.cli import main  # noqa: E402
-from kakeya_lab.session import SessionStore, Token  # noqa: E402
+from kakeya_lab.session import SessionStore  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -57,20 +54,12 @@ def server(serve, tmp_path_factory) -> Server:
     """A server that loaded two freshly trained named drafters, a feature drafter and a
     LoRA one (``KAKEYA_LAB_DRAFTERS`` set for the training runs and the server process
     only)."""
-    home = tmp_path_factory.mktemp("served-drafters") / "drafters"
-    old = os.environ.get("KAKEYA_LAB_DRAFTERS")
-    os.environ["KAKEYA_LAB_DRAFTERS"] = str(home)
-    try:
+    with drafters_home(tmp_path_factory.mktemp("served-drafters") / "drafters"):
         for command in TRAIN:
             assert main(command) == 0
         return serve(
             "--sink", str(SINK), "--window", str(WINDOW), "--draft", CHAIN, "--draft", LORA
         )  # fmt: skip
-    finally:
-        if old is None:
-            del os.environ["KAKEYA_LAB_DRAFTERS"]
-        else:
-            os.environ["KAKEYA_LAB_DRAFTERS"] = old
 
 
 @pytest.fixture(scope="module")
@@ -79,36 +68,22 @@ def store(default_model):
     return SessionStore(default_model.model, CONFIG, capacity=4)
 
 
-def _plain(store: SessionStore, sid: str, ids: list[int]) -> list[int]:
-    store.append(sid, ids)
-    return [e.id for e in store.generate(sid, MAX_NEW) if isinstance(e, Token)]
+def _plain(store: SessionStore, sid: str, ids: list[int], max_new: int = MAX_NEW) -> list[int]:
+    return plain_greedy(store, sid, ids, max_new)
 
 
 def test_grpc_drafter_chains_and_trees_equal_in_process_plain_greedy(server, store, default_model):
-    tok = default_model.tokenizer
-    chat = ChatTemplate(tok)
-    oracle = store.create()
     with server.client() as client:
-        sid = client.create()
-        proposed = 0
-        for question, proposer in zip(QUESTIONS, PROPOSERS):
-            client.append_text(sid, question)
-            ids = chat.user(question)
-            events = list(client.stream(sid, MAX_NEW, proposer=proposer, draft_length=4))
-            got = [e.token.id for e in events if e.WhichOneof("event") == "token"]
-            assert got == _plain(store, oracle, ids), (question, proposer)
-            chat.generated(got, eos_token_ids=[tok.eos_token_id])
-            steps = [e.step for e in events if e.WhichOneof("event") == "step"]
-            if proposer != "none":
-                assert steps, proposer  # speculative decoding ran
-                proposed += sum(s.proposed for s in steps)
-        info = client.info(sid, include_history=True)
-        assert list(info.history) == store.verifier(oracle).history_token_ids
+        turns = list(zip(QUESTIONS, PROPOSERS))
+        sid, info, steps = grpc_turns_equal_plain(
+            client, store, default_model.tokenizer, turns, MAX_NEW
+        )
+        for (_, proposer), st in zip(turns, steps):
+            assert bool(st) == (proposer != "none"), proposer  # speculative decoding ran
         assert info.history_len > SINK + WINDOW  # the verifier's window evicted
-        assert proposed > 0  # the drafters drafted
+        assert sum(s.proposed for st in steps for s in st) > 0  # the drafters drafted
         assert info.draft_kv_live_bytes > 0  # the LoRA drafter's own draft cache
         client.close_session(sid)
-    store.close(oracle)
 
 
 def test_http_streamed_drafter_turn_equals_in_process_plain_greedy(server, store, default_model):

@@ -19,11 +19,10 @@ import pytest
 grpc = pytest.importorskip("grpc", reason="needs the serve extra")
 httpx = pytest.importorskip("httpx", reason="needs the serve extra")
 
-from conftest import Server  # noqa: E402
+from conftest import Server, grpc_turns_equal_plain, plain_greedy  # noqa: E402
 
 from kakeya_lab.backends.config import SinkWindowConfig  # noqa: E402
-from kakeya_lab.chat import ChatTemplate  # noqa: E402
-from kakeya_lab.session import SessionStore, Token  # noqa: E402
+from kakeya_lab.session import SessionStore  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -53,30 +52,17 @@ def store(default_model):
 
 
 def _plain(store: SessionStore, sid: str, ids: list[int], max_new: int = MAX_NEW) -> list[int]:
-    store.append(sid, ids)
-    return [e.id for e in store.generate(sid, max_new) if isinstance(e, Token)]
+    return plain_greedy(store, sid, ids, max_new)
 
 
 def test_grpc_draft_turns_equal_in_process_plain_greedy(server, store, default_model):
-    tok = default_model.tokenizer
-    chat = ChatTemplate(tok)  # what the server's template does
-    oracle = store.create()
     with server.client() as client:
-        sid = client.create()
-        accepted = 0
-        for question, proposer in zip(QUESTIONS, PROPOSERS):
-            client.append_text(sid, question)
-            ids = chat.user(question)
-            events = list(client.stream(sid, MAX_NEW, proposer=proposer, draft_length=4))
-            got = [e.token.id for e in events if e.WhichOneof("event") == "token"]
-            assert got == _plain(store, oracle, ids), (question, proposer)
-            chat.generated(got, eos_token_ids=[tok.eos_token_id])
-            steps = [e.step for e in events if e.WhichOneof("event") == "step"]
-            assert steps, proposer  # speculative decoding ran
-            if proposer == DRAFT:
-                accepted += sum(s.accepted for s in steps)
-        info = client.info(sid, include_history=True)
-        assert list(info.history) == store.verifier(oracle).history_token_ids
+        turns = list(zip(QUESTIONS, PROPOSERS))
+        sid, info, steps = grpc_turns_equal_plain(
+            client, store, default_model.tokenizer, turns, MAX_NEW
+        )
+        assert all(steps)  # speculative decoding ran on every turn
+        accepted = sum(s.accepted for (_, p), st in zip(turns, steps) if p == DRAFT for s in st)
         assert info.history_len > SINK + WINDOW  # the verifier's window evicted
         assert accepted > 0  # the draft model drafted, and some drafts were kept
         assert info.draft_kv_live_bytes > 0  # the session's own draft cache
@@ -84,7 +70,6 @@ def test_grpc_draft_turns_equal_in_process_plain_greedy(server, store, default_m
         assert metrics["kakeya_kv_live_bytes"] >= info.kv_live_bytes + info.draft_kv_live_bytes
         client.close_session(sid)
         assert server.metrics()["kakeya_kv_live_bytes"] == 0  # the draft cache went with it
-    store.close(oracle)
 
 
 def test_a_cancelled_draft_turn_leaves_the_draft_cache_consistent(server, store, default_model):
