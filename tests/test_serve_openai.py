@@ -533,7 +533,8 @@ def test_reuse_survives_a_reply_whose_text_tokenizes_to_other_ids(server, http, 
     """A client sends back the reply's text, and that text tokenizes to other ids than the
     model generated (greedy "List three fruits." cut at 16 tokens ends in "\\n\\n1", written
     as ids that re-tokenize differently): the next request still reuses the session,
-    keeping the ids the model generated, instead of prefilling the whole conversation."""
+    keeping the ids the model generated, instead of prefilling the whole conversation; its
+    reply, decoded past the cache's sink + window, is greedy decoding of exactly those ids."""
     tok = default_model.tokenizer
     first = [{"role": "user", "content": "List three fruits."}]
     r1 = http.post("/v1/chat/completions", json={"messages": first, "max_tokens": 16})
@@ -548,7 +549,11 @@ def test_reuse_survives_a_reply_whose_text_tokenizes_to_other_ids(server, http, 
     assert history[: len(prompt)] == prompt
     # the case under test: the reply's text does not tokenize back to what was generated
     assert tok(reply, add_special_tokens=False)["input_ids"] != generated, reply
-    second = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
+    second = [
+        *first,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "Why those three fruits, and not others?"},
+    ]
     r2 = http.post("/v1/chat/completions", json={"messages": second, "max_tokens": 4})
     assert r2.status_code == 200, r2.text
     body = r2.json()
@@ -558,8 +563,18 @@ def test_reuse_survives_a_reply_whose_text_tokenizes_to_other_ids(server, http, 
     assert after[: len(history)] == history  # the generated ids kept
     rest = tok.apply_chat_template(second, tokenize=False, add_generation_prompt=True)
     rest = rest[len(tok.decode(history, skip_special_tokens=False)) :]
-    assert (
-        after[len(history) :][: len(tok(rest, add_special_tokens=False)["input_ids"])]
-        == (tok(rest, add_special_tokens=False)["input_ids"])
-    )
+    prompt2 = history + tok(rest, add_special_tokens=False)["input_ids"]
+    assert after[: len(prompt2)] == prompt2
+    # the reply was decoded past the cache's sink + window, and it is greedy decoding of
+    # exactly those ids (the in-process oracle over the same cache configuration)
+    assert len(prompt2) > SINK + WINDOW
+    from kakeya_lab.backends.config import SinkWindowConfig
+    from kakeya_lab.session import SessionStore, Token
+
+    store = SessionStore(default_model.model, SinkWindowConfig(sink=SINK, window=WINDOW))
+    oracle = store.create()
+    store.append(oracle, prompt2)
+    assert after[len(prompt2) :] == [
+        e.id for e in store.generate(oracle, 4) if isinstance(e, Token)
+    ]
     assert http.delete(f"/v1/sessions/{sid}").status_code == 200
