@@ -137,6 +137,14 @@ def pytest_terminal_summary(terminalreporter):
 
 
 SERVER_START_TIMEOUT_S = 600  # a bound on the readiness wait, generous for a busy machine
+# A server's footprint after a load or a fault, against its footprint before: open sessions
+# and live KV bytes exactly; the live heap (glibc's count of bytes handed out, which a leak
+# moves and memory the allocator keeps for reuse does not) within HEAP_TOLERANCE_BYTES, as
+# kernels' per-shape caches still grow a little with new shapes (measured: under 2 MB after
+# the first 400 turns, then ~0.1 MB per 400); the resident size within
+# RSS_TOLERANCE_BYTES (it moves by ~10 MB with how freed pages lie in the arenas).
+HEAP_TOLERANCE_BYTES = 4 * 2**20
+RSS_TOLERANCE_BYTES = 64 * 2**20
 
 
 class Server(ServerProcess):
@@ -177,6 +185,37 @@ class Server(ServerProcess):
         while self.cancelled_streams() == before:
             assert time.monotonic() < deadline, "the server kept generating after the client left"
             time.sleep(0.1)
+
+    def footprint(self) -> dict[str, float]:
+        """Open sessions, live KV bytes, live heap bytes and resident bytes (/metrics)."""
+        m = self.metrics()
+        return {
+            "sessions": m["kakeya_sessions_open"],
+            "kv": m["kakeya_kv_live_bytes"],
+            "heap": m["kakeya_heap_in_use_bytes"],
+            "rss": m["process_resident_memory_bytes"],
+        }
+
+    def assert_back_to(self, before: dict[str, float], timeout_s: float = 60) -> None:
+        """Assert that the server's :meth:`footprint` is back to ``before`` (sessions and
+        KV exactly, heap and RSS within their tolerances), waiting up to ``timeout_s`` for
+        it to settle: a finished stream's last objects are freed a moment after its client
+        has the reply."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            after = self.footprint()
+            settled = (
+                after["sessions"] == before["sessions"]
+                and after["kv"] == before["kv"]
+                and after["heap"] - before["heap"] <= HEAP_TOLERANCE_BYTES
+            )
+            if settled or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert after["sessions"] == before["sessions"], (before, after)
+        assert after["kv"] == before["kv"], (before, after)
+        assert after["heap"] - before["heap"] <= HEAP_TOLERANCE_BYTES, (before, after)
+        assert after["rss"] - before["rss"] <= RSS_TOLERANCE_BYTES, (before, after)
 
     def metrics(self) -> dict[str, float]:
         """The server's /metrics samples as ``name{label=value,...}`` -> value."""

@@ -11,11 +11,10 @@ another vocabulary cannot be provoked here: a server loads its draft models at s
 (``--draft``), where one with another tokenizer is refused, and refuses every ``draft:``
 spec it did not load before the engine runs.
 
-Baseline: open sessions and live KV bytes (``/metrics``) must return exactly to their
-values before the fault. RSS (``process_resident_memory_bytes``) is checked only against
-``RSS_TOLERANCE_BYTES``: glibc's allocator keeps freed arenas, so RSS does not shrink back
-byte for byte, and one leaked session of this small-window server (~3 MB of KV) would be
-under that tolerance; the exact checks are the session and KV counters.
+Baseline (``Server.assert_back_to`` in conftest): open sessions and live KV bytes
+(``/metrics``) must return exactly to their values before the fault, the live heap and the
+resident size to within tolerances (the allocator keeps freed memory for reuse, so the
+resident size does not shrink back byte for byte).
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ pytestmark = pytest.mark.slow
 
 SINK, WINDOW = 4, 60
 CONFIG = SinkWindowConfig(sink=SINK, window=WINDOW)
-RSS_TOLERANCE_BYTES = 64 * 2**20
 FAILING = Path(__file__).with_name("proposer_that_fails.py")
 STORY = (
     "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps "
@@ -48,7 +46,7 @@ STORY = (
 
 @pytest.fixture(scope="module")
 def server(serve, default_model):
-    """The server, warmed once over gRPC and HTTP so that its RSS has its working set
+    """The server, warmed once over gRPC and HTTP so that its heap has its working set
     before any test takes a baseline (whichever test runs first, or alone)."""
     server = serve(
         "--sink", str(SINK), "--window", str(WINDOW), "--capacity", "6",
@@ -88,29 +86,13 @@ def greedy(default_model):
     return run
 
 
-def _baseline(server) -> dict[str, float]:
-    m = server.metrics()
-    return {
-        "sessions": m["kakeya_sessions_open"],
-        "kv": m["kakeya_kv_live_bytes"],
-        "rss": m["process_resident_memory_bytes"],
-    }
-
-
-def _assert_back_to(server, before: dict[str, float]) -> None:
-    after = _baseline(server)
-    assert after["sessions"] == before["sessions"], (before, after)
-    assert after["kv"] == before["kv"], (before, after)
-    assert after["rss"] - before["rss"] <= RSS_TOLERANCE_BYTES, (before, after)
-
-
 def test_engine_errors_map_to_clear_statuses_and_leave_sessions_untouched(
     server, default_model, greedy
 ):
     tok = default_model.tokenizer
     story = tok(STORY, add_special_tokens=False)["input_ids"]
     other_prompt = tok("Count: one, two, three, four,", add_special_tokens=False)["input_ids"]
-    before = _baseline(server)
+    before = server.footprint()
 
     # a clean session generating concurrently with every fault below
     other: dict = {}
@@ -168,7 +150,7 @@ def test_engine_errors_map_to_clear_statuses_and_leave_sessions_untouched(
 
     runner.join(timeout=300)
     assert other["ids"] == greedy(other_prompt, 24)  # the concurrent session: as a clean run
-    _assert_back_to(server, before)
+    server.assert_back_to(before)
 
 
 def test_non_streaming_http_client_that_hangs_up_stops_generation(server, default_model, greedy):
@@ -177,7 +159,7 @@ def test_non_streaming_http_client_that_hangs_up_stops_generation(server, defaul
     which are the greedy continuation's first ones."""
     tok = default_model.tokenizer
     http = httpx.Client(base_url=server.http_base, timeout=60)
-    before = _baseline(server)
+    before = server.footprint()
     cancelled_before = server.cancelled_streams()
     sid = http.post("/v1/sessions").json()["session_id"]
     messages = [{"role": "user", "content": "Tell me a very long story about the sea."}]
@@ -211,4 +193,4 @@ def test_non_streaming_http_client_that_hangs_up_stops_generation(server, defaul
     assert http.get(f"/v1/sessions/{sid}").json()["history_len"] == again["history_len"]
     assert http.delete(f"/v1/sessions/{sid}").status_code == 200
     http.close()
-    _assert_back_to(server, before)
+    server.assert_back_to(before)

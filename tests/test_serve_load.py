@@ -2,7 +2,8 @@
 (the default model, its steps batched as the server does by default; short turns of 6
 token ids and 2-token greedy replies keep it to minutes on a shared 2-core machine). Every reply equals a clean sequential in-process run
 over the same cache configuration, and afterwards the server is back to its baseline
-(open sessions and live KV bytes exactly; RSS within a tolerance, see test_serve_faults)."""
+(open sessions and live KV bytes exactly; the live heap and RSS within the tolerances of
+``Server.assert_back_to`` in conftest)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ pytestmark = pytest.mark.slow
 
 SINK, WINDOW = 4, 60  # 50 turns x 8 tokens: the window evicts many times over
 SESSIONS, TURNS, NEW_TOKENS = 8, 50, 2
-RSS_TOLERANCE_BYTES = 64 * 2**20
 
 
 def test_concurrent_load_equals_a_sequential_clean_run_and_leaks_nothing(serve, default_model):
@@ -31,23 +31,12 @@ def test_concurrent_load_equals_a_sequential_clean_run_and_leaks_nothing(serve, 
     # counts for a while) before the baseline is taken.
     run_load(server.grpc_target, load_conversations(SESSIONS, 10, seed=1), NEW_TOKENS)
     run_load(server.grpc_target, load_conversations(SESSIONS, TURNS // 2, seed=2), NEW_TOKENS)
-    m = server.metrics()
-    before = (
-        m["kakeya_sessions_open"],
-        m["kakeya_kv_live_bytes"],
-        m["process_resident_memory_bytes"],
-    )
+    before = server.footprint()
+    assert before["sessions"] == before["kv"] == 0
 
     result = run_load(server.grpc_target, conversations, NEW_TOKENS)
 
-    m = server.metrics()
-    after = (
-        m["kakeya_sessions_open"],
-        m["kakeya_kv_live_bytes"],
-        m["process_resident_memory_bytes"],
-    )
-    assert after[:2] == before[:2] == (0, 0)
-    assert after[2] - before[2] <= RSS_TOLERANCE_BYTES, (before, after)
+    server.assert_back_to(before)
     summary = latency_summary(result)
     assert (
         summary["turns"] == SESSIONS * TURNS and summary["turn_p99_s"] >= summary["turn_p50_s"] > 0

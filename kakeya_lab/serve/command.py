@@ -274,6 +274,9 @@ def run_serve(args: argparse.Namespace) -> int:
     check_serve_arguments(args)
     cache, options = serve_options(args)
     from kakeya_lab.models import load_model
+    from kakeya_lab.serve.memory import limit_arenas
+
+    limit_arenas()  # before the model's and the server's threads exist (see serve/memory.py)
 
     print(f"{PROG} serve: loading {args.model} ({args.backend})", file=sys.stderr, flush=True)
     loaded = load_model(args.model, backend=args.backend, linear=args.linear, progress=False)

@@ -21,6 +21,8 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
+from kakeya_lab.serve.memory import heap_in_use_bytes
+
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -41,6 +43,12 @@ class ServeMetrics:
         Gauge(
             "kakeya_kv_live_bytes", "Bytes of K and V held by all sessions' caches", registry=r
         ).set_function(kv_live_bytes)
+        Gauge(
+            "kakeya_heap_in_use_bytes",
+            "Bytes the C allocator has handed out and not had back (live heap; unlike the "
+            "resident size it leaves out freed memory the allocator keeps)",
+            registry=r,
+        ).set_function(heap_in_use_bytes)
         Gauge(
             "kakeya_admission_waiting", "Session creations waiting in the queue", registry=r
         ).set_function(admission_waiting)
