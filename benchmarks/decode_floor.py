@@ -37,9 +37,10 @@ from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.durable import write_json_atomic
 from kakeya_lab.linear import set_linear_kernel
+from kakeya_lab.linear_auto import full_precision_kernels
 from kakeya_lab.results import hardware, now_iso
 
-KERNELS = ("aten", "onednn")
+KERNELS = full_precision_kernels()
 FORWARDS = {"transformers": False, "lean": None}  # Verifier(lean=...)
 
 

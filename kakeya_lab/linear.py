@@ -17,7 +17,14 @@ plain decoding and the speculative arm run the same kernel, which holds because 
 a property of the loaded model that both share. While gradients are being recorded for a
 layer's weight or input, the layer falls back to ``aten`` (oneDNN's op has no backward).
 
-Which of the two is faster depends on the CPU: ``auto`` measures both on this machine
+``split`` spreads a few-row product over the threads: PyTorch runs a one-row product
+(a matrix-vector product) on one core whatever its thread count, and one core cannot read
+the weights as fast as the machine can. ``split`` views each weight as one slice of its
+output rows per thread (``weight.view(threads, out // threads, in)``, no copy) and multiplies
+the rows by every slice in one batched product (``torch.bmm``), whose batches run in
+parallel; a layer whose output width the thread count does not divide runs ``aten``.
+
+Which of them is fastest depends on the CPU: ``auto`` measures them all on this machine
 for one to eight rows and for a prefill chunk, caches the choice on disk per model, dtype,
 CPU, torch version and thread count, and runs each call on the winner for its row count
 (:mod:`kakeya_lab.linear_auto`); its numbers are those of the kernel it dispatches to.
@@ -46,11 +53,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kakeya_lab.linear_kernels import KERNELS
+from kakeya_lab.linear_kernels import FULL_PRECISION, KERNELS
 
 _DTYPES = (torch.float32, torch.bfloat16)
 QUANTISED = ("int8", "int4")  # the kernels that multiply by a quantised copy
-FULL_PRECISION = ("aten", "onednn")  # the kernels "auto" chooses from
 INT4_GROUP = 32  # inputs per int4 scale and offset (the kernel takes 32, 64, 128 or 256)
 
 
@@ -65,11 +71,41 @@ def _onednn_linear(layer: nn.Linear, input: torch.Tensor) -> torch.Tensor:  # no
     )
 
 
+def _split_linear(layer: nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    """``layer(input)`` as one batched product over one slice of the weight's output rows
+    per thread (module docstring), where it applies, else PyTorch's linear."""
+    weight = layer.weight
+    parts = torch.get_num_threads()
+    out_features, in_features = weight.shape
+    if (
+        parts < 2
+        or out_features % parts
+        or not weight.is_contiguous()
+        or input.dtype != weight.dtype
+        or input.numel() == 0
+        or (torch.is_grad_enabled() and (weight.requires_grad or input.requires_grad))
+    ):
+        return F.linear(input, weight, layer.bias)
+    rows = input.reshape(-1, in_features)
+    slices = weight.view(parts, out_features // parts, in_features).transpose(1, 2)
+    out = torch.bmm(rows.expand(parts, *rows.shape), slices)  # [parts, rows, out // parts]
+    out = out.transpose(0, 1).reshape(*input.shape[:-1], out_features)
+    return out if layer.bias is None else out + layer.bias
+
+
 class OneDNNLinear(nn.Linear):
     """An ``nn.Linear`` whose inference forward is oneDNN's linear over its own weights."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
         return _onednn_linear(self, input)
+
+
+class SplitLinear(nn.Linear):
+    """An ``nn.Linear`` whose inference forward splits its output rows over the threads
+    (:func:`_split_linear`)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
+        return _split_linear(self, input)
 
 
 FEW_ROWS = 8  # up to this many rows the quantised kernels are faster; beyond, the weights
@@ -88,6 +124,8 @@ class AutoLinear(nn.Linear):
         kernel = self._few[rows - 1] if 1 <= rows <= FEW_ROWS else self._many
         if kernel == "onednn":
             return _onednn_linear(self, input)
+        if kernel == "split":
+            return _split_linear(self, input)
         return F.linear(input, self.weight, self.bias)
 
 
@@ -212,6 +250,7 @@ def check_linear_kernel(kernel: str) -> None:
 _CLASSES: dict[str, type[nn.Linear]] = {
     "aten": nn.Linear,
     "onednn": OneDNNLinear,
+    "split": SplitLinear,
     "auto": AutoLinear,
     "int8": Int8Linear,
     "int4": Int4Linear,
@@ -263,9 +302,11 @@ def set_linear_kernel(model: nn.Module, kernel: str, *, choice: Any = None) -> i
 
 def linear_kernel_of(model: nn.Module) -> str:
     """The kernel :func:`set_linear_kernel` last set on ``model``'s linear layers: the first
-    of ``int4``, ``int8``, ``auto`` and ``onednn`` some layer runs, else ``"aten"``."""
+    of ``int4``, ``int8``, ``auto``, ``onednn`` and ``split`` some layer runs, else
+    ``"aten"``."""
     kinds = {type(m) for m in model.modules()}
-    return next((k for k in ("int4", "int8", "auto", "onednn") if _CLASSES[k] in kinds), "aten")
+    order = ("int4", "int8", "auto", "onednn", "split")
+    return next((k for k in order if _CLASSES[k] in kinds), "aten")
 
 
 @contextmanager

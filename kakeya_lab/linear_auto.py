@@ -2,8 +2,8 @@
 
 Which CPU kernel multiplies a few rows fastest depends on the CPU (and its load): on one
 machine PyTorch's default (``aten``) wins one-token steps and oneDNN blocks, on another
-oneDNN wins both. :func:`auto_choice` times every full-precision kernel (``aten`` and, when
-this PyTorch has it, ``onednn``) over all of a model's linear layers, for 1 to
+oneDNN wins both. :func:`auto_choice` times every full-precision kernel (``aten``, ``split``
+and, when this PyTorch has it, ``onednn``) over all of a model's linear layers, for 1 to
 :data:`~kakeya_lab.linear.FEW_ROWS` rows (one-token steps and verification blocks) and for a
 prefill chunk of :data:`PREFILL_ROWS` rows (what more rows run), interleaved, best of
 :data:`REPEATS`; a few seconds for a 135M model. The choice is cached on disk as JSON under
@@ -29,7 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kakeya_lab.linear import FEW_ROWS, FULL_PRECISION, _onednn_linear, set_linear_kernel
+from kakeya_lab.linear import (
+    FEW_ROWS,
+    FULL_PRECISION,
+    _onednn_linear,
+    _split_linear,
+    set_linear_kernel,
+)
 from kakeya_lab.results import cpu_identity
 
 PREFILL_ROWS = 64  # the row count timed for "more than FEW_ROWS rows"
@@ -70,8 +76,15 @@ class AutoChoice:
         return data
 
 
-def _kernels() -> tuple[str, ...]:
-    return tuple(k for k in FULL_PRECISION if k != "onednn" or torch.backends.mkldnn.is_available())
+def full_precision_kernels() -> tuple[str, ...]:
+    """The full-precision kernels this PyTorch build can run here, each once: ``onednn``
+    needs oneDNN, and ``split`` on one thread is ``aten``'s own product."""
+    return tuple(
+        k
+        for k in FULL_PRECISION
+        if (k != "onednn" or torch.backends.mkldnn.is_available())
+        and (k != "split" or torch.get_num_threads() > 1)
+    )
 
 
 def choice_key(model: nn.Module, identity: str | None = None) -> dict[str, Any]:
@@ -87,7 +100,7 @@ def choice_key(model: nn.Module, identity: str | None = None) -> dict[str, Any]:
         **cpu_identity(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "kernels": list(_kernels()),
+        "kernels": list(full_precision_kernels()),
     }
 
 
@@ -128,6 +141,8 @@ def _one_pass(layers: list[nn.Linear], inputs: dict[int, torch.Tensor], kernel: 
         x = inputs[layer.in_features]
         if kernel == "onednn":
             _onednn_linear(layer, x)
+        elif kernel == "split":
+            _split_linear(layer, x)
         else:
             F.linear(x, layer.weight, layer.bias)
     return (time.perf_counter() - t0) * 1000
@@ -139,7 +154,7 @@ def _measure(model: nn.Module, key: dict[str, Any]) -> AutoChoice:
     global measurements
     layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
     weight = next(model.parameters())
-    kernels = _kernels()
+    kernels = full_precision_kernels()
     ms: dict[str, dict[str, float]] = {k: {} for k in kernels}
     for label in _labels():
         rows = PREFILL_ROWS if label == "prefill" else int(label)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import random
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -26,6 +27,8 @@ from kakeya_lab.linear import (
     Int4Linear,
     Int8Linear,
     OneDNNLinear,
+    SplitLinear,
+    kernel_switched,
     linear_kernel_of,
     quantize_int4,
     quantize_int8,
@@ -140,6 +143,63 @@ def test_onednn_verifier_gives_the_oracle_logits_past_eviction(
     check_close(f"smollm2 onednn/{mode}/chunked append", last, want[-1], TOL, record_tolerance)
     aten = oracle_logits(default_model.model, ids, config)
     check_close(f"smollm2/{mode}/onednn oracle vs aten oracle", want, aten, TOL, record_tolerance)
+
+
+@contextmanager
+def torch_threads(n: int):
+    """Run the block with ``n`` torch threads (the ``split`` kernel splits over them; the
+    tests' workers run one), restoring the count afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_split_is_the_linear_product_with_one_slice_of_outputs_per_thread():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 96)
+    odd = torch.nn.Linear(64, 7, bias=False)  # no thread count above 1 divides 7
+    inputs = {rows: torch.randn(rows, 64) for rows in (1, 3, 8, 40)}
+    with torch.no_grad():
+        want = {rows: layer(x) for rows, x in inputs.items()}
+    weight = layer.weight.data_ptr()
+    for module in (layer, odd):
+        set_linear_kernel(module, "split")
+        assert isinstance(module, SplitLinear)
+    for threads in (1, 2, 3, 4):
+        with torch_threads(threads), torch.no_grad():
+            for rows, x in inputs.items():
+                got = layer(x)
+                assert got.shape == want[rows].shape
+                assert (got - want[rows]).abs().max().item() <= 1e-5, (threads, rows)
+                assert layer(x[None]).shape == (1, rows, 96)  # leading dimensions kept
+            assert torch.equal(odd(inputs[3]), torch.nn.functional.linear(inputs[3], odd.weight))
+    assert layer.weight.data_ptr() == weight  # the slices are views: nothing was copied
+
+
+@pytest.mark.parametrize("mode", ["global", "rolling"])
+def test_split_verifier_gives_the_oracle_logits_past_eviction(
+    default_model, text_ids, mode, record_tolerance
+):
+    """As the oneDNN test above, on the default model's own layers switched to ``split``
+    (two threads, so it does split) and back."""
+    model = default_model.model
+    config = SinkWindowConfig(sink=4, window=28, positions=mode)
+    ids = text_ids[:150]
+    aten = oracle_logits(model, ids, config)
+    with torch_threads(2), kernel_switched(model, "split"):
+        assert linear_kernel_of(model) == "split"
+        want = oracle_logits(model, ids, config)
+        got, v = blocks_with_rollback(model, ids, config, random.Random(3))
+        assert v.history_len == len(ids) > 4 * config.budget
+        rows, last, _ = chunked(model, ids, config, random.Random(4))
+    assert linear_kernel_of(model) == "aten"
+    check_close(f"smollm2 split/{mode}/blocks+rollback", got, want, TOL, record_tolerance)
+    check_close(f"smollm2 split/{mode}/chunked", rows, want, TOL, record_tolerance)
+    check_close(f"smollm2 split/{mode}/chunked append", last, want[-1], TOL, record_tolerance)
+    check_close(f"smollm2/{mode}/split oracle vs aten oracle", want, aten, TOL, record_tolerance)
 
 
 def test_onednn_greedy_speculative_decoding_equals_plain_past_eviction(onednn_model):

@@ -26,7 +26,7 @@ from kakeya_lab.linear import (
     linear_kernel_of,
     set_linear_kernel,
 )
-from kakeya_lab.linear_auto import set_auto_kernel
+from kakeya_lab.linear_auto import full_precision_kernels, set_auto_kernel
 from kakeya_lab.models import tiny_random_model
 from kakeya_lab.proposers import make_proposer
 from kakeya_lab.reference import oracle_logits
@@ -52,7 +52,7 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(model, tmp_path):
     (path,) = _files(tmp_path)
     saved = json.loads(path.read_text())
     assert saved["key"]["cpu"] and saved["key"]["threads"] == torch.get_num_threads()
-    assert len(first.few) == FEW_ROWS and set(first.ms) == {"aten", "onednn"}
+    assert len(first.few) == FEW_ROWS and set(first.ms) == set(full_precision_kernels())
     assert "1: " in first.describe() and "prefill: " in first.describe()
 
     set_linear_kernel(model, "aten")
@@ -168,3 +168,14 @@ def test_auto_without_a_measured_choice_is_refused_before_anything_changes(model
     with pytest.raises(ValueError, match="set_auto_kernel"):
         set_linear_kernel(model, "auto")
     assert linear_kernel_of(model) == "onednn"
+
+
+def test_split_is_a_candidate_only_with_threads_to_split_over():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert "split" not in full_precision_kernels() and "aten" in full_precision_kernels()
+        torch.set_num_threads(2)
+        assert "split" in full_precision_kernels()
+    finally:
+        torch.set_num_threads(before)

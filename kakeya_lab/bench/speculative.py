@@ -57,6 +57,7 @@ from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.cost_model import CostModel, block_padding, fit_block_cost
 from kakeya_lab.data import Conversation
 from kakeya_lab.linear import kernel_switched, linear_kernel_of
+from kakeya_lab.linear_auto import full_precision_kernels
 from kakeya_lab.proposers import Proposer, is_tree_proposer
 from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.session import SessionStore, chat_turn, collect_reply
@@ -132,7 +133,8 @@ def run_speculative(
     arms run; tree arms are not padded, so they get none).
 
     ``settings.plain_kernels`` (torch) times plain decoding on each of those full-precision
-    kernels too, as more plain arms beside the others; the fastest (tokens/s over the run)
+    kernels that this machine runs as a kernel of its own (``split`` needs two threads) too,
+    as more plain arms beside the others; the fastest (tokens/s over the run)
     becomes ``plain``, the baseline of every speedup, and the others stay as
     ``plain[KERNEL]`` rows; ``run.plain_kernel`` names the winner and
     ``run.plain_tokens_per_s`` has every kernel's rate. The other arms run the model's own
@@ -174,8 +176,9 @@ def run_speculative(
                     arms[f"{_spec_of(name)}@pad{n}"] = (factory, n, None, plan)
     own_kernel = linear_kernel_of(model) if isinstance(model, torch.nn.Module) else ""
     plain_arm = {"plain": own_kernel}
+    runnable = full_precision_kernels() if own_kernel else ()
     for kernel in settings.plain_kernels if own_kernel else ():
-        if kernel != own_kernel:
+        if kernel != own_kernel and kernel in runnable:  # split on one thread would be aten
             plain_arm[f"plain[{kernel}]"] = kernel
             arms[f"plain[{kernel}]"] = (None, 0, None, None)
     turn_rows, step_rows = [], []

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kakeya_lab.linear_kernels import FULL_PRECISION
 from kakeya_lab.settings import Settings, SettingsError, check_int
 
 if TYPE_CHECKING:
@@ -62,10 +63,11 @@ class SpeculativeSettings(Settings):
     def validate(self) -> None:
         """Raise :class:`~kakeya_lab.settings.SettingsError` for a setting that cannot work."""
         for kernel in self.plain_kernels:
-            if kernel not in ("aten", "onednn"):
+            if kernel not in FULL_PRECISION:
                 raise SettingsError(
                     "plain_kernels",
-                    f"must name full-precision kernels (aten, onednn), got {kernel!r}",
+                    f"must name full-precision kernels ({', '.join(FULL_PRECISION)}), "
+                    f"got {kernel!r}",
                 )
         for n in self.draft_lengths:
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -153,7 +155,7 @@ class SpecTableSettings(Settings):
     draft_window: int | None = None
     cost_aware: bool = False
     pad_blocks: bool = False
-    plain_kernels: tuple[str, ...] = ("aten", "onednn")
+    plain_kernels: tuple[str, ...] = FULL_PRECISION
 
     def validate(self) -> None:
         """Raise :class:`~kakeya_lab.settings.SettingsError` for a setting that cannot work."""
