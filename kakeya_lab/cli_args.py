@@ -32,6 +32,7 @@ MAX_CACHE_TOKENS = 1 << 24  # a sink or window beyond this cannot be held on any
 VERIFIER_KERNELS = (
     "aten",
     "onednn",
+    "split",
     "auto",
 )  # --linear: the quantised kernels are for draft models
 POSITIONS = ("global", "rolling")
@@ -136,14 +137,15 @@ def add_cache(p: argparse.ArgumentParser, *, window: int, positions: bool = True
 
 
 def add_linear(p: argparse.ArgumentParser) -> None:
-    """``--linear aten|onednn|auto``: the torch verifier's linear-layer kernel."""
+    """``--linear aten|onednn|split|auto``: the torch verifier's linear-layer kernel."""
     p.add_argument(
         "--linear",
         choices=list(VERIFIER_KERNELS),
         default="aten",
         help="the torch model's linear-layer kernel: aten (PyTorch's default), onednn "
-        "(oneDNN's; on CPU a block of a few draft tokens costs little more than one token) or "
-        "auto (the faster of the two on this machine for each row count, measured once and cached)",
+        "(oneDNN's; on CPU a block of a few draft tokens costs little more than one token), "
+        "split (each product's output rows split over the threads) or auto (the fastest of "
+        "them on this machine for each row count, measured once and cached)",
     )
 
 
