@@ -179,7 +179,7 @@ def test_split_is_the_linear_product_with_one_slice_of_outputs_per_thread():
     assert layer.weight.data_ptr() == weight  # the slices are views: nothing was copied
 
 
-@pytest.mark.parametrize("mode", ["global", "rolling"])
+@pytest.mark.parametrize("mode", ["global", pytest.param("rolling", marks=pytest.mark.slow)])
 def test_split_verifier_gives_the_oracle_logits_past_eviction(
     default_model, text_ids, mode, record_tolerance
 ):
