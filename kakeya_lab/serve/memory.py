@@ -26,47 +26,7 @@ import ctypes
 import ctypes.util
 import functools
 from collections.abc import Callable
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim`` (None on another C library or platform)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim with
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
-
-
-M_ARENA_MAX = -8  # mallopt's parameter number (malloc.h)
-SERVER_ARENAS = 2  # the main thread's arena and one that every worker thread shares
-
-
-def limit_arenas(arenas: int = SERVER_ARENAS) -> bool:
-    """Cap the allocator's arenas (``mallopt(M_ARENA_MAX, arenas)``) for the threads this
-    process starts from now on; True if the C library took it (False elsewhere)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return bool(mallopt(M_ARENA_MAX, arenas))
-
-
-def trim_heap() -> bool:
-    """Return the allocator's free memory to the system; True if any was released
-    (False, and nothing done, where the C library has no ``malloc_trim``)."""
-    trim = _malloc_trim()
-    return bool(trim(0)) if trim is not None else False
+from typing import Any
 
 
 class _MallInfo2(ctypes.Structure):
@@ -80,18 +40,37 @@ class _MallInfo2(ctypes.Structure):
 
 
 @functools.cache
-def _mallinfo2() -> Callable[[], _MallInfo2] | None:
-    """glibc's ``mallinfo2`` (glibc 2.33 and later; None elsewhere)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
+def _glibc(name: str, argtypes: tuple[Any, ...], restype: Any) -> Callable[..., Any] | None:
+    """The C library's function ``name`` with its signature; None where the C library
+    lacks it (musl, macOS, a glibc before ``mallinfo2``) or none is found."""
+    library = ctypes.util.find_library("c")
+    if library is None:
         return None
     try:
-        info = ctypes.CDLL(name).mallinfo2
+        function = getattr(ctypes.CDLL(library), name)
     except (OSError, AttributeError):
         return None
-    info.argtypes = []
-    info.restype = _MallInfo2
-    return info
+    function.argtypes = list(argtypes)
+    function.restype = restype
+    return function
+
+
+M_ARENA_MAX = -8  # mallopt's parameter number (malloc.h)
+SERVER_ARENAS = 2  # the main thread's arena and one that every worker thread shares
+
+
+def limit_arenas(arenas: int = SERVER_ARENAS) -> bool:
+    """Cap the allocator's arenas (``mallopt(M_ARENA_MAX, arenas)``) for the threads this
+    process starts from now on; True if the C library took it (False elsewhere)."""
+    mallopt = _glibc("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
+    return bool(mallopt(M_ARENA_MAX, arenas)) if mallopt is not None else False
+
+
+def trim_heap() -> bool:
+    """Return the allocator's free memory to the system; True if any was released
+    (False, and nothing done, where the C library has no ``malloc_trim``)."""
+    trim = _glibc("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
+    return bool(trim(0)) if trim is not None else False
 
 
 def heap_in_use_bytes() -> float:
@@ -99,7 +78,7 @@ def heap_in_use_bytes() -> float:
     mmapped blocks (``uordblks + hblkhd``): the process's live heap, which tensors, kernel
     caches and Python objects all draw on. Unlike the resident size it does not count free
     memory the allocator keeps for reuse. NaN where the C library has no ``mallinfo2``."""
-    info = _mallinfo2()
+    info = _glibc("mallinfo2", (), _MallInfo2)
     if info is None:
         return float("nan")
     m = info()
