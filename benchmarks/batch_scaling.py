@@ -268,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per session")
     parser.add_argument("--no-server", action="store_true", help="in process only")
+    parser.add_argument(
+        "--linear",
+        default="aten",
+        choices=["aten", "onednn", "split", "auto"],
+        help="the linear layers' kernel, in process and in the servers",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results here (JSON)")
     args = parser.parse_args(argv)
     if 1 not in args.levels:
@@ -280,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         "hardware": {**hardware(), "cpu_flags": cpu_flags()},
         "load_average_before": os.getloadavg(),
     }
-    loaded = load_model(args.model, dtype=torch.float32, progress=False)
+    loaded = load_model(args.model, dtype=torch.float32, linear=args.linear, progress=False)
     runs: dict[str, dict[str, dict]] = {"solo": {}, "batched": {}}
     for mode in runs:
         for n in levels:
@@ -298,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("solo", "batched"):
             extra = ["--sink", str(args.sink), "--window", str(args.window)]
             extra += ["--capacity", str(max(levels)), "--admission", "evict_lru"]
+            extra += ["--linear", args.linear]
             extra += ["--batch"] if mode == "batched" else ["--no-batch"]
             server = start_server(*extra, model=args.model, timeout_s=300)
             try:
