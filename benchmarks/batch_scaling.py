@@ -17,8 +17,9 @@ aggregate no lower than at 8.
     OMP_NUM_THREADS=1 python benchmarks/batch_scaling.py --levels 1 2 4 8 16 \
         --out evidence/batch_scaling/batch_scaling.json
 
-``--no-server`` measures in process only. The JSON records the CPU, the load average
-before and after, and every figure.
+``--no-server`` measures in process only. ``OMP_NUM_THREADS`` sets the torch threads of
+this process and of the servers it starts; ``--linear`` their kernel (``split`` needs two
+threads). The JSON records the CPU, the load average before and after, and every figure.
 """
 
 from __future__ import annotations
@@ -306,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
             extra += ["--capacity", str(max(levels)), "--admission", "evict_lru"]
             extra += ["--linear", args.linear]
             extra += ["--batch"] if mode == "batched" else ["--no-batch"]
-            server = start_server(*extra, model=args.model, timeout_s=300)
+            server = start_server(
+                *extra, model=args.model, timeout_s=300, threads=torch.get_num_threads()
+            )
             try:
                 for n in levels:
                     served["grpc"][mode][str(n)] = grpc_level(

@@ -48,16 +48,17 @@ def start_server(
     model: str = DEFAULT_MODEL,
     timeout_s: float = 180.0,
     env: Mapping[str, str] | None = None,
+    threads: int = 1,
 ) -> ServerProcess:
     """``kakeya-lab serve --model MODEL --grpc-port 0 --http-port 0 *extra`` (free loopback
-    ports unless ``extra`` names them), one torch thread, this package first on the path,
+    ports unless ``extra`` names them), ``threads`` torch threads, this package first on the path,
     in ``env`` (default: this process's environment); returns once the ready line is
     printed, or kills the process and raises RuntimeError (with the end of its stderr)
     after ``timeout_s``."""
     root = Path(__file__).resolve().parents[2]
     base = dict(os.environ if env is None else env)
     path = os.pathsep.join(p for p in (str(root), base.get("PYTHONPATH", "")) if p)
-    env = {**base, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**base, "PYTHONPATH": path, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     ports = [] if "--grpc-port" in extra else ["--grpc-port", "0", "--http-port", "0"]
     cmd = [sys.executable, "-m", "kakeya_lab.cli", "serve", "--model", model, *ports, *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
