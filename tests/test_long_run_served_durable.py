@@ -21,6 +21,7 @@ import pytest
 pytest.importorskip("grpc", reason="needs the serve extra")
 pytest.importorskip("openai", reason="needs the serve extra")
 
+from kakeya_lab.bench.long_run import served_driver  # noqa: E402
 from kakeya_lab.bench.long_run.served import Endpoints, run_served  # noqa: E402
 from kakeya_lab.bench.long_run.settings import LongRunSettings  # noqa: E402
 from kakeya_lab.cli import main  # noqa: E402
@@ -61,7 +62,7 @@ def _replies(table: pd.DataFrame) -> dict[tuple[str, int], str]:
 
 @pytest.mark.slow  # a real server, two runs and a subprocess
 def test_sigterm_leaves_a_partial_report_and_resume_equals_the_uninterrupted_run(
-    server, tmp_path, capsys
+    server, tmp_path, capsys, monkeypatch
 ):
     flags = ["--turns", "6", "--checkpoint-every", "1", "--turn-spacing-s", "1.0"]
     whole = tmp_path / "whole"
@@ -108,6 +109,9 @@ def test_sigterm_leaves_a_partial_report_and_resume_equals_the_uninterrupted_run
     assert len(err) == 1 and "proposer" in err[0], err
     assert (cut / "checkpoint.json").read_bytes() == before
 
+    # the gRPC session is re-created from its recorded history in pieces of this many
+    # tokens (a multi-hour history passes the server's append limit): several pieces here
+    monkeypatch.setattr(served_driver, "RESEND_CHUNK", 16)
     assert main(_cli(cut, server, *flags)) == 0, capsys.readouterr().err
     resumed = pd.read_csv(cut / "served_turns.csv")
     got = _replies(resumed)
@@ -117,7 +121,8 @@ def test_sigterm_leaves_a_partial_report_and_resume_equals_the_uninterrupted_run
     marks = [e for e in metrics["metrics"]["served_events"] if e["kind"] == "resume"]
     assert sorted(e["arm"] for e in marks) == ["grpc_session", "http_reuse", "http_stateless"]
     grpc_mark = next(e for e in marks if e["arm"] == "grpc_session")
-    assert grpc_mark["turn"] == done and grpc_mark["reprefill_tokens"] > 0
+    assert grpc_mark["turn"] == done and grpc_mark["reprefill_tokens"] > 2 * 16
+    assert grpc_mark["reprefill_tokens"] > SINK + WINDOW  # the re-sent history evicts
     first = resumed[resumed["turn"] == done]
     assert first["resumed"].all() and (first["session_epoch"] == 1).all()
     assert json.loads((cut / "run.json").read_text())["status"] == "completed"
