@@ -21,8 +21,9 @@ layer's weight or input, the layer falls back to ``aten`` (oneDNN's op has no ba
 (a matrix-vector product) on one core whatever its thread count, and one core cannot read
 the weights as fast as the machine can. ``split`` views each weight as one slice of its
 output rows per thread (``weight.view(threads, out // threads, in)``, no copy) and multiplies
-the rows by every slice in one batched product (``torch.bmm``), whose batches run in
-parallel; a layer whose output width the thread count does not divide runs ``aten``.
+every slice by the rows in one batched product (``torch.bmm(slices, rows.T)``, weight-major:
+each output is one contiguous weight row against the input), whose batches run in parallel;
+a layer whose output width the thread count does not divide runs ``aten``.
 
 Which of them is fastest depends on the CPU: ``auto`` measures them all on this machine
 for one to eight rows and for a prefill chunk, caches the choice on disk per model, dtype,
@@ -57,6 +58,9 @@ from kakeya_lab.linear_kernels import FULL_PRECISION, KERNELS
 
 _DTYPES = (torch.float32, torch.bfloat16)
 QUANTISED = ("int8", "int4")  # the kernels that multiply by a quantised copy
+# bumped whenever a kernel's implementation changes, so "auto" choices cached on disk from
+# timings of the earlier implementation are measured again (part of their key)
+KERNEL_REVISION = 2
 INT4_GROUP = 32  # inputs per int4 scale and offset (the kernel takes 32, 64, 128 or 256)
 
 
@@ -87,9 +91,11 @@ def _split_linear(layer: nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noq
     ):
         return F.linear(input, weight, layer.bias)
     rows = input.reshape(-1, in_features)
-    slices = weight.view(parts, out_features // parts, in_features).transpose(1, 2)
-    out = torch.bmm(rows.expand(parts, *rows.shape), slices)  # [parts, rows, out // parts]
-    out = out.transpose(0, 1).reshape(*input.shape[:-1], out_features)
+    slices = weight.view(parts, out_features // parts, in_features)
+    # slice @ rows.T, not rows @ slice.T: MKL runs the weight-major product as a streaming
+    # matrix-vector product, about twice as fast for one or two rows here (same result)
+    out = torch.bmm(slices, rows.t().expand(parts, *rows.t().shape))  # [parts, out // parts, rows]
+    out = out.permute(2, 0, 1).reshape(*input.shape[:-1], out_features)
     return out if layer.bias is None else out + layer.bias
 
 

@@ -9,7 +9,7 @@ prefill chunk of :data:`PREFILL_ROWS` rows (what more rows run), interleaved, be
 :data:`REPEATS`; a few seconds for a 135M model. The choice is cached on disk as JSON under
 the model store (``$KAKEYA_LAB_HOME/kernels/``), one file per key: the model's identity
 (its weights' sha256 when loaded from the store), dtype, the CPU's model name and flags,
-the torch version and its thread count. A second call with the same key reads the file
+the torch version and its thread count, and the kernels' revision. A second call with the same key reads the file
 (no measurement), so the choice is deterministic given the file; a file that cannot be read
 or does not fit is measured again and rewritten. :class:`~kakeya_lab.linear.AutoLinear`
 layers then dispatch each call by its row count.
@@ -32,6 +32,7 @@ from torch import nn
 from kakeya_lab.linear import (
     FEW_ROWS,
     FULL_PRECISION,
+    KERNEL_REVISION,
     _onednn_linear,
     _split_linear,
     set_linear_kernel,
@@ -101,6 +102,7 @@ def choice_key(model: nn.Module, identity: str | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "kernels": list(full_precision_kernels()),
+        "kernel_revision": KERNEL_REVISION,
     }
 
 
