@@ -21,9 +21,10 @@ layer's weight or input, the layer falls back to ``aten`` (oneDNN's op has no ba
 (a matrix-vector product) on one core whatever its thread count, and one core cannot read
 the weights as fast as the machine can. ``split`` views each weight as one slice of its
 output rows per thread (``weight.view(threads, out // threads, in)``, no copy) and multiplies
-every slice by the rows in one batched product (``torch.bmm(slices, rows.T)``, weight-major:
-each output is one contiguous weight row against the input), whose batches run in parallel;
-a layer whose output width the thread count does not divide runs ``aten``.
+the rows by every slice in one batched product (``torch.bmm``), whose batches run in
+parallel; one row as ``slice @ row`` (a streaming matrix-vector product, each output one
+contiguous weight row against the input), more as ``rows @ slice.T``. A layer whose output
+width the thread count does not divide runs ``aten``.
 
 Which of them is fastest depends on the CPU: ``auto`` measures them all on this machine
 for one to eight rows and for a prefill chunk, caches the choice on disk per model, dtype,
@@ -46,7 +47,7 @@ switch again to re-quantise.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -64,21 +65,44 @@ KERNEL_REVISION = 2
 INT4_GROUP = 32  # inputs per int4 scale and offset (the kernel takes 32, 64, 128 or 256)
 
 
-def _onednn_linear(layer: nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
-    """``layer(input)`` through oneDNN's linear where it applies, else PyTorch's."""
-    if torch.is_grad_enabled() and (layer.weight.requires_grad or input.requires_grad):
-        return F.linear(input, layer.weight, layer.bias)
-    if input.dtype != layer.weight.dtype or input.device.type != "cpu" or input.numel() == 0:
-        return F.linear(input, layer.weight, layer.bias)
-    return torch.ops.mkldnn._linear_pointwise(
-        input.contiguous(), layer.weight, layer.bias, "none", [], ""
-    )
+def _recording(weight: torch.Tensor, input: torch.Tensor) -> bool:  # noqa: A002
+    """Whether autograd records this product (the kernels below have no backward)."""
+    return torch.is_grad_enabled() and (weight.requires_grad or input.requires_grad)
 
 
-def _split_linear(layer: nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
-    """``layer(input)`` as one batched product over one slice of the weight's output rows
-    per thread (module docstring), where it applies, else PyTorch's linear."""
-    weight = layer.weight
+def _aten_linear(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    input: torch.Tensor,  # noqa: A002
+) -> torch.Tensor:
+    """``F.linear(input, weight, bias)``: PyTorch's own product."""
+    return F.linear(input, weight, bias)
+
+
+def _onednn_linear(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    input: torch.Tensor,  # noqa: A002
+) -> torch.Tensor:
+    """``F.linear(input, weight, bias)`` through oneDNN's linear where it applies, else
+    PyTorch's."""
+    if (
+        _recording(weight, input)
+        or input.dtype != weight.dtype
+        or input.device.type != "cpu"
+        or input.numel() == 0
+    ):
+        return F.linear(input, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(input.contiguous(), weight, bias, "none", [], "")
+
+
+def _split_linear(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    input: torch.Tensor,  # noqa: A002
+) -> torch.Tensor:
+    """``F.linear(input, weight, bias)`` as one batched product over one slice of the
+    weight's output rows per thread (module docstring), where it applies, else PyTorch's."""
     parts = torch.get_num_threads()
     out_features, in_features = weight.shape
     if (
@@ -87,23 +111,31 @@ def _split_linear(layer: nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noq
         or not weight.is_contiguous()
         or input.dtype != weight.dtype
         or input.numel() == 0
-        or (torch.is_grad_enabled() and (weight.requires_grad or input.requires_grad))
+        or _recording(weight, input)
     ):
-        return F.linear(input, weight, layer.bias)
+        return F.linear(input, weight, bias)
     rows = input.reshape(-1, in_features)
     slices = weight.view(parts, out_features // parts, in_features)
-    # slice @ rows.T, not rows @ slice.T: MKL runs the weight-major product as a streaming
-    # matrix-vector product, about twice as fast for one or two rows here (same result)
-    out = torch.bmm(slices, rows.t().expand(parts, *rows.t().shape))  # [parts, out // parts, rows]
-    out = out.permute(2, 0, 1).reshape(*input.shape[:-1], out_features)
-    return out if layer.bias is None else out + layer.bias
+    if rows.shape[0] == 1:
+        # one row: slice @ row, which MKL runs as a streaming matrix-vector product, about
+        # twice as fast here as row @ slice.T (with more rows this form rounds further from
+        # the many-row product, past the oracle tests' 1e-4, so they keep row @ slice.T)
+        out = torch.bmm(slices, rows.t().expand(parts, in_features, 1)).permute(2, 0, 1)
+    else:
+        out = torch.bmm(rows.expand(parts, *rows.shape), slices.transpose(1, 2)).transpose(0, 1)
+    out = out.reshape(*input.shape[:-1], out_features)  # from [rows, parts, out // parts]
+    return out if bias is None else out + bias
+
+
+# each full-precision kernel's product, ``(weight, bias, input) -> output``
+FULL_PRECISION_PRODUCTS = {"aten": _aten_linear, "onednn": _onednn_linear, "split": _split_linear}
 
 
 class OneDNNLinear(nn.Linear):
     """An ``nn.Linear`` whose inference forward is oneDNN's linear over its own weights."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
-        return _onednn_linear(self, input)
+        return _onednn_linear(self.weight, self.bias, input)
 
 
 class SplitLinear(nn.Linear):
@@ -111,7 +143,7 @@ class SplitLinear(nn.Linear):
     (:func:`_split_linear`)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
-        return _split_linear(self, input)
+        return _split_linear(self.weight, self.bias, input)
 
 
 FEW_ROWS = 8  # up to this many rows the quantised kernels are faster; beyond, the weights
@@ -125,14 +157,89 @@ class AutoLinear(nn.Linear):
     _few: tuple[str, ...]
     _many: str
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
+    def kernel_for(self, input: torch.Tensor) -> str:  # noqa: A002
+        """The kernel that runs ``input``'s rows."""
         rows = input.numel() // max(input.shape[-1], 1) if input.dim() else 1
-        kernel = self._few[rows - 1] if 1 <= rows <= FEW_ROWS else self._many
-        if kernel == "onednn":
-            return _onednn_linear(self, input)
-        if kernel == "split":
-            return _split_linear(self, input)
-        return F.linear(input, self.weight, self.bias)
+        return self._few[rows - 1] if 1 <= rows <= FEW_ROWS else self._many
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
+        return FULL_PRECISION_PRODUCTS[self.kernel_for(input)](self.weight, self.bias, input)
+
+
+def linear_as(
+    layer: nn.Linear,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    input: torch.Tensor,  # noqa: A002
+) -> torch.Tensor:
+    """``F.linear(input, weight, bias)`` on the full-precision kernel ``layer`` runs
+    (``aten`` for a layer on no such kernel): how several layers whose weights are stacked
+    (:func:`stack_rows`) run as one product on their kernel."""
+    if isinstance(layer, AutoLinear):
+        kernel = layer.kernel_for(input)
+    elif isinstance(layer, SplitLinear):
+        kernel = "split"
+    elif isinstance(layer, OneDNNLinear):
+        kernel = "onednn"
+    else:
+        kernel = "aten"
+    return FULL_PRECISION_PRODUCTS[kernel](weight, bias, input)
+
+
+def _stacked_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The one tensor whose consecutive rows ``tensors`` are (in order, contiguous, in one
+    storage), or None when they are not laid out so."""
+    first = tensors[0]
+    offset = first.storage_offset()
+    for t in tensors:
+        if (
+            not t.is_contiguous()
+            or t.dtype != first.dtype
+            or t.shape[1:] != first.shape[1:]
+            or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or t.storage_offset() != offset
+        ):
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in tensors)
+    return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
+
+
+def _stack(layers: Sequence[nn.Linear], name: str) -> torch.Tensor:
+    tensors = [getattr(layer, name) for layer in layers]
+    stacked = _stacked_view(tensors)
+    if stacked is not None:
+        return stacked
+    # a normal tensor even when called under inference mode, so the model still trains
+    with torch.inference_mode(False), torch.no_grad():
+        stacked = torch.cat([t.detach() for t in tensors])
+        start = 0
+        for layer, t in zip(layers, tensors, strict=True):
+            rows = stacked[start : start + t.shape[0]]
+            setattr(layer, name, nn.Parameter(rows, requires_grad=t.requires_grad))
+            start += t.shape[0]
+    return stacked
+
+
+def stack_rows(layers: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights of ``layers`` (same input width and dtype) as one tensor of their output
+    rows in order, and their biases likewise (None when none has one): the product by it is
+    their outputs side by side, in one product instead of one per layer. Each layer's
+    parameter becomes a view of the stack (re-laid once: the stack is a new tensor, the old
+    parameters are dropped), so the stack costs no bytes beyond the layers' own, the values
+    are unchanged, and a change to either is a change to both; when the parameters already
+    are such views (a second call) nothing is copied. Biases of layers of which only some
+    have one are stacked as a copy (a missing one as zeros)."""
+    weight = _stack(layers, "weight")
+    if all(layer.bias is None for layer in layers):
+        return weight, None
+    if all(layer.bias is not None for layer in layers):
+        return weight, _stack(layers, "bias")
+    biases = [
+        layer.bias.detach() if layer.bias is not None else weight.new_zeros(layer.out_features)
+        for layer in layers
+    ]
+    return weight, torch.cat(biases)
 
 
 class QuantizedLinear(nn.Linear):
@@ -166,7 +273,7 @@ class QuantizedLinear(nn.Linear):
             return F.linear(input, self.weight, self.bias)
         if input.numel() > FEW_ROWS * input.shape[-1]:
             if torch.backends.mkldnn.is_available():
-                return _onednn_linear(self, input)
+                return _onednn_linear(self.weight, self.bias, input)
             return F.linear(input, self.weight, self.bias)
         rows = input.reshape(-1, input.shape[-1]).to(torch.bfloat16).contiguous()
         out = self.product(rows).to(input.dtype)

@@ -26,15 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kakeya_lab.linear import (
     FEW_ROWS,
     FULL_PRECISION,
+    FULL_PRECISION_PRODUCTS,
     KERNEL_REVISION,
-    _onednn_linear,
-    _split_linear,
     set_linear_kernel,
 )
 from kakeya_lab.results import cpu_identity
@@ -141,12 +139,7 @@ def _one_pass(layers: list[nn.Linear], inputs: dict[int, torch.Tensor], kernel: 
     t0 = time.perf_counter()
     for layer in layers:
         x = inputs[layer.in_features]
-        if kernel == "onednn":
-            _onednn_linear(layer, x)
-        elif kernel == "split":
-            _split_linear(layer, x)
-        else:
-            F.linear(x, layer.weight, layer.bias)
+        FULL_PRECISION_PRODUCTS[kernel](layer.weight, layer.bias, x)
     return (time.perf_counter() - t0) * 1000
 
 

@@ -29,10 +29,12 @@ from kakeya_lab.linear import (
     OneDNNLinear,
     SplitLinear,
     kernel_switched,
+    linear_as,
     linear_kernel_of,
     quantize_int4,
     quantize_int8,
     set_linear_kernel,
+    stack_rows,
 )
 from kakeya_lab.models import DEFAULT_MODEL
 from kakeya_lab.proposers import NgramProposer, make_proposer
@@ -177,6 +179,45 @@ def test_split_is_the_linear_product_with_one_slice_of_outputs_per_thread():
                 assert layer(x[None]).shape == (1, rows, 96)  # leading dimensions kept
             assert torch.equal(odd(inputs[3]), torch.nn.functional.linear(inputs[3], odd.weight))
     assert layer.weight.data_ptr() == weight  # the slices are views: nothing was copied
+
+
+def test_stacked_layers_are_views_of_one_tensor_and_multiply_as_their_outputs_side_by_side():
+    """``stack_rows`` re-lays the layers' weights (and biases) once as one tensor's rows:
+    values unchanged, each parameter a view of it (a second call copies nothing, a change to
+    one is a change to the other), the model still trains; ``linear_as`` multiplies by it on
+    the layers' kernel and gives their outputs side by side."""
+    torch.manual_seed(0)
+    make = [(64, 32, True), (64, 16, True), (64, 48, True)]
+    layers = [torch.nn.Linear(i, o, bias=b) for i, o, b in make]
+    before = [(layer.weight.detach().clone(), layer.bias.detach().clone()) for layer in layers]
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        want = torch.cat([layer(x) for layer in layers], dim=-1)
+    with torch.inference_mode():  # as the lean forward builds it
+        weight, bias = stack_rows(layers)
+    assert weight.shape == (96, 64) and bias is not None and bias.shape == (96,)
+    start = 0
+    for layer, (w, b) in zip(layers, before, strict=True):
+        assert torch.equal(layer.weight, w) and torch.equal(layer.bias, b)
+        assert layer.weight.data_ptr() == weight[start].data_ptr()
+        assert layer.bias.data_ptr() == bias[start:].data_ptr()
+        start += layer.out_features
+    again = stack_rows(layers)
+    assert again[0].data_ptr() == weight.data_ptr() and again[1].data_ptr() == bias.data_ptr()
+    for kernel, threads in (("aten", 1), ("onednn", 1), ("split", 2)):
+        for layer in layers:
+            set_linear_kernel(layer, kernel)
+        with torch_threads(threads), torch.no_grad():
+            got = linear_as(layers[0], weight, bias, x)
+        assert (got - want).abs().max().item() <= 1e-5, kernel
+    with torch.no_grad():
+        layers[1].weight.add_(1.0)
+    assert torch.equal(weight[32:48], layers[1].weight)
+    sum(layer(x).sum() for layer in layers).backward()  # still a trainable model
+    assert all(layer.weight.grad is not None for layer in layers)
+    mixed = [torch.nn.Linear(64, 8, bias=True), torch.nn.Linear(64, 8, bias=False)]
+    _, mixed_bias = stack_rows(mixed)  # a missing bias stacks as zeros
+    assert mixed_bias is not None and torch.equal(mixed_bias[8:], torch.zeros(8))
 
 
 # slow in both modes (38 s in the fast loop on two oversubscribed threads): the product test

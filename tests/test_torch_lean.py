@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 from oracle_cases import blocks_with_rollback, check_close, chunked, token_by_token
+from transformers import AutoModelForCausalLM
 
 from kakeya_lab import SinkWindowConfig, load_model
 from kakeya_lab.backends.torch_lean import MAX_TOKENS, LeanForward
@@ -164,6 +165,52 @@ def test_which_verifiers_run_the_lean_forward(tiny_model, text_ids, record_toler
     assert not v.backend.lean_forward.current()
     v.append([ids[0]])  # a quantised model's default verifier: transformers' forward
     assert v.backend.lean_forward is None
+
+
+def test_a_lean_forward_stacks_the_projections_in_place_and_follows_replaced_weights(
+    text_ids, record_tolerance, tmp_path
+):
+    """A full-precision lean forward runs q/k/v and gate/up as one product each over the
+    layers' own weights re-laid as one tensor (no bytes added; the model still saves and
+    loads as it was); a weight replaced after it was built makes it stale, and the next one
+    re-lays the new weights."""
+    model = copy.deepcopy(tiny_random_model("llama", seed=1).model)
+
+    def storage_bytes() -> int:
+        return sum(
+            {
+                p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in model.parameters()
+            }.values()
+        )
+
+    bytes_before = storage_bytes()
+    lean = LeanForward.of(model)
+    attn = model.model.layers[0].self_attn
+    storages = {
+        p.untyped_storage().data_ptr()
+        for p in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
+    }
+    assert len(storages) == 1 and storage_bytes() == bytes_before
+    assert LeanForward.of(model) is lean and lean.current()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path)
+    want_state = model.state_dict()
+    assert all(torch.equal(t, want_state[k]) for k, t in saved.state_dict().items())
+    config = SinkWindowConfig(sink=2, window=14)
+    ids = text_ids[:30]
+    want = oracle_logits(model, ids, config)
+    with torch.no_grad():
+        attn.q_proj.weight = torch.nn.Parameter(attn.q_proj.weight * 0.5)
+    assert not lean.current()
+    fresh = LeanForward.of(model)
+    assert fresh is not lean and fresh.current()
+    want_halved = oracle_logits(model, ids, config)
+    got, v = token_by_token(model, ids, config)
+    assert v.backend.lean_forward is fresh and v.backend.lean_steps == len(ids)
+    name = "tiny llama lean/re-laid after a replaced weight"
+    check_close(name, got, want_halved, TOL, record_tolerance)
+    assert (want_halved - want).abs().max().item() > 1e-3  # the change did reach the logits
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])

@@ -13,10 +13,12 @@ PyTorch's SDPA with a one-token query's heads packed onto their key heads (a flo
 block's heads grouped onto them with ``enable_gqa``, no repeated keys; other dtypes repeat
 the keys, as transformers does, PyTorch's bfloat16 CPU kernel being slow with grouping).
 
-With a full-precision kernel the projections are the model's own layers (q/k/v and
-gate/up run as separate products whose outputs are concatenated), so a lean forward adds no
-weights and its logits are transformers' to float rounding: the tests hold it to the dense
-oracle at 1e-4 (float32), as transformers' forward is held. With a quantised kernel the q/k/v
+With a full-precision kernel the q/k/v and the gate/up projections each run as one product
+over their weights stacked (:func:`~kakeya_lab.linear.stack_rows`: the weights re-laid once
+as consecutive rows of one tensor, the layers' own parameters becoming views of it), on the
+kernel the layers run; so a lean forward adds no weights and its logits are transformers' to
+float rounding: the tests hold it to the dense oracle at 1e-4 (float32), as transformers'
+forward is held. With a quantised kernel the q/k/v
 and the gate/up projections are fused into one packed copy each (the draft models' case),
 which the torch backend only builds when asked (``lean=True``). The backend runs every
 verifier's short chain blocks through it by default
@@ -47,24 +49,38 @@ from kakeya_lab.linear import (
     FEW_ROWS,
     QUANTISED,
     QuantizedLinear,
+    linear_as,
     linear_kernel_of,
     set_linear_kernel,
+    stack_rows,
 )
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 MAX_TOKENS = FEW_ROWS  # longer blocks (prefills) keep transformers' forward
 
 
-Projection = nn.Linear | tuple[nn.Linear, ...]
+@dataclass(frozen=True)
+class Stacked:
+    """Layers whose weights are consecutive rows of one tensor (:func:`stack_rows`), run as
+    one product on their kernel: their outputs side by side."""
+
+    layers: tuple[nn.Linear, ...]
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+Projection = nn.Linear | Stacked | tuple[nn.Linear, ...]
 
 
 def _fused(layers: Sequence[nn.Linear], kernel: str) -> Projection:
-    """``layers`` side by side (their outputs concatenated). With a quantised kernel that can
-    tile their stacked weights: one layer holding only the packed copy of the stack (the
-    full-precision stack is dropped once packed, so it costs the packed bytes alone, and
-    only :func:`_product` may call it); otherwise the layers themselves (no copy)."""
+    """``layers`` side by side (their outputs concatenated). With a full-precision kernel:
+    their weights stacked, the layers' own parameters becoming views of the stack
+    (:func:`stack_rows`: no bytes added, one product instead of several). With a quantised
+    kernel that can tile their stacked weights: one layer holding only the packed copy of
+    the stack (the full-precision stack is dropped once packed, so it costs the packed bytes
+    alone, and only :func:`_product` may call it); otherwise the layers themselves."""
     if kernel not in QUANTISED:
-        return tuple(layers)
+        return Stacked(tuple(layers), *stack_rows(layers))
     weight = torch.cat([layer.weight.detach() for layer in layers])
     with torch.device("meta"):  # no throw-away initialisation
         fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
@@ -85,6 +101,8 @@ def _fused(layers: Sequence[nn.Linear], kernel: str) -> Projection:
 def _product(layer: Projection, rows: torch.Tensor) -> torch.Tensor:
     """``layer(rows)`` for 2-D ``rows`` of at most :data:`MAX_TOKENS`, in ``rows``' dtype;
     a quantised layer's kernel is called directly (rows rounded to bfloat16 once)."""
+    if isinstance(layer, Stacked):
+        return linear_as(layer.layers[0], layer.weight, layer.bias, rows)
     if isinstance(layer, tuple):
         return torch.cat([_product(part, rows) for part in layer], dim=-1)
     if isinstance(layer, QuantizedLinear):
@@ -212,12 +230,17 @@ class LeanForward:
     def current(self) -> bool:
         """Whether this forward still fits the model's kernel (a cheap check; :meth:`of`
         builds a new one otherwise): a quantised one must be the one it packed for; any
-        full-precision one (``aten``, ``onednn``, ``auto``) runs through the model's own
-        layers, so a switch among those needs nothing new."""
+        full-precision one (``aten``, ``onednn``, ``split``, ``auto``) runs on the kernel of
+        the model's own layers, so a switch among those needs nothing new, as long as the
+        layers' weights still are views of the stacks (a parameter replaced since is not)."""
         layer, cls = self._probe
         if self.kernel in QUANTISED:
             return type(layer) is cls
-        return not isinstance(layer, QuantizedLinear)
+        stacked = self.layers[0].qkv
+        return not isinstance(layer, QuantizedLinear) and (
+            not isinstance(stacked, Stacked)
+            or stacked.layers[0].weight.data_ptr() == stacked.weight.data_ptr()
+        )
 
     @classmethod
     def supports(cls, model: nn.Module) -> bool:
