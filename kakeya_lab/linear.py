@@ -24,7 +24,11 @@ output rows per thread (``weight.view(threads, out // threads, in)``, no copy) a
 the rows by every slice in one batched product (``torch.bmm``), whose batches run in
 parallel; one row as ``slice @ row`` (a streaming matrix-vector product, each output one
 contiguous weight row against the input), more as ``rows @ slice.T``. A layer whose output
-width the thread count does not divide runs ``aten``.
+width the thread count does not divide runs ``aten``. Where the compiled few-row product
+(:mod:`kakeya_lab.native.rows`: AVX-512, built once per machine) is available, ``split``
+runs 1 to 16 float32 rows on it instead: it reads each weight row once for all the rows, so
+a block of a few tokens costs little more than one (the output rows still split over the
+threads), and it rounds at least as closely as MKL.
 
 Which of them is fastest depends on the CPU: ``auto`` measures them all on this machine
 for one to eight rows and for a prefill chunk, caches the choice on disk per model, dtype,
@@ -56,12 +60,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kakeya_lab.linear_kernels import FULL_PRECISION, KERNELS
+from kakeya_lab.native.rows import rows_kernel, rows_product
 
 _DTYPES = (torch.float32, torch.bfloat16)
 QUANTISED = ("int8", "int4")  # the kernels that multiply by a quantised copy
 # bumped whenever a kernel's implementation changes, so "auto" choices cached on disk from
 # timings of the earlier implementation are measured again (part of their key)
-KERNEL_REVISION = 2
+KERNEL_REVISION = 3
 INT4_GROUP = 32  # inputs per int4 scale and offset (the kernel takes 32, 64, 128 or 256)
 
 
@@ -115,6 +120,10 @@ def _split_linear(
     ):
         return F.linear(input, weight, bias)
     rows = input.reshape(-1, in_features)
+    out = rows_product(rows, weight)  # the compiled kernel, where it is built and applies
+    if out is not None:
+        out = out.reshape(*input.shape[:-1], out_features)
+        return out if bias is None else out + bias
     slices = weight.view(parts, out_features // parts, in_features)
     if rows.shape[0] == 1:
         # one row: slice @ row, which MKL runs as a streaming matrix-vector product, about
@@ -391,6 +400,8 @@ def set_linear_kernel(model: nn.Module, kernel: str, *, choice: Any = None) -> i
                 "use kakeya_lab.linear_auto.set_auto_kernel(model)"
             )
         model.__dict__["linear_auto_choice"] = choice
+    if kernel == "split":
+        rows_kernel()  # built (once per machine) or loaded now, not in the first forward
     switched = 0
     for module in model.modules():
         if type(module) not in _CLASSES.values():

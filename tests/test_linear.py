@@ -37,8 +37,10 @@ from kakeya_lab.linear import (
     stack_rows,
 )
 from kakeya_lab.models import DEFAULT_MODEL
+from kakeya_lab.native.rows import MAX_ROWS, rows_kernel, rows_product, why_unavailable
 from kakeya_lab.proposers import NgramProposer, make_proposer
 from kakeya_lab.reference import oracle_logits
+from kakeya_lab.results import cpu_identity
 
 # Another kernel for the same float32 products: rounding of the same size as a block against a
 # one-token forward, but not the bit pattern tests/test_oracle.py's 1e-4 was set from (one
@@ -179,6 +181,34 @@ def test_split_is_the_linear_product_with_one_slice_of_outputs_per_thread():
                 assert layer(x[None]).shape == (1, rows, 96)  # leading dimensions kept
             assert torch.equal(odd(inputs[3]), torch.nn.functional.linear(inputs[3], odd.weight))
     assert layer.weight.data_ptr() == weight  # the slices are views: nothing was copied
+
+
+def test_the_compiled_few_row_product_is_the_linear_product():
+    """On a CPU with AVX-512 (this machine kind) the few-row product builds, and for 1 to
+    16 rows it is ``rows @ weight.T`` to float32 rounding, for output widths that its blocks
+    of weight rows do not divide; ``split`` runs it for those rows (and its PyTorch
+    products for more rows or other widths), to the same numbers."""
+    if "avx512f" not in cpu_identity()["cpu_flags"]:
+        pytest.skip("the compiled product needs AVX-512")
+    assert rows_kernel() is not None, why_unavailable()
+    torch.manual_seed(0)
+    for out_features in (1, 7, 33, 96):
+        weight = torch.randn(out_features, 64)
+        for n in range(1, MAX_ROWS + 1):
+            x = torch.randn(n, 64)
+            got = rows_product(x, weight)
+            assert got is not None and got.shape == (n, out_features)
+            assert (got - x @ weight.t()).abs().max().item() <= 1e-5, (out_features, n)
+    assert rows_product(torch.randn(2, 40), torch.randn(8, 40)) is None  # width: not 16k
+    assert rows_product(torch.randn(MAX_ROWS + 1, 64), torch.randn(8, 64)) is None
+    layer = torch.nn.Linear(64, 96)
+    set_linear_kernel(layer, "split")
+    for n in (1, 5, MAX_ROWS, MAX_ROWS + 4):
+        x = torch.randn(n, 64)
+        with torch_threads(2), torch.no_grad():
+            assert (
+                layer(x) - torch.nn.functional.linear(x, layer.weight, layer.bias)
+            ).abs().max() <= 1e-5
 
 
 def test_stacked_layers_are_views_of_one_tensor_and_multiply_as_their_outputs_side_by_side():

@@ -1,0 +1,77 @@
+// out[r, j] = sum_k rows[r, k] * weight[j, k] for a few rows (1 to 16), float32, AVX-512.
+//
+// Each weight row is read once for all the input rows: R weight rows at a time are
+// multiplied by every input row, 16 inputs per step, into R x N vector accumulators, then
+// each accumulator is summed. The output rows are split over PyTorch's threads
+// (at::parallel_for), so a one-token step streams the weights on every core, and a block of a
+// few tokens costs little more than one. Built once per machine by kakeya_lab/native/rows.py.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+
+template <int N, int R>
+void rows_block(const float* x, const float* w, float* y, int64_t in, int64_t out,
+                int64_t j0, int64_t j1) {
+  int64_t j = j0;
+  for (; j + R <= j1; j += R) {
+    __m512 acc[R][N];
+    for (int a = 0; a < R; ++a)
+      for (int r = 0; r < N; ++r) acc[a][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < in; k += 16) {
+      __m512 xv[N];
+      for (int r = 0; r < N; ++r) xv[r] = _mm512_loadu_ps(x + r * in + k);
+      for (int a = 0; a < R; ++a) {
+        const __m512 wv = _mm512_loadu_ps(w + (j + a) * in + k);
+        for (int r = 0; r < N; ++r) acc[a][r] = _mm512_fmadd_ps(wv, xv[r], acc[a][r]);
+      }
+    }
+    for (int a = 0; a < R; ++a)
+      for (int r = 0; r < N; ++r) y[r * out + j + a] = _mm512_reduce_add_ps(acc[a][r]);
+  }
+  for (; j < j1; ++j) {  // the weight rows left over, one at a time
+    __m512 acc[N];
+    for (int r = 0; r < N; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < in; k += 16) {
+      const __m512 wv = _mm512_loadu_ps(w + j * in + k);
+      for (int r = 0; r < N; ++r)
+        acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + r * in + k), acc[r]);
+    }
+    for (int r = 0; r < N; ++r) y[r * out + j] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
+template <int N>
+void rows_run(const float* x, const float* w, float* y, int64_t in, int64_t out) {
+  // R x N accumulators stay within the 32 vector registers
+  constexpr int R = N <= 2 ? 8 : (N <= 4 ? 4 : (N <= 8 ? 2 : 1));
+  at::parallel_for(0, out, 64, [&](int64_t j0, int64_t j1) {
+    rows_block<N, R>(x, w, y, in, out, j0, j1);
+  });
+}
+
+using Run = void (*)(const float*, const float*, float*, int64_t, int64_t);
+const Run RUNS[] = {rows_run<1>,  rows_run<2>,  rows_run<3>,  rows_run<4>,
+                    rows_run<5>,  rows_run<6>,  rows_run<7>,  rows_run<8>,
+                    rows_run<9>,  rows_run<10>, rows_run<11>, rows_run<12>,
+                    rows_run<13>, rows_run<14>, rows_run<15>, rows_run<16>};
+
+}  // namespace
+
+torch::Tensor rows_product(torch::Tensor rows, torch::Tensor weight) {
+  TORCH_CHECK(rows.dim() == 2 && weight.dim() == 2, "rows_product takes 2-D rows and weight");
+  TORCH_CHECK(rows.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat,
+              "rows_product takes float32");
+  TORCH_CHECK(rows.is_contiguous() && weight.is_contiguous(), "rows_product takes contiguous");
+  const int64_t n = rows.size(0), in = rows.size(1), out = weight.size(0);
+  TORCH_CHECK(weight.size(1) == in && in % 16 == 0, "rows_product: input width a multiple of 16");
+  TORCH_CHECK(1 <= n && n <= 16, "rows_product takes 1 to 16 rows");
+  auto y = torch::empty({n, out}, rows.options());
+  RUNS[n - 1](rows.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), in, out);
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rows_product", &rows_product, "rows @ weight.T for 1 to 16 float32 rows");
+}
