@@ -1,4 +1,4 @@
-// out[r, j] = sum_k rows[r, k] * weight[j, k] for a few rows (1 to 16), float32, AVX-512.
+// out[r, j] = sum_k rows[r, k] * weight[j, k] for a few rows (1 to 8), float32, AVX-512.
 //
 // Each weight row is read once for all the input rows: R weight rows at a time are
 // multiplied by every input row, 16 inputs per step, into R x N vector accumulators, then
@@ -45,17 +45,15 @@ void rows_block(const float* x, const float* w, float* y, int64_t in, int64_t ou
 template <int N>
 void rows_run(const float* x, const float* w, float* y, int64_t in, int64_t out) {
   // R x N accumulators stay within the 32 vector registers
-  constexpr int R = N <= 2 ? 8 : (N <= 4 ? 4 : (N <= 8 ? 2 : 1));
+  constexpr int R = N <= 2 ? 8 : (N <= 4 ? 4 : 2);
   at::parallel_for(0, out, 64, [&](int64_t j0, int64_t j1) {
     rows_block<N, R>(x, w, y, in, out, j0, j1);
   });
 }
 
 using Run = void (*)(const float*, const float*, float*, int64_t, int64_t);
-const Run RUNS[] = {rows_run<1>,  rows_run<2>,  rows_run<3>,  rows_run<4>,
-                    rows_run<5>,  rows_run<6>,  rows_run<7>,  rows_run<8>,
-                    rows_run<9>,  rows_run<10>, rows_run<11>, rows_run<12>,
-                    rows_run<13>, rows_run<14>, rows_run<15>, rows_run<16>};
+const Run RUNS[] = {rows_run<1>, rows_run<2>, rows_run<3>, rows_run<4>,
+                    rows_run<5>, rows_run<6>, rows_run<7>, rows_run<8>};
 
 }  // namespace
 
@@ -66,12 +64,12 @@ torch::Tensor rows_product(torch::Tensor rows, torch::Tensor weight) {
   TORCH_CHECK(rows.is_contiguous() && weight.is_contiguous(), "rows_product takes contiguous");
   const int64_t n = rows.size(0), in = rows.size(1), out = weight.size(0);
   TORCH_CHECK(weight.size(1) == in && in % 16 == 0, "rows_product: input width a multiple of 16");
-  TORCH_CHECK(1 <= n && n <= 16, "rows_product takes 1 to 16 rows");
+  TORCH_CHECK(1 <= n && n <= 8, "rows_product takes 1 to 8 rows");
   auto y = torch::empty({n, out}, rows.options());
   RUNS[n - 1](rows.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), in, out);
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rows_product", &rows_product, "rows @ weight.T for 1 to 16 float32 rows");
+  m.def("rows_product", &rows_product, "rows @ weight.T for 1 to 8 float32 rows");
 }

@@ -1,12 +1,15 @@
 """A compiled product of a few rows by a weight matrix: :func:`rows_product`.
 
-A one-token step, a verification block and a batch of sessions' steps multiply 1 to 16
-rows by every weight matrix. MKL's products read the weights at the full bandwidth only for
-one row (``split``'s ``slice @ row``); for 2 to 16 rows they run at about half of it, so a
-block of a few tokens costs about twice a one-token step. ``rows.cpp`` reads each weight row
-once for all the rows (AVX-512, the output rows split over PyTorch's threads), so a few rows
-cost little more than one, and it sums each output in 16 lanes, at least as close to the
-exact sum as MKL's.
+A verification block and a batch of a few sessions' steps multiply 2 to 8 rows by every
+weight matrix. MKL's products read the weights at the full bandwidth only for one row
+(``split``'s ``slice @ row``); for two rows ``split``'s batched product takes about twice
+as long as for one, so a block of a few tokens costs about twice a one-token step.
+``rows.cpp`` reads each weight row once for all the rows (AVX-512, the output rows split over
+PyTorch's threads): two rows cost about what one does, eight about twice, and it sums each
+output in 16 lanes, at least as close to the exact sum as MKL's. ``split`` runs it for 2 to
+:data:`MAX_ROWS` rows; one row stays on MKL's matrix-vector product (as fast, and cheaper to
+call), more rows on its batched product (from about 16 rows the kernel, bound by loading
+the rows, is the slower).
 
 It is compiled with PyTorch's extension builder (a C++ compiler and ninja) the first time a
 process asks for it on a CPU with AVX-512, about 30 seconds, into the model store
@@ -29,7 +32,7 @@ import torch
 
 from kakeya_lab.results import cpu_identity
 
-MAX_ROWS = 16  # the most rows the compiled product takes
+MAX_ROWS = 8  # the most rows the compiled product takes (more: load-bound, slower than MKL)
 SOURCE = Path(__file__).with_name("rows.cpp")
 FLAGS = ["-O3", "-mavx512f", "-mavx512dq", "-mfma"]
 
