@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "tensors",
         (
             "models",
+            "native",
             "linear",
             "linear_auto",
             "backends",
