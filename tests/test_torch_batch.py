@@ -22,6 +22,7 @@ from kakeya_lab.backends.torch_batch import (
     StepBatcher,
     batch_verifier,
 )
+from kakeya_lab.linear import kernel_switched
 from kakeya_lab.models import tiny_random_model
 from kakeya_lab.reference import oracle_logits
 
@@ -171,13 +172,27 @@ def test_threads_through_the_batcher_decode_their_solo_greedy_tokens():
     assert batcher.forward.rows > batcher.forward.forwards  # rows shared forwards
 
 
-@pytest.mark.slow  # ~20 s: the rolling oracle of the default model is token by token
+@pytest.mark.slow  # ~20 s a kernel: the rolling oracle of the default model is token by token
+@pytest.mark.parametrize("kernel", ["aten", "split"])
 def test_a_batch_of_default_model_sessions_gives_each_its_oracle_logits(
-    default_model, text_ids, record_tolerance
+    default_model, text_ids, record_tolerance, kernel
 ):
     """Three sessions of the default model (global and rolling positions, two budgets,
-    one past eviction before the first batch), 40 one-token rounds in one batch each."""
-    model = default_model.model
+    one past eviction before the first batch), 40 one-token rounds in one batch each; on
+    ``split`` with two threads a batch of 2 or 3 rows runs the compiled few-row product
+    (where it builds) and the oracle is that kernel's."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2 if kernel == "split" else threads)
+    try:
+        with kernel_switched(default_model.model, kernel):
+            _batch_of_default_model_sessions(
+                default_model.model, text_ids, record_tolerance, kernel
+            )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _batch_of_default_model_sessions(model, text_ids, record_tolerance, kernel: str) -> None:
     configs = [
         SinkWindowConfig(sink=4, window=28, positions="global"),
         SinkWindowConfig(sink=4, window=28, positions="rolling"),
@@ -198,4 +213,4 @@ def test_a_batch_of_default_model_sessions_gives_each_its_oracle_logits(
             s.ids.append(t)
     for s in sessions:
         assert s.verifier.cache.history_len > s.config.budget
-        s.check(model, f"smollm2 batch/{s.config}", record_tolerance)
+        s.check(model, f"smollm2 batch {kernel}/{s.config}", record_tolerance)
