@@ -8,8 +8,10 @@ tensor of ``--gib`` GiB, ``t.sum()``, best of ``--bandwidth-repeats``), the floo
 implies for the model's weights (each tensor counted once: a tied embedding is read once,
 as the lm_head), and plain greedy decoding (``Verifier.append`` of one token, the cache
 full at ``--live`` entries so every step evicts) through transformers' forward
-(``lean=False``) and through the lean step (the default), each on every full-precision
-linear kernel (``aten``, ``onednn``), interleaved round by round after one warm-up round
+(``lean=False``), through the lean step (the default: with the compiled step operations
+where they build, ``kakeya_lab/native/step.py``) and through the lean step with PyTorch's
+operations (``lean-pytorch-ops``), each on every full-precision linear kernel (``aten``,
+``onednn``, ``split``), interleaved round by round after one warm-up round
 (``--steps`` tokens a round, ``--rounds`` rounds, every live size in every round, and one
 more bandwidth pass a round, so a changing load falls on all alike; the median round per
 token, the best bandwidth pass). Prints each
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 
 from kakeya_lab import SinkWindowConfig, Verifier, load_model
+from kakeya_lab.backends.torch_lean import LeanForward
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.durable import write_json_atomic
@@ -41,7 +44,9 @@ from kakeya_lab.linear_auto import full_precision_kernels
 from kakeya_lab.results import hardware, now_iso
 
 KERNELS = full_precision_kernels()
-FORWARDS = {"transformers": False, "lean": None}  # Verifier(lean=...)
+# Verifier(lean=...); "lean-pytorch-ops" is the lean step with PyTorch's small operations
+# instead of the compiled ones (LeanForward(compiled=False)), to show what those save
+FORWARDS = {"transformers": False, "lean": None, "lean-pytorch-ops": None}
 
 
 def read_bandwidth(gib: float, repeats: int) -> tuple[torch.Tensor, list[float]]:
@@ -98,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         ctx = ChatTemplate(loaded.tokenizer).replay(itertools.cycle(conversations), live)
         for forward, lean in FORWARDS.items():
             v = Verifier(model, config, lean=lean)
+            if forward == "lean-pytorch-ops":
+                v.backend.lean_forward = LeanForward(model, compiled=False)
             next_ids[live, forward] = int(v.append(ctx).argmax())
             verifiers[live, forward] = v
     names = [f"{fw}/{k}" for fw in FORWARDS for k in KERNELS]
@@ -128,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     for live in lives:
         lean_steps = verifiers[live, "lean"].backend.lean_steps
         assert verifiers[live, "lean"].cache_len == live and lean_steps > 0
+        assert verifiers[live, "lean-pytorch-ops"].backend.lean_forward.native is None
         assert verifiers[live, "transformers"].backend.lean_steps == 0
         median = {name: statistics.median(ts) for name, ts in times[live].items()}
         best = {fw: min(KERNELS, key=lambda k, fw=fw: median[f"{fw}/{k}"]) for fw in FORWARDS}
@@ -141,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             "lean_speedup": median[f"transformers/{best['transformers']}"]
             / median[f"lean/{best['lean']}"],
             "lean_steps": lean_steps,
+            "compiled_step_ops": verifiers[live, "lean"].backend.lean_forward.native is not None,
+            "compiled_step_ops_speedup": median[f"lean-pytorch-ops/{best['lean-pytorch-ops']}"]
+            / median[f"lean/{best['lean']}"],
         }
         print(f"\n{live} live entries (ms/token, × floor):")
         for name, s in median.items():

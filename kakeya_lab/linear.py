@@ -60,7 +60,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kakeya_lab.linear_kernels import FULL_PRECISION, KERNELS
-from kakeya_lab.native.rows import rows_kernel, rows_product
+from kakeya_lab.native.build import compiled
+from kakeya_lab.native.rows import rows_product
 
 _DTYPES = (torch.float32, torch.bfloat16)
 QUANTISED = ("int8", "int4")  # the kernels that multiply by a quantised copy
@@ -402,7 +403,7 @@ def set_linear_kernel(model: nn.Module, kernel: str, *, choice: Any = None) -> i
             )
         model.__dict__["linear_auto_choice"] = choice
     if kernel == "split":
-        rows_kernel()  # built (once per machine) or loaded now, not in the first forward
+        compiled()  # built (once per machine) or loaded now, not in the first forward
     switched = 0
     for module in model.modules():
         if type(module) not in _CLASSES.values():

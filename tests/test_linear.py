@@ -37,7 +37,8 @@ from kakeya_lab.linear import (
     stack_rows,
 )
 from kakeya_lab.models import DEFAULT_MODEL
-from kakeya_lab.native.rows import MAX_ROWS, rows_kernel, rows_product, why_unavailable
+from kakeya_lab.native.build import compiled, why_unavailable
+from kakeya_lab.native.rows import MAX_ROWS, rows_product
 from kakeya_lab.proposers import NgramProposer, make_proposer
 from kakeya_lab.reference import oracle_logits
 from kakeya_lab.results import cpu_identity
@@ -190,7 +191,7 @@ def test_the_compiled_few_row_product_is_the_linear_product():
     products for one row, more rows or other widths), to the same numbers."""
     if "avx512f" not in cpu_identity()["cpu_flags"]:
         pytest.skip("the compiled product needs AVX-512")
-    assert rows_kernel() is not None, why_unavailable()
+    assert compiled() is not None, why_unavailable()
     torch.manual_seed(0)
     for out_features in (1, 7, 33, 96):
         weight = torch.randn(out_features, 64)

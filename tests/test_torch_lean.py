@@ -24,6 +24,7 @@ from kakeya_lab.data import domain_conversations
 from kakeya_lab.models import DEFAULT_MODEL, tiny_random_model
 from kakeya_lab.proposers import DraftModelProposer
 from kakeya_lab.reference import oracle_logits
+from kakeya_lab.results import cpu_identity
 
 TOL = 1e-4  # what tests/test_oracle.py holds transformers' forward to
 
@@ -34,6 +35,8 @@ def test_lean_forward_gives_the_oracle_logits_past_eviction(architecture, mode, 
     loaded = tiny_random_model(architecture, seed=1)
     model = loaded.model
     lean = LeanForward.of(model)  # what a verifier with lean=True runs
+    # the compiled step operations run wherever they build (native/step.py)
+    assert (lean.native is not None) == ("avx512f" in cpu_identity()["cpu_flags"])
     config = SinkWindowConfig(sink=3, window=17, positions=mode)
     ids = [random.Random(2).randrange(loaded.model.config.vocab_size) for _ in range(120)]
     want = oracle_logits(model, ids, config)

@@ -12,6 +12,11 @@ RMSNorms in one fused operation each (rounded as transformers' module rounds the
 PyTorch's SDPA with a one-token query's heads packed onto their key heads (a float32
 block's heads grouped onto them with ``enable_gqa``, no repeated keys; other dtypes repeat
 the keys, as transformers does, PyTorch's bfloat16 CPU kernel being slow with grouping).
+With float32 rows on a CPU where the compiled kernels build (:mod:`kakeya_lab.native.step`),
+the RMSNorms, the rotary embedding and a one-token query's attention each run as one
+compiled pass instead (``LeanForward(model, compiled=False)`` keeps PyTorch's operations):
+in a one-token step the dispatch of the small operations between the products costs more
+than their arithmetic.
 
 With a full-precision kernel the q/k/v and the gate/up projections each run as one product
 over their weights stacked (:func:`~kakeya_lab.linear.stack_rows`: the weights re-laid once
@@ -54,6 +59,7 @@ from kakeya_lab.linear import (
     set_linear_kernel,
     stack_rows,
 )
+from kakeya_lab.native.step import step_kernels
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 MAX_TOKENS = FEW_ROWS  # longer blocks (prefills) keep transformers' forward
@@ -150,7 +156,7 @@ class LeanForward:
     the model's kernel); it holds no state between calls, so one serves every cache of that
     model."""
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, *, compiled: bool = True):
         problem = self.unsupported(model)
         if problem:
             raise ValueError(f"LeanForward does not support this model: {problem}")
@@ -168,6 +174,13 @@ class LeanForward:
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.scaling = float(base.layers[0].self_attn.scaling)
+        # the compiled step operations (native/step.py), where they take this model's rows
+        weight = self.embed_tokens.weight
+        self.native = (
+            step_kernels(weight.dtype, weight.device, cfg.hidden_size, self.head_dim)
+            if compiled
+            else None
+        )
         # the layer whose class tells whether the model's kernel changed since (current())
         self._probe = (base.layers[0].self_attn.o_proj, type(base.layers[0].self_attn.o_proj))
         self.layers = [
@@ -261,7 +274,7 @@ class LeanForward:
         """The rotary tables ``(cos, sin)``, ``[rows, head_dim]`` in ``x``'s dtype, of the
         rows at ``positions`` (``[rows]``, any positions: one cache's run or several)."""
         cos, sin = self.rotary(x[None], positions[None])
-        return cos[0], sin[0]
+        return cos[0].contiguous(), sin[0].contiguous()
 
     def qkv(
         self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -271,7 +284,12 @@ class LeanForward:
         layer = self.layers[i]
         n = x.shape[0]
         h, kv, d = self.heads, self.kv_heads, self.head_dim
-        rows = _product(layer.qkv, _rms(x, layer.norm1)).view(n, h + 2 * kv, d).transpose(0, 1)
+        rows = _product(layer.qkv, self._rms(x, layer.norm1)).view(n, h + 2 * kv, d)
+        if self.native is not None and layer.q_norm is None and rows.is_contiguous():
+            self.native.rotate_(rows, cos, sin, h + kv)  # q and k rotated in place
+            rows = rows.transpose(0, 1)
+            return rows[:h], rows[h : h + kv], rows[h + kv :]
+        rows = rows.transpose(0, 1)
         if layer.q_norm is None:  # q and k rotated in one go
             qk = _rotate(rows[: h + kv], cos, sin)
             q, k = qk[:h], qk[h:]
@@ -296,6 +314,9 @@ class LeanForward:
         n = q.shape[1]
         keys, values = cache.update(k[None], v[None], i)
         h, kv, d = self.heads, self.kv_heads, self.head_dim
+        if n == 1 and self.native is not None:
+            seen = None if mask is None else mask.reshape(-1)
+            return self.native.attend_one(q.reshape(h, d), keys, values, seen, self.scaling)
         if n == 1:  # one query: each key head's group of query heads as its rows
             out = F.scaled_dot_product_attention(
                 q.view(1, kv, h // kv, d), keys, values, attn_mask=mask, scale=self.scaling
@@ -316,12 +337,18 @@ class LeanForward:
         (from :meth:`attend`), then plus the MLP of that."""
         layer = self.layers[i]
         x = x + _product(layer.o_proj, attended)
-        gate, up = _product(layer.gate_up, _rms(x, layer.norm2)).chunk(2, dim=-1)
+        gate, up = _product(layer.gate_up, self._rms(x, layer.norm2)).chunk(2, dim=-1)
         return x + _product(layer.down, F.silu(gate) * up)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The float32 logits ``[rows, vocab]`` of the last layer's rows ``x``."""
-        return _product(self.lm_head, _rms(x, self.norm)).float()
+        return _product(self.lm_head, self._rms(x, self.norm)).float()
+
+    def _rms(self, x: torch.Tensor, norm: Any) -> torch.Tensor:
+        """``norm(x)`` (:func:`_rms`), compiled where it applies."""
+        if self.native is not None and x.is_contiguous():
+            return self.native.rms_norm(x, norm.weight, norm.variance_epsilon)
+        return _rms(x, norm)
 
     @torch.inference_mode()
     def __call__(

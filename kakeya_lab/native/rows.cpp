@@ -69,7 +69,3 @@ torch::Tensor rows_product(torch::Tensor rows, torch::Tensor weight) {
   RUNS[n - 1](rows.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), in, out);
   return y;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rows_product", &rows_product, "rows @ weight.T for 1 to 8 float32 rows");
-}

@@ -1,0 +1,90 @@
+"""The compiled kernels' one module: :func:`compiled`.
+
+Every ``*.cpp`` beside this file (``rows.cpp``: the few-row product; ``step.cpp``: a layer
+step's small operations; ``bindings.cpp``: the module) is compiled into one Python module
+with PyTorch's extension builder (a C++ compiler and ninja) the first time a process asks
+for it on a CPU with AVX-512 (AVX-512F and DQ), under a minute (a terminal is told), into the model store
+(``$KAKEYA_LAB_HOME/kernels/build/``, one folder per sources, torch version, CPU and flags),
+and loaded from there afterwards. Where it cannot be built (no AVX-512, no compiler or
+ninja, a failed build) :func:`compiled` returns None and :func:`why_unavailable` says why;
+every caller then runs PyTorch's operations instead (the same numbers to float rounding).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kakeya_lab.results import cpu_identity
+
+SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+FLAGS = ["-O3", "-mavx512f", "-mavx512dq", "-mfma"]
+CPU_FLAGS = ("avx512f", "avx512dq", "fma")  # what FLAGS let the compiler assume
+
+_log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_loaded: tuple[Any, str] | None = None  # (module or None, why not) once tried
+
+
+def _build() -> tuple[Any, str]:
+    identity = cpu_identity()
+    missing_flags = [flag for flag in CPU_FLAGS if flag not in identity["cpu_flags"]]
+    if missing_flags:
+        return None, f"the CPU lacks {', '.join(missing_flags)}"
+    missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
+    if missing:
+        return None, f"no {' or '.join(missing)} on PATH"
+    from torch.utils.cpp_extension import load
+
+    from kakeya_lab.models.store import store_home
+
+    digest = hashlib.sha256(
+        "\n".join(
+            [
+                *(f"{source.name}\n{source.read_text()}" for source in SOURCES),
+                torch.__version__,
+                identity["cpu"],
+                " ".join(FLAGS),
+            ]
+        ).encode()
+    ).hexdigest()[:16]
+    folder = store_home() / "kernels" / "build" / f"native-{digest}"
+    folder.mkdir(parents=True, exist_ok=True)
+    _log.info("building the compiled kernels into %s (once per machine)", folder)
+    if sys.stderr.isatty() and not any(folder.glob("*.so")):  # a terminal waits: say why
+        print(
+            "kakeya-lab: compiling its kernels for this CPU (once, about a minute)", file=sys.stderr
+        )
+    try:
+        module = load(
+            name=f"kakeya_native_{digest}",
+            sources=[str(source) for source in SOURCES],
+            extra_cflags=[*FLAGS, "-fopenmp"],
+            build_directory=str(folder),
+            verbose=False,
+        )
+    except Exception as exc:  # a compiler error, a missing header: run without it
+        return None, f"the build failed: {type(exc).__name__}: {str(exc).strip()[-500:]}"
+    return module, ""
+
+
+def compiled() -> Any | None:
+    """The compiled module (built or loaded on the first call of the process), or None
+    when it cannot be built here (:func:`why_unavailable`)."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _build()
+    return _loaded[0]
+
+
+def why_unavailable() -> str:
+    """Why :func:`compiled` is None ("" when it is not, or was not tried yet)."""
+    return "" if _loaded is None else _loaded[1]

@@ -1,0 +1,32 @@
+"""A decoder layer step's small operations, compiled (``step.cpp``): :func:`step_kernels`.
+
+In a one-token step of a small model the weight products take about half the time; much of
+the rest is PyTorch dispatching the thirty-odd small operations of each layer (a fused
+RMSNorm alone is a dozen). ``step.cpp`` does three of them, each in one pass over float32
+rows: ``rms_norm(x, weight, eps)``, ``rotate_(rows, cos, sin, heads)`` (the rotary
+embedding of the first ``heads`` heads of ``[n, heads_total, d]`` rows, in place) and
+``attend_one(q, keys, values, mask, scale)`` (one query's attention over a cache's keys and
+values, its heads grouped onto the key heads, columns where the ``[columns]`` bool mask is
+false unseen). They compute what PyTorch's operations compute, in float32, rounded
+differently: a default-model forward through them is as close to its float64 forward as
+through PyTorch's. The MLP's SiLU stays PyTorch's: a compiled one (``exp`` rounded
+otherwise) saved little and moved the logits furthest from PyTorch's.
+:class:`~kakeya_lab.backends.torch_lean.LeanForward` runs them where they apply.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kakeya_lab.native.build import compiled
+
+
+def step_kernels(dtype: torch.dtype, device: torch.device, hidden: int, head_dim: int) -> Any:
+    """The compiled module when its step operations take rows of this ``dtype`` on this
+    ``device`` with these widths (float32 on the CPU, widths multiples of 16), else None
+    (also when the kernels cannot be built here: :func:`~kakeya_lab.native.build.why_unavailable`)."""
+    if dtype != torch.float32 or device.type != "cpu" or hidden % 16 or head_dim % 16:
+        return None
+    return compiled()

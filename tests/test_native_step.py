@@ -1,0 +1,129 @@
+"""The compiled step operations (kakeya_lab/native/step.cpp) against PyTorch's: the RMSNorm,
+the in-place rotary embedding and one query's attention over a cache's strided storage with
+grouped heads and unseen columns; bad shapes are refused with a clear error; and the lean
+forward of the default model gives the same logits through them as through PyTorch's
+operations (the oracle tests in test_torch_lean.py and test_torch_batch.py run them too)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from oracle_cases import token_by_token
+
+from kakeya_lab import SinkWindowConfig
+from kakeya_lab.backends.torch_lean import LeanForward, _rotate
+from kakeya_lab.native.build import compiled, why_unavailable
+from kakeya_lab.native.step import step_kernels
+from kakeya_lab.reference import oracle_logits
+from kakeya_lab.results import cpu_identity
+
+pytestmark = pytest.mark.skipif(
+    "avx512f" not in cpu_identity()["cpu_flags"], reason="the compiled kernels need AVX-512"
+)
+
+
+@pytest.fixture(scope="module")
+def native():
+    module = compiled()
+    assert module is not None, why_unavailable()
+    return module
+
+
+def test_rms_norm_is_pytorchs(native):
+    torch.manual_seed(0)
+    for n, width in ((1, 576), (3, 64), (8, 896)):
+        x, weight = torch.randn(n, width) * 3, torch.randn(width)
+        want = F.rms_norm(x, (width,), weight, 1e-5)
+        assert (native.rms_norm(x, weight, 1e-5) - want).abs().max() <= 1e-5
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        native.rms_norm(torch.randn(1, 40), torch.randn(40), 1e-5)
+    with pytest.raises(RuntimeError, match="float32"):
+        native.rms_norm(torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(64), 1e-5)
+
+
+def test_rotate_turns_the_first_heads_in_place_as_rotate_half_does(native):
+    torch.manual_seed(1)
+    n, heads, total, d = 3, 12, 15, 64
+    rows = torch.randn(n, total, d)
+    angles = torch.randn(n, d)
+    cos, sin = angles.cos(), angles.sin()
+    want = _rotate(rows[:, :heads].transpose(0, 1), cos, sin).transpose(0, 1)
+    kept = rows[:, heads:].clone()
+    native.rotate_(rows, cos, sin, heads)
+    assert (rows[:, :heads] - want).abs().max() <= 1e-6
+    assert torch.equal(rows[:, heads:], kept)  # the value heads are left alone
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        native.rotate_(rows, cos[:2], sin[:2], heads)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 4, 128), (14, 2, 64)])
+@pytest.mark.parametrize("columns", [1, 37, 700])
+def test_one_query_attends_as_sdpa_over_strided_storage_and_a_mask(
+    native, heads, kv_heads, d, columns
+):
+    """Keys and values are a slice of a larger slot storage (as a cache returns them), the
+    query heads grouped onto the key heads; with a mask some columns are unseen (the last,
+    the query's own, always seen). 700 columns run on two threads."""
+    torch.manual_seed(columns + heads)
+    storage_k, storage_v = torch.randn(2, 1, kv_heads, columns + 9, d)
+    keys, values = storage_k[:, :, :columns], storage_v[:, :, :columns]
+    q = torch.randn(heads, d)
+    seen = torch.rand(columns) > 0.3
+    seen[-1] = True
+    for mask in (None, seen):
+        want = F.scaled_dot_product_attention(
+            q.view(1, kv_heads, heads // kv_heads, d),
+            keys,
+            values,
+            attn_mask=None if mask is None else mask.view(1, 1, 1, -1),
+            scale=d**-0.5,
+        ).reshape(1, heads * d)
+        got = native.attend_one(q, keys, values, mask, d**-0.5)
+        assert got.shape == (1, heads * d)
+        assert (got - want).abs().max() <= 1e-5, mask is None
+    with pytest.raises(RuntimeError, match="sees no column"):
+        native.attend_one(q, keys, values, torch.zeros(columns, dtype=torch.bool), 0.1)
+    with pytest.raises(RuntimeError, match="bool mask"):
+        native.attend_one(q, keys, values, seen[:-1], 0.1)
+    with pytest.raises(RuntimeError, match="head sizes"):
+        native.attend_one(torch.randn(heads + 1, d), keys, values, None, 0.1)
+
+
+def test_the_step_kernels_take_float32_cpu_rows_of_widths_in_sixteens():
+    cpu = torch.device("cpu")
+    assert step_kernels(torch.float32, cpu, 576, 64) is not None
+    assert step_kernels(torch.bfloat16, cpu, 576, 64) is None
+    assert step_kernels(torch.float32, cpu, 576, 24) is None
+    assert step_kernels(torch.float32, torch.device("meta"), 576, 64) is None
+
+
+def test_the_default_models_lean_steps_through_them_are_pytorchs_past_eviction(
+    default_model, text_ids, record_tolerance
+):
+    """Token by token past eviction in rolling positions (masked columns at every step), the
+    compiled operations and PyTorch's give the same greedy tokens and logits within the
+    oracle tests' 1e-4 of each other (two float32 roundings of one forward), and each within
+    1e-4 of the dense oracle."""
+    model = default_model.model
+    config = SinkWindowConfig(sink=2, window=30, positions="rolling")
+    ids = text_ids[:90]
+    lean = LeanForward.of(model)
+    assert lean.native is not None  # the default path here runs them
+    got, v = token_by_token(model, ids, config)
+    assert v.backend.lean_forward is lean and v.backend.lean_steps == len(ids)
+    plain = LeanForward(model, compiled=False)
+    assert plain.native is None
+    model.__dict__["_lean_forward"] = plain  # what LeanForward.of returns for this model now
+    try:
+        want, w = token_by_token(model, ids, config)
+        assert w.backend.lean_forward is plain and plain.forwards == len(ids)
+    finally:
+        model.__dict__["_lean_forward"] = lean
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert (got - want).abs().max() <= 1e-4
+    oracle = oracle_logits(model, ids, config)
+    for name, rows in (("compiled", got), ("pytorch", want)):
+        err = (rows - oracle).abs().max().item()
+        record_tolerance(f"smollm2 lean {name} step ops/rolling/token-by-token", err)
+        assert err <= 1e-4, name
