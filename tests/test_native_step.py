@@ -58,36 +58,47 @@ def test_rotate_turns_the_first_heads_in_place_as_rotate_half_does(native):
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 4, 128), (14, 2, 64)])
-@pytest.mark.parametrize("columns", [1, 37, 700])
-def test_one_query_attends_as_sdpa_over_strided_storage_and_a_mask(
-    native, heads, kv_heads, d, columns
+@pytest.mark.parametrize(("n", "columns"), [(1, 1), (1, 37), (1, 700), (5, 40), (8, 700)])
+def test_queries_attend_as_sdpa_over_strided_storage_and_a_mask(
+    native, heads, kv_heads, d, n, columns
 ):
     """Keys and values are a slice of a larger slot storage (as a cache returns them), the
-    query heads grouped onto the key heads; with a mask some columns are unseen (the last,
-    the query's own, always seen). 700 columns run on two threads."""
-    torch.manual_seed(columns + heads)
+    queries a strided view (as the lean forward's q heads are), the query heads grouped onto
+    the key heads; with a mask each query leaves some columns unseen (a block's causal
+    layout: query r sees the columns up to its own, some earlier ones masked too); past a
+    few columns the (head, query) pairs split over the threads."""
+    torch.manual_seed(columns + heads + n)
     storage_k, storage_v = torch.randn(2, 1, kv_heads, columns + 9, d)
     keys, values = storage_k[:, :, :columns], storage_v[:, :, :columns]
-    q = torch.randn(heads, d)
-    seen = torch.rand(columns) > 0.3
-    seen[-1] = True
+    q = torch.randn(n, heads + 2, d).transpose(0, 1)[:heads]  # [heads, n, d], strided
+    seen = torch.rand(n, columns) > 0.3
+    own = torch.arange(columns - n, columns)
+    seen[torch.arange(n), own] = True
+    seen &= torch.arange(columns)[None] <= own[:, None]
     for mask in (None, seen):
-        want = F.scaled_dot_product_attention(
-            q.view(1, kv_heads, heads // kv_heads, d),
-            keys,
-            values,
-            attn_mask=None if mask is None else mask.view(1, 1, 1, -1),
-            scale=d**-0.5,
-        ).reshape(1, heads * d)
-        got = native.attend_one(q, keys, values, mask, d**-0.5)
-        assert got.shape == (1, heads * d)
+        want = (
+            F.scaled_dot_product_attention(
+                q[None],
+                keys,
+                values,
+                attn_mask=None if mask is None else mask[None, None],
+                scale=d**-0.5,
+                enable_gqa=heads != kv_heads,
+            )[0]
+            .transpose(0, 1)
+            .reshape(n, heads * d)
+        )
+        got = native.attend(q, keys, values, mask, d**-0.5)
+        assert got.shape == (n, heads * d)
         assert (got - want).abs().max() <= 1e-5, mask is None
-    with pytest.raises(RuntimeError, match="sees no column"):
-        native.attend_one(q, keys, values, torch.zeros(columns, dtype=torch.bool), 0.1)
+    unseen = seen.clone()
+    unseen[-1] = False
+    with pytest.raises(RuntimeError, match=f"query {n - 1} sees no column"):
+        native.attend(q, keys, values, unseen, 0.1)
     with pytest.raises(RuntimeError, match="bool mask"):
-        native.attend_one(q, keys, values, seen[:-1], 0.1)
+        native.attend(q, keys, values, seen[:, :-1].contiguous(), 0.1)
     with pytest.raises(RuntimeError, match="head sizes"):
-        native.attend_one(torch.randn(heads + 1, d), keys, values, None, 0.1)
+        native.attend(torch.randn(heads + 1, n, d), keys, values, None, 0.1)
 
 
 def test_the_step_kernels_take_float32_cpu_rows_of_widths_in_sixteens():

@@ -13,8 +13,8 @@ PyTorch's SDPA with a one-token query's heads packed onto their key heads (a flo
 block's heads grouped onto them with ``enable_gqa``, no repeated keys; other dtypes repeat
 the keys, as transformers does, PyTorch's bfloat16 CPU kernel being slow with grouping).
 With float32 rows on a CPU where the compiled kernels build (:mod:`kakeya_lab.native.step`),
-the RMSNorms, the rotary embedding and a one-token query's attention each run as one
-compiled pass instead (``LeanForward(model, compiled=False)`` keeps PyTorch's operations):
+the RMSNorms, the rotary embedding and the attention each run as one compiled pass
+instead (``LeanForward(model, compiled=False)`` keeps PyTorch's operations):
 in a one-token step the dispatch of the small operations between the products costs more
 than their arithmetic.
 
@@ -314,9 +314,9 @@ class LeanForward:
         n = q.shape[1]
         keys, values = cache.update(k[None], v[None], i)
         h, kv, d = self.heads, self.kv_heads, self.head_dim
-        if n == 1 and self.native is not None:
-            seen = None if mask is None else mask.reshape(-1)
-            return self.native.attend_one(q.reshape(h, d), keys, values, seen, self.scaling)
+        if self.native is not None:
+            seen = None if mask is None else mask.reshape(n, -1).contiguous()
+            return self.native.attend(q, keys, values, seen, self.scaling)
         if n == 1:  # one query: each key head's group of query heads as its rows
             out = F.scaled_dot_product_attention(
                 q.view(1, kv, h // kv, d), keys, values, attn_mask=mask, scale=self.scaling

@@ -5,13 +5,13 @@ torch::Tensor rows_product(torch::Tensor rows, torch::Tensor weight);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 void rotate_(torch::Tensor rows, const torch::Tensor& cos, const torch::Tensor& sin,
              int64_t heads);
-torch::Tensor attend_one(const torch::Tensor& q, const torch::Tensor& keys,
-                         const torch::Tensor& values, const c10::optional<torch::Tensor>& mask,
-                         double scale);
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys,
+                     const torch::Tensor& values, const c10::optional<torch::Tensor>& mask,
+                     double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_product", &rows_product, "rows @ weight.T for 1 to 8 float32 rows");
   m.def("rms_norm", &rms_norm, "each row's RMSNorm, scaled by the weight");
   m.def("rotate_", &rotate_, "the rotary embedding of the first heads, in place");
-  m.def("attend_one", &attend_one, "one query's attention over a cache's keys and values");
+  m.def("attend", &attend, "a few queries' attention over a cache's keys and values");
 }

@@ -1,6 +1,6 @@
 // The small operations of a decoder layer's step, each one pass in place of several PyTorch
 // operations (float32, AVX-512): the RMSNorm, the rotary embedding of the q and k heads and
-// the attention of one query over a cache's keys. In a one-token step these run between the
+// the attention of a few queries over a cache's keys. In a one-token step these run between the
 // weight products thirty times a token, where dispatching PyTorch's many small operations
 // costs more than their arithmetic. Built with rows.cpp by kakeya_lab/native/build.py (see
 // kakeya_lab/native/step.py); each checks the shapes it assumes.
@@ -77,50 +77,58 @@ void rotate_(Tensor rows, const Tensor& cos, const Tensor& sin, int64_t heads) {
   }
 }
 
-// One query's attention: q [heads, d] over keys and values [1, kv_heads, columns, d] (each
-// key's d numbers contiguous; the heads may be further apart, as in a cache's storage), the
-// query heads grouped onto the key heads in order; columns where `mask` [columns] is false
-// are not seen. Returns [1, heads * d].
-Tensor attend_one(const Tensor& q, const Tensor& keys, const Tensor& values,
-                  const c10::optional<Tensor>& mask, double scale) {
-  check_float(q, "attend_one's query");
-  check_float(keys, "attend_one's keys");
-  check_float(values, "attend_one's values");
-  TORCH_CHECK(q.dim() == 2 && q.is_contiguous(), "attend_one takes a contiguous query [heads, d]");
+// The attention of a few queries: q [heads, n, d] (each query's d numbers contiguous) over
+// keys and values [1, kv_heads, columns, d] (each key's d numbers contiguous; the heads may be
+// further apart, as in a cache's storage), the query heads grouped onto the key heads in
+// order; query r does not see the columns where `mask` [n, columns] is false. Returns
+// [n, heads * d].
+Tensor attend(const Tensor& q, const Tensor& keys, const Tensor& values,
+              const c10::optional<Tensor>& mask, double scale) {
+  check_float(q, "attend's queries");
+  check_float(keys, "attend's keys");
+  check_float(values, "attend's values");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "attend takes queries [heads, n, d]");
   TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.size(0) == 1,
-              "attend_one takes keys and values [1, kv_heads, columns, d]");
-  const int64_t heads = q.size(0), d = q.size(1), kv = keys.size(1), columns = keys.size(2);
-  TORCH_CHECK(keys.size(3) == d && d % 16 == 0 && kv > 0 && heads % kv == 0 && columns > 0,
-              "attend_one: head sizes");
+              "attend takes keys and values [1, kv_heads, columns, d]");
+  const int64_t heads = q.size(0), n = q.size(1), d = q.size(2);
+  const int64_t kv = keys.size(1), columns = keys.size(2);
+  TORCH_CHECK(keys.size(3) == d && d % 16 == 0 && kv > 0 && heads % kv == 0 && columns > 0 &&
+                  n > 0,
+              "attend: head sizes");
   TORCH_CHECK(keys.stride(3) == 1 && keys.stride(2) == d && values.stride(3) == 1 &&
                   values.stride(2) == d,
-              "attend_one: each key's numbers contiguous");
+              "attend: each key's numbers contiguous");
   const bool* seen = nullptr;
   if (mask.has_value()) {
     TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->is_contiguous() &&
-                    mask->numel() == columns,
-                "attend_one: a contiguous bool mask [columns]");
+                    mask->dim() == 2 && mask->size(0) == n && mask->size(1) == columns,
+                "attend: a contiguous bool mask [n, columns]");
     seen = mask->data_ptr<bool>();
   }
-  auto out = torch::empty({1, heads * d}, q.options());
+  auto out = torch::empty({n, heads * d}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = keys.data_ptr<float>();
   const float* vp = values.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t group = heads / kv, kstride = keys.stride(1), vstride = values.stride(1);
+  const int64_t qhead = q.stride(0), qrow = q.stride(1);
   const float s = static_cast<float>(scale);
-  // a short cache is cheaper on one thread than waking another
-  const int64_t grain = columns * d * heads < (1 << 18) ? heads : 1;
-  at::parallel_for(0, heads, grain, [&](int64_t h0, int64_t h1) {
+  // (head, query) pairs split over the threads (the keys come from memory), unless there is
+  // next to nothing
+  const int64_t pairs = heads * n;
+  const int64_t grain = columns * d * pairs < (1 << 14) ? pairs : 1;
+  at::parallel_for(0, pairs, grain, [&](int64_t p0, int64_t p1) {
     std::vector<float> score(columns);
     std::vector<__m512> acc(d / 16);
-    for (int64_t h = h0; h < h1; ++h) {
-      const float* qh = qp + h * d;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t h = p / n, r = p % n;
+      const float* qh = qp + h * qhead + r * qrow;
       const float* kh = kp + (h / group) * kstride;
       const float* vh = vp + (h / group) * vstride;
+      const bool* row_seen = seen ? seen + r * columns : nullptr;
       float top = -INFINITY;
       for (int64_t c = 0; c < columns; ++c) {
-        if (seen && !seen[c]) {
+        if (row_seen && !row_seen[c]) {
           score[c] = -INFINITY;
           continue;
         }
@@ -130,19 +138,19 @@ Tensor attend_one(const Tensor& q, const Tensor& keys, const Tensor& values,
         score[c] = _mm512_reduce_add_ps(dot) * s;
         top = std::max(top, score[c]);
       }
-      TORCH_CHECK(top > -INFINITY, "attend_one: the query sees no column");
+      TORCH_CHECK(top > -INFINITY, "attend: query ", r, " sees no column");
       float total = 0.0f;
       for (int64_t c = 0; c < columns; ++c) total += score[c] = std::exp(score[c] - top);
       std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
       for (int64_t c = 0; c < columns; ++c) {
         if (score[c] == 0.0f) continue;
-        const __m512 p = _mm512_set1_ps(score[c]);
+        const __m512 w = _mm512_set1_ps(score[c]);
         for (int64_t k = 0; k < d / 16; ++k)
-          acc[k] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vh + c * d + 16 * k), acc[k]);
+          acc[k] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vh + c * d + 16 * k), acc[k]);
       }
       const __m512 inv = _mm512_set1_ps(1.0f / total);
-      for (int64_t k = 0; k < d / 16; ++k)
-        _mm512_storeu_ps(op + h * d + 16 * k, _mm512_mul_ps(acc[k], inv));
+      float* o = op + r * heads * d + h * d;
+      for (int64_t k = 0; k < d / 16; ++k) _mm512_storeu_ps(o + 16 * k, _mm512_mul_ps(acc[k], inv));
     }
   });
   return out;

@@ -5,9 +5,9 @@ the rest is PyTorch dispatching the thirty-odd small operations of each layer (a
 RMSNorm alone is a dozen). ``step.cpp`` does three of them, each in one pass over float32
 rows: ``rms_norm(x, weight, eps)``, ``rotate_(rows, cos, sin, heads)`` (the rotary
 embedding of the first ``heads`` heads of ``[n, heads_total, d]`` rows, in place) and
-``attend_one(q, keys, values, mask, scale)`` (one query's attention over a cache's keys and
-values, its heads grouped onto the key heads, columns where the ``[columns]`` bool mask is
-false unseen). They compute what PyTorch's operations compute, in float32, rounded
+``attend(q, keys, values, mask, scale)`` (the attention of a few queries ``[heads, n, d]``
+over a cache's keys and values, the query heads grouped onto the key heads, query ``r``
+not seeing the columns where row ``r`` of the ``[n, columns]`` bool mask is false). They compute what PyTorch's operations compute, in float32, rounded
 differently: a default-model forward through them is as close to its float64 forward as
 through PyTorch's. The MLP's SiLU stays PyTorch's: a compiled one (``exp`` rounded
 otherwise) saved little and moved the logits furthest from PyTorch's.
