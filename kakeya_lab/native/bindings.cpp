@@ -9,9 +9,13 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys,
                      const torch::Tensor& values, const c10::optional<torch::Tensor>& mask,
                      double scale);
 
+// Each call releases the GIL while it computes, as PyTorch's own operations do: other
+// Python threads (the sessions of a batched forward, a server's handlers) run meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rows_product", &rows_product, "rows @ weight.T for 1 to 8 float32 rows");
-  m.def("rms_norm", &rms_norm, "each row's RMSNorm, scaled by the weight");
-  m.def("rotate_", &rotate_, "the rotary embedding of the first heads, in place");
-  m.def("attend", &attend, "a few queries' attention over a cache's keys and values");
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("rows_product", &rows_product, "rows @ weight.T for 1 to 8 float32 rows", release());
+  m.def("rms_norm", &rms_norm, "each row's RMSNorm, scaled by the weight", release());
+  m.def("rotate_", &rotate_, "the rotary embedding of the first heads, in place", release());
+  m.def("attend", &attend, "a few queries' attention over a cache's keys and values",
+        release());
 }
