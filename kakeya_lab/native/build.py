@@ -3,9 +3,10 @@
 Every ``*.cpp`` beside this file (``rows.cpp``: the few-row product; ``step.cpp``: a layer
 step's small operations; ``bindings.cpp``: the module) is compiled into one Python module
 with PyTorch's extension builder (a C++ compiler and ninja) the first time a process asks
-for it on a CPU with AVX-512 (AVX-512F and DQ), under a minute (a terminal is told), into the model store
-(``$KAKEYA_LAB_HOME/kernels/build/``, one folder per sources, torch version, CPU and flags),
-and loaded from there afterwards. Where it cannot be built (no AVX-512, no compiler or
+for it on a CPU with AVX-512F, AVX-512DQ and FMA (what the flags let the compiler use),
+in under a minute (a terminal is told why it waits), into the model store
+(``$KAKEYA_LAB_HOME/kernels/build/``, one folder per sources, torch version, CPU and
+flags), and loaded from there afterwards. Where it cannot be built (no AVX-512, no compiler or
 ninja, a failed build) :func:`compiled` returns None and :func:`why_unavailable` says why;
 every caller then runs PyTorch's operations instead (the same numbers to float rounding).
 """
