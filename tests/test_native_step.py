@@ -6,6 +6,9 @@ operations (the oracle tests in test_torch_lean.py and test_torch_batch.py run t
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,7 +106,10 @@ def test_queries_attend_as_sdpa_over_strided_storage_and_a_mask(
 
 def test_the_step_kernels_take_float32_cpu_rows_of_widths_in_sixteens():
     cpu = torch.device("cpu")
-    assert step_kernels(torch.float32, cpu, 576, 64) is not None
+    kernels = step_kernels(torch.float32, cpu, 576, 64)
+    assert kernels is not None
+    # a model deep-copied or pickled with its lean forward takes them along
+    assert copy.deepcopy(kernels) == kernels == pickle.loads(pickle.dumps(kernels))
     assert step_kernels(torch.bfloat16, cpu, 576, 64) is None
     assert step_kernels(torch.float32, cpu, 576, 24) is None
     assert step_kernels(torch.float32, torch.device("meta"), 576, 64) is None

@@ -16,6 +16,8 @@ otherwise) saved little and moved the logits furthest from PyTorch's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,10 +25,33 @@ import torch
 from kakeya_lab.native.build import compiled
 
 
-def step_kernels(dtype: torch.dtype, device: torch.device, hidden: int, head_dim: int) -> Any:
-    """The compiled module when its step operations take rows of this ``dtype`` on this
+@dataclass(frozen=True)
+class StepKernels:
+    """The compiled step operations (module docstring). Copying or pickling one (a model
+    deep-copied with its lean forward) refers to this process's compiled module again,
+    which cannot itself be copied."""
+
+    rms_norm: Callable[..., torch.Tensor]
+    rotate_: Callable[..., None]
+    attend: Callable[..., torch.Tensor]
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _loaded_step_kernels, ()
+
+
+def _loaded_step_kernels() -> StepKernels:
+    module = compiled()
+    if module is None:  # unpickled where the kernels do not build
+        raise RuntimeError("the compiled step operations are not available in this process")
+    return StepKernels(module.rms_norm, module.rotate_, module.attend)
+
+
+def step_kernels(
+    dtype: torch.dtype, device: torch.device, hidden: int, head_dim: int
+) -> StepKernels | None:
+    """The compiled step operations when they take rows of this ``dtype`` on this
     ``device`` with these widths (float32 on the CPU, widths multiples of 16), else None
     (also when the kernels cannot be built here: :func:`~kakeya_lab.native.build.why_unavailable`)."""
     if dtype != torch.float32 or device.type != "cpu" or hidden % 16 or head_dim % 16:
         return None
-    return compiled()
+    return None if compiled() is None else _loaded_step_kernels()
