@@ -4,7 +4,7 @@
 // multiplied by every input row, 16 inputs per step, into R x N vector accumulators, then
 // each accumulator is summed. The output rows are split over PyTorch's threads
 // (at::parallel_for), so a one-token step streams the weights on every core, and a block of a
-// few tokens costs little more than one. Built once per machine by kakeya_lab/native/rows.py.
+// few tokens costs little more than one. Built with step.cpp by kakeya_lab/native/build.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
