@@ -26,12 +26,12 @@ parallel; one row as ``slice @ row`` (a streaming matrix-vector product, each ou
 contiguous weight row against the input), more as ``rows @ slice.T``. A layer whose output
 width the thread count does not divide runs ``aten``. Where the compiled few-row product
 (:mod:`kakeya_lab.native.rows`: AVX-512, built once per machine) is available, ``split``
-runs 2 to 8 float32 rows on it instead: it reads each weight row once for all the rows, so
+runs 2 to 16 float32 rows on it instead: it reads each weight row once for all the rows, so
 a block of a few tokens costs little more than one (the output rows still split over the
 threads), and it rounds at least as closely as MKL.
 
 Which of them is fastest depends on the CPU: ``auto`` measures them all on this machine
-for one to eight rows and for a prefill chunk, caches the choice on disk per model, dtype,
+for one to sixteen rows and for a prefill chunk, caches the choice on disk per model, dtype,
 CPU, torch version and thread count, and runs each call on the winner for its row count
 (:mod:`kakeya_lab.linear_auto`); its numbers are those of the kernel it dispatches to.
 
@@ -67,7 +67,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 QUANTISED = ("int8", "int4")  # the kernels that multiply by a quantised copy
 # bumped whenever a kernel's implementation changes, so "auto" choices cached on disk from
 # timings of the earlier implementation are measured again (part of their key)
-KERNEL_REVISION = 4
+KERNEL_REVISION = 5
 INT4_GROUP = 32  # inputs per int4 scale and offset (the kernel takes 32, 64, 128 or 256)
 
 
@@ -121,7 +121,7 @@ def _split_linear(
     ):
         return F.linear(input, weight, bias)
     rows = input.reshape(-1, in_features)
-    if rows.shape[0] > 1:  # 2 to 8 rows: the compiled kernel, where it is built and applies
+    if rows.shape[0] > 1:  # 2 to 16 rows: the compiled kernel, where it is built and applies
         out = rows_product(rows, weight)
         if out is not None:
             out = out.reshape(*input.shape[:-1], out_features)
@@ -157,7 +157,10 @@ class SplitLinear(nn.Linear):
         return _split_linear(self.weight, self.bias, input)
 
 
-FEW_ROWS = 8  # up to this many rows the quantised kernels are faster; beyond, the weights
+# one-token steps and verification blocks: "auto" measures each row count up to this, and the
+# lean step (kakeya_lab/backends/torch_lean.py) runs blocks of up to this many tokens
+FEW_ROWS = 16
+QUANTISED_ROWS = 8  # up to this many rows the quantised kernels are faster than the weights
 
 
 class AutoLinear(nn.Linear):
@@ -256,7 +259,7 @@ def stack_rows(layers: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor 
 class QuantizedLinear(nn.Linear):
     """An ``nn.Linear`` whose inference forward multiplies bfloat16 activations by a
     quantised copy of its weight (``_packed``, built by :meth:`pack`); the result has the
-    input's dtype. Subclasses name the kernel. More than :data:`FEW_ROWS` rows at once (a
+    input's dtype. Subclasses name the kernel. More than :data:`QUANTISED_ROWS` rows at once (a
     prefill) are multiplied by the layer's own weight on oneDNN's kernel instead: the
     quantised kernels are tuned for a few rows and take about three times as long as that
     for hundreds."""
@@ -282,7 +285,7 @@ class QuantizedLinear(nn.Linear):
             return F.linear(input, self.weight, self.bias)
         if input.device.type != "cpu" or input.numel() == 0:
             return F.linear(input, self.weight, self.bias)
-        if input.numel() > FEW_ROWS * input.shape[-1]:
+        if input.numel() > QUANTISED_ROWS * input.shape[-1]:
             if torch.backends.mkldnn.is_available():
                 return _onednn_linear(self.weight, self.bias, input)
             return F.linear(input, self.weight, self.bias)

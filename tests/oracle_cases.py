@@ -24,14 +24,15 @@ def token_by_token(model, ids: Sequence[int], config: SinkWindowConfig, **option
 
 
 def chunked(model, ids: Sequence[int], config: SinkWindowConfig, rng: random.Random, **options):
-    """Blocks of random sizes (1..13), each scored then committed, with a random prefill
-    chunk; plus one multi-chunk append of the whole sequence on a fresh verifier.
+    """Blocks of random sizes (1..20: the lean step takes up to 16), each scored then
+    committed, with a random prefill chunk; plus one multi-chunk append of the whole
+    sequence on a fresh verifier.
     ``options`` go to every :class:`~kakeya_lab.Verifier`.
     Returns ``([n, vocab] logits, last row of the single append, verifier)``."""
     v = Verifier(model, config, prefill_chunk=rng.randint(3, 9), **options)
     rows, i = [], 0
     while i < len(ids):
-        chunk = list(ids[i : i + rng.randint(1, 13)])
+        chunk = list(ids[i : i + rng.randint(1, 20)])
         # append returns only the last row; score the chunk as a block to see every row
         rows.append(v.forward_block(chunk))
         v.commit(len(chunk))
@@ -52,7 +53,7 @@ def blocks_with_rollback(
     rows = [v.append(ids[:1])]
     i = 1
     while i < len(ids):
-        good = ids[i : i + rng.randint(1, 8)]
+        good = ids[i : i + rng.randint(1, 16)]
         keep = rng.randint(0, len(good))
         wrong = good[:keep] + [(t + 7) % v.vocab_size for t in good[keep:]]
         logits = v.forward_block(wrong)

@@ -4,7 +4,7 @@ Every path (token-by-token, chunked appends of random sizes, provisional blocks 
 rollback) must give each position the oracle's context: max-abs logit difference <= 1e-4
 in fp32, on the default real model (torch) and on tiny random models of two architectures
 on every registered backend (the torch oracle is the reference for all of them). On torch
-both forwards face them: the lean one (the default for steps and blocks of up to 8 tokens;
+both forwards face them: the lean one (the default for steps and blocks of up to 16 tokens;
 its counter shows it ran) and transformers' (``lean=False``, the reference).
 """
 

@@ -1,6 +1,6 @@
 """The lean forward (kakeya_lab/backends/torch_lean.py) against the dense masked oracle, as
 tightly as transformers' forward (1e-4 on float32): one-token steps, blocks with wrong tails,
-partial commits and rollbacks, and chunked appends that mix lean blocks (up to 8 tokens)
+partial commits and rollbacks, and chunked appends that mix lean blocks (up to 16 tokens)
 with transformers' forward (longer ones), over histories that wrap a small window many
 times, in global and rolling positions; which verifiers run it by default; then what a
 draft model does with it. Its speed is a benchmark (benchmarks/decode_floor.py,
@@ -51,7 +51,7 @@ def test_lean_forward_gives_the_oracle_logits_past_eviction(architecture, mode, 
     check_close(f"{name}/token-by-token", got, want, TOL, record_tolerance)
     before = lean.forwards
     rows, last, _ = chunked(model, ids, config, random.Random(4), lean=True)
-    assert lean.forwards > before  # blocks of up to 8 lean, longer ones transformers'
+    assert lean.forwards > before  # blocks of up to 16 lean, longer ones transformers'
     check_close(f"{name}/chunked", rows, want, TOL, record_tolerance)
     check_close(f"{name}/chunked append", last, want[-1], TOL, record_tolerance)
 

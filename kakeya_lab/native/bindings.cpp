@@ -13,7 +13,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys,
 // Python threads (the sessions of a batched forward, a server's handlers) run meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("rows_product", &rows_product, "rows @ weight.T for 1 to 8 float32 rows", release());
+  m.def("rows_product", &rows_product, "rows @ weight.T for 1 to 16 float32 rows", release());
   m.def("rms_norm", &rms_norm, "each row's RMSNorm, scaled by the weight", release());
   m.def("rotate_", &rotate_, "the rotary embedding of the first heads, in place", release());
   m.def("attend", &attend, "a few queries' attention over a cache's keys and values",

@@ -1,20 +1,21 @@
 """A compiled product of a few rows by a weight matrix: :func:`rows_product`.
 
-A verification block and a batch of a few sessions' steps multiply 2 to 8 rows by every
+A verification block and a batch of a few sessions' steps multiply 2 to 16 rows by every
 weight matrix. MKL's products read the weights at the full bandwidth only for one row
 (``split``'s ``slice @ row``); for two rows ``split``'s batched product takes about twice
-as long as for one, so a block of a few tokens costs about twice a one-token step.
-``rows.cpp`` reads each weight row once for all the rows (AVX-512, the output rows split over
-PyTorch's threads): two rows cost about what one does, eight about twice, and it sums each
-output in 16 lanes, at least as close to the exact sum as MKL's. ``split`` runs it for 2 to
-:data:`MAX_ROWS` rows; one row stays on MKL's matrix-vector product (as fast, and cheaper to
-call), more rows on its batched product (from about 16 rows the kernel, bound by loading
-the rows, is the slower).
+as long as for one, and a block of 9 (a draft of 8 and the token before it) about three
+times. ``rows.cpp`` reads each weight row once for all the rows (AVX-512, the output rows
+split over PyTorch's threads, the next weight rows prefetched while a block computes): on
+this kind of machine (2 cores, Zen 4) 2 rows cost what one does, 8 about 1.4 times, 9 to 16
+1.4 to 2.8 times, and it sums each output in 16 lanes, at least as close to the exact sum as
+MKL's. ``split`` runs it for 2 to :data:`MAX_ROWS` rows; one row stays on MKL's
+matrix-vector product (as fast in a decoding step, and cheaper to call), more rows on its
+batched product (beyond 16 the kernel, whose accumulators no longer fit the registers,
+is the slower).
 
 It is compiled with the other kernels of this folder (:mod:`kakeya_lab.native.build`);
 where they cannot be built :func:`rows_product` returns None and the ``split`` kernel runs
-its PyTorch products instead (the same numbers to float rounding).
-"""
+its PyTorch products instead (the same numbers to float rounding)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 
 from kakeya_lab.native.build import compiled
 
-MAX_ROWS = 8  # the most rows the compiled product takes (more: load-bound, slower than MKL)
+MAX_ROWS = 16  # the most rows the compiled product takes (more: slower than MKL)
 
 
 def fits(rows: torch.Tensor, weight: torch.Tensor) -> bool:
