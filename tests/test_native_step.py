@@ -61,15 +61,18 @@ def test_rotate_turns_the_first_heads_in_place_as_rotate_half_does(native):
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 4, 128), (14, 2, 64)])
-@pytest.mark.parametrize(("n", "columns"), [(1, 1), (1, 37), (1, 700), (5, 40), (8, 700)])
+@pytest.mark.parametrize(
+    ("n", "columns"), [(1, 1), (1, 37), (1, 700), (1, 1300), (5, 40), (8, 700)]
+)
 def test_queries_attend_as_sdpa_over_strided_storage_and_a_mask(
     native, heads, kv_heads, d, n, columns
 ):
     """Keys and values are a slice of a larger slot storage (as a cache returns them), the
     queries a strided view (as the lean forward's q heads are), the query heads grouped onto
     the key heads; with a mask each query leaves some columns unseen (a block's causal
-    layout: query r sees the columns up to its own, some earlier ones masked too); past a
-    few columns the (head, query) pairs split over the threads."""
+    layout: query r sees the columns up to its own, some earlier ones masked too; or only the
+    last 90 columns, so that whole spans are unseen); past a few hundred columns the keys
+    are split into spans whose partial sums are merged."""
     torch.manual_seed(columns + heads + n)
     storage_k, storage_v = torch.randn(2, 1, kv_heads, columns + 9, d)
     keys, values = storage_k[:, :, :columns], storage_v[:, :, :columns]
@@ -78,7 +81,10 @@ def test_queries_attend_as_sdpa_over_strided_storage_and_a_mask(
     own = torch.arange(columns - n, columns)
     seen[torch.arange(n), own] = True
     seen &= torch.arange(columns)[None] <= own[:, None]
-    for mask in (None, seen):
+    recent = (torch.arange(columns)[None] >= own[:, None] - 90) & (
+        torch.arange(columns)[None] <= own[:, None]
+    )
+    for mask in (None, seen, recent):
         want = (
             F.scaled_dot_product_attention(
                 q[None],

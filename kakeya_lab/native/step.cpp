@@ -77,11 +77,76 @@ void rotate_(Tensor rows, const Tensor& cos, const Tensor& sin, int64_t heads) {
   }
 }
 
+// e^x for 16 floats, to about 1 ulp: x = n ln2 + t with |t| <= ln2 / 2, e^t by its Taylor
+// series to t^7 (relative error below 1e-8), times 2^n. Below -87 (where e^x is no longer a
+// normal float, and for -inf: a masked column) it gives 0.
+inline __m512 exp16(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 t = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, high bits
+  t = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), t);  // and the rest
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
+// a[0:16 * VECS] = sum over c < width of w[c] * v[c * 16 * VECS ...]: two columns at a time
+// into two sets of accumulators, which stay in registers (VECS is known) and halve the
+// chain of dependent additions.
+template <int VECS>
+void weigh_values_(const float* w, const float* v, int64_t width, float* a) {
+  constexpr int64_t D = 16 * VECS;
+  __m512 even[VECS], odd[VECS];
+  for (int k = 0; k < VECS; ++k) even[k] = odd[k] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 2 <= width; c += 2) {
+    const __m512 w0 = _mm512_set1_ps(w[c]), w1 = _mm512_set1_ps(w[c + 1]);
+    for (int k = 0; k < VECS; ++k) {
+      even[k] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v + c * D + 16 * k), even[k]);
+      odd[k] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v + (c + 1) * D + 16 * k), odd[k]);
+    }
+  }
+  if (c < width) {
+    const __m512 w0 = _mm512_set1_ps(w[c]);
+    for (int k = 0; k < VECS; ++k)
+      even[k] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v + c * D + 16 * k), even[k]);
+  }
+  for (int k = 0; k < VECS; ++k) _mm512_storeu_ps(a + 16 * k, _mm512_add_ps(even[k], odd[k]));
+}
+
+void weigh_values(int64_t vecs, const float* w, const float* v, int64_t width, float* a) {
+  switch (vecs) {
+    case 1: return weigh_values_<1>(w, v, width, a);
+    case 2: return weigh_values_<2>(w, v, width, a);
+    case 3: return weigh_values_<3>(w, v, width, a);
+    case 4: return weigh_values_<4>(w, v, width, a);
+    case 5: return weigh_values_<5>(w, v, width, a);
+    case 6: return weigh_values_<6>(w, v, width, a);
+    case 7: return weigh_values_<7>(w, v, width, a);
+    default: return weigh_values_<8>(w, v, width, a);  // attend checks d <= 128
+  }
+}
+
 // The attention of a few queries: q [heads, n, d] (each query's d numbers contiguous) over
 // keys and values [1, kv_heads, columns, d] (each key's d numbers contiguous; the heads may be
 // further apart, as in a cache's storage), the query heads grouped onto the key heads in
 // order; query r does not see the columns where `mask` [n, columns] is false. Returns
 // [n, heads * d].
+//
+// The work is split into (key head, query, span of columns) units over the threads: a unit
+// reads its span of keys and values from memory once for all the query heads of its group
+// (the later heads find them in cache) and keeps, per query head, its scores' maximum, the
+// sum of their exponentials and the weighted sum of the values; the spans are then merged
+// as flash-decoding merges them. Spans give a one-token step (three key heads, say) enough
+// units for every thread.
 Tensor attend(const Tensor& q, const Tensor& keys, const Tensor& values,
               const c10::optional<Tensor>& mask, double scale) {
   check_float(q, "attend's queries");
@@ -92,7 +157,7 @@ Tensor attend(const Tensor& q, const Tensor& keys, const Tensor& values,
               "attend takes keys and values [1, kv_heads, columns, d]");
   const int64_t heads = q.size(0), n = q.size(1), d = q.size(2);
   const int64_t kv = keys.size(1), columns = keys.size(2);
-  TORCH_CHECK(keys.size(3) == d && d % 16 == 0 && kv > 0 && heads % kv == 0 && columns > 0 &&
+  TORCH_CHECK(keys.size(3) == d && d % 16 == 0 && d <= 128 && kv > 0 && heads % kv == 0 && columns > 0 &&
                   n > 0,
               "attend: head sizes");
   TORCH_CHECK(keys.stride(3) == 1 && keys.stride(2) == d && values.stride(3) == 1 &&
@@ -113,45 +178,98 @@ Tensor attend(const Tensor& q, const Tensor& keys, const Tensor& values,
   const int64_t group = heads / kv, kstride = keys.stride(1), vstride = values.stride(1);
   const int64_t qhead = q.stride(0), qrow = q.stride(1);
   const float s = static_cast<float>(scale);
-  // (head, query) pairs split over the threads (the keys come from memory), unless there is
-  // next to nothing
-  const int64_t pairs = heads * n;
-  const int64_t grain = columns * d * pairs < (1 << 14) ? pairs : 1;
-  at::parallel_for(0, pairs, grain, [&](int64_t p0, int64_t p1) {
-    std::vector<float> score(columns);
-    std::vector<__m512> acc(d / 16);
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t h = p / n, r = p % n;
-      const float* qh = qp + h * qhead + r * qrow;
-      const float* kh = kp + (h / group) * kstride;
-      const float* vh = vp + (h / group) * vstride;
-      const bool* row_seen = seen ? seen + r * columns : nullptr;
-      float top = -INFINITY;
-      for (int64_t c = 0; c < columns; ++c) {
-        if (row_seen && !row_seen[c]) {
-          score[c] = -INFINITY;
+  // spans of at least 128 columns, as many as give every thread four units
+  const int64_t threads = at::get_num_threads();
+  const int64_t want = std::max<int64_t>(1, (4 * threads + kv * n - 1) / (kv * n));
+  const int64_t spans = std::max<int64_t>(1, std::min(want, columns / 128));
+  const int64_t span = (columns + spans - 1) / spans;
+  const int64_t units = kv * n * spans;
+  const int64_t vecs = d / 16;
+  // per (unit, head of its group): the scores' maximum, the exponentials' sum, the values'
+  // weighted sum [d]
+  std::vector<float> top(units * group), total(units * group), acc(units * group * d);
+  constexpr int64_t AHEAD = 16;  // columns prefetched ahead (hints: no fault past the end)
+  const int64_t grain = columns * d * heads * n < (1 << 14) ? units : 1;
+  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+    std::vector<float> score(span + 16);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t g = u / (n * spans), r = (u / spans) % n, c0 = (u % spans) * span;
+      const int64_t width = std::min(columns, c0 + span) - c0;
+      const float* kh = kp + g * kstride + c0 * d;
+      const float* vh = vp + g * vstride + c0 * d;
+      const bool* row_seen = seen ? seen + r * columns + c0 : nullptr;
+      for (int64_t j = 0; j < group; ++j) {
+        const int64_t h = g * group + j, slot = u * group + j;
+        const float* qh = qp + h * qhead + r * qrow;
+        float best = -INFINITY;
+        for (int64_t c = 0; c < width; ++c) {
+          if (j == 0) {  // the first head streams the span: fetch keys ahead, values for later
+            for (int64_t k = 0; k < d; k += 16) {
+              _mm_prefetch(reinterpret_cast<const char*>(kh + (c + AHEAD) * d + k), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(vh + (c + AHEAD) * d + k), _MM_HINT_T1);
+            }
+          }
+          if (row_seen && !row_seen[c]) {
+            score[c] = -INFINITY;
+            continue;
+          }
+          __m512 dot = _mm512_setzero_ps();
+          for (int64_t k = 0; k < d; k += 16)
+            dot = _mm512_fmadd_ps(_mm512_loadu_ps(qh + k), _mm512_loadu_ps(kh + c * d + k), dot);
+          score[c] = _mm512_reduce_add_ps(dot) * s;
+          best = std::max(best, score[c]);
+        }
+        float* a = acc.data() + slot * d;
+        top[slot] = best;
+        if (best == -INFINITY) {  // nothing seen in this span
+          total[slot] = 0.0f;
+          std::fill(a, a + d, 0.0f);
           continue;
         }
-        __m512 dot = _mm512_setzero_ps();
-        for (int64_t k = 0; k < d; k += 16)
-          dot = _mm512_fmadd_ps(_mm512_loadu_ps(qh + k), _mm512_loadu_ps(kh + c * d + k), dot);
-        score[c] = _mm512_reduce_add_ps(dot) * s;
-        top = std::max(top, score[c]);
+        const __m512 shift = _mm512_set1_ps(best);
+        __m512 sum = _mm512_setzero_ps();
+        int64_t c = 0;
+        for (; c + 16 <= width; c += 16) {
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(score.data() + c), shift));
+          _mm512_storeu_ps(score.data() + c, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        if (c < width) {
+          const __mmask16 tail = static_cast<__mmask16>((1u << (width - c)) - 1);
+          const __m512 e =
+              exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, score.data() + c), shift));
+          _mm512_mask_storeu_ps(score.data() + c, tail, e);
+          sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+        }
+        total[slot] = _mm512_reduce_add_ps(sum);
+        weigh_values(vecs, score.data(), vh, width, a);
       }
-      TORCH_CHECK(top > -INFINITY, "attend: query ", r, " sees no column");
-      float total = 0.0f;
-      for (int64_t c = 0; c < columns; ++c) total += score[c] = std::exp(score[c] - top);
-      std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
-      for (int64_t c = 0; c < columns; ++c) {
-        if (score[c] == 0.0f) continue;
-        const __m512 w = _mm512_set1_ps(score[c]);
-        for (int64_t k = 0; k < d / 16; ++k)
-          acc[k] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vh + c * d + 16 * k), acc[k]);
-      }
-      const __m512 inv = _mm512_set1_ps(1.0f / total);
-      float* o = op + r * heads * d + h * d;
-      for (int64_t k = 0; k < d / 16; ++k) _mm512_storeu_ps(o + 16 * k, _mm512_mul_ps(acc[k], inv));
     }
   });
+  // merge the spans of each (query, head)
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t g = h / group, j = h % group;
+      const int64_t first = (g * n + r) * spans;  // the unit of the first span
+      float best = -INFINITY;
+      for (int64_t t = 0; t < spans; ++t) best = std::max(best, top[(first + t) * group + j]);
+      TORCH_CHECK(best > -INFINITY, "attend: query ", r, " sees no column");
+      float sum = 0.0f;
+      __m512 o[8];
+      for (int64_t k = 0; k < vecs; ++k) o[k] = _mm512_setzero_ps();
+      for (int64_t t = 0; t < spans; ++t) {
+        const int64_t slot = (first + t) * group + j;
+        if (total[slot] == 0.0f) continue;
+        const float w = std::exp(top[slot] - best);
+        sum += w * total[slot];
+        const __m512 wv = _mm512_set1_ps(w);
+        for (int64_t k = 0; k < vecs; ++k)
+          o[k] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(acc.data() + slot * d + 16 * k), o[k]);
+      }
+      const __m512 inv = _mm512_set1_ps(1.0f / sum);
+      float* dst = op + r * heads * d + h * d;
+      for (int64_t k = 0; k < vecs; ++k) _mm512_storeu_ps(dst + 16 * k, _mm512_mul_ps(o[k], inv));
+    }
+  }
   return out;
 }

@@ -50,8 +50,11 @@ def step_kernels(
     dtype: torch.dtype, device: torch.device, hidden: int, head_dim: int
 ) -> StepKernels | None:
     """The compiled step operations when they take rows of this ``dtype`` on this
-    ``device`` with these widths (float32 on the CPU, widths multiples of 16), else None
+    ``device`` with these widths (float32 on the CPU, widths multiples of 16, heads of at
+    most 128), else None
     (also when the kernels cannot be built here: :func:`~kakeya_lab.native.build.why_unavailable`)."""
     if dtype != torch.float32 or device.type != "cpu" or hidden % 16 or head_dim % 16:
+        return None
+    if head_dim > 128:  # attend keeps a head's output in 8 vector registers
         return None
     return None if compiled() is None else _loaded_step_kernels()
