@@ -6,7 +6,7 @@ oneDNN wins both. :func:`auto_choice` times every full-precision kernel (``aten`
 and, when this PyTorch has it, ``onednn``) over all of a model's linear layers, for 1 to
 :data:`~kakeya_lab.linear.FEW_ROWS` rows (one-token steps and verification blocks) and for a
 prefill chunk of :data:`PREFILL_ROWS` rows (what more rows run), interleaved, best of
-:data:`REPEATS`; a few seconds for a 135M model. The choice is cached on disk as JSON under
+:data:`REPEATS`; about ten seconds for a 135M model. The choice is cached on disk as JSON under
 the model store (``$KAKEYA_LAB_HOME/kernels/``), one file per key: the model's identity
 (its weights' sha256 when loaded from the store), dtype, the CPU's model name and flags,
 the torch version and its thread count, and the kernels' revision. A second call with the
