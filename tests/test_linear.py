@@ -334,9 +334,8 @@ def test_an_int4_layer_is_the_bfloat16_product_with_its_dequantised_weight():
         got = layer(x)
         want = x.bfloat16().float() @ deq.T + ref.bias
     assert (got - want).abs().max().item() <= 1e-2 * want.abs().max().item()
-    many = torch.randn(
-        2, QUANTISED_ROWS, 96
-    )  # a prefill: the layer's own weights, not the int4 copy
+    # a prefill: the layer's own weights, not the int4 copy
+    many = torch.randn(2, QUANTISED_ROWS, 96)
     with torch.no_grad():
         assert (layer(many) - ref(many)).abs().max().item() <= 1e-5
     assert set_linear_kernel(layer, "aten") == 1

@@ -77,9 +77,9 @@ void rotate_(Tensor rows, const Tensor& cos, const Tensor& sin, int64_t heads) {
   }
 }
 
-// e^x for 16 floats, to about 1 ulp: x = n ln2 + t with |t| <= ln2 / 2, e^t by its Taylor
-// series to t^7 (relative error below 1e-8), times 2^n. Below -87 (where e^x is no longer a
-// normal float, and for -inf: a masked column) it gives 0.
+// e^x for 16 floats, to a few ulps: x = n ln2 + t with |t| <= ln2 / 2, e^t by its Taylor
+// series to t^7 (truncated: a relative error below 1e-8), times 2^n. Below -87 (where e^x is
+// no longer a normal float, and for -inf: a masked column) it gives 0.
 inline __m512 exp16(__m512 x) {
   const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -98,27 +98,26 @@ inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
 
-// a[0:16 * VECS] = sum over c < width of w[c] * v[c * 16 * VECS ...]: two columns at a time
-// into two sets of accumulators, which stay in registers (VECS is known) and halve the
-// chain of dependent additions.
+// a[0:16 * VECS] = sum over c < width of w[c] * v[c * 16 * VECS ...], skipping the columns
+// whose weight is 0 (masked, or too small to count: their slots may hold anything, even
+// NaN). Two columns at a time into two sets of accumulators, which stay in registers (VECS
+// is known) and halve the chain of dependent additions.
 template <int VECS>
 void weigh_values_(const float* w, const float* v, int64_t width, float* a) {
   constexpr int64_t D = 16 * VECS;
   __m512 even[VECS], odd[VECS];
   for (int k = 0; k < VECS; ++k) even[k] = odd[k] = _mm512_setzero_ps();
+  const auto add = [&](__m512* into, int64_t c) {
+    const __m512 wc = _mm512_set1_ps(w[c]);
+    for (int k = 0; k < VECS; ++k)
+      into[k] = _mm512_fmadd_ps(wc, _mm512_loadu_ps(v + c * D + 16 * k), into[k]);
+  };
   int64_t c = 0;
   for (; c + 2 <= width; c += 2) {
-    const __m512 w0 = _mm512_set1_ps(w[c]), w1 = _mm512_set1_ps(w[c + 1]);
-    for (int k = 0; k < VECS; ++k) {
-      even[k] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v + c * D + 16 * k), even[k]);
-      odd[k] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v + (c + 1) * D + 16 * k), odd[k]);
-    }
+    if (w[c] != 0.0f) add(even, c);
+    if (w[c + 1] != 0.0f) add(odd, c + 1);
   }
-  if (c < width) {
-    const __m512 w0 = _mm512_set1_ps(w[c]);
-    for (int k = 0; k < VECS; ++k)
-      even[k] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v + c * D + 16 * k), even[k]);
-  }
+  if (c < width && w[c] != 0.0f) add(even, c);
   for (int k = 0; k < VECS; ++k) _mm512_storeu_ps(a + 16 * k, _mm512_add_ps(even[k], odd[k]));
 }
 
@@ -157,9 +156,9 @@ Tensor attend(const Tensor& q, const Tensor& keys, const Tensor& values,
               "attend takes keys and values [1, kv_heads, columns, d]");
   const int64_t heads = q.size(0), n = q.size(1), d = q.size(2);
   const int64_t kv = keys.size(1), columns = keys.size(2);
-  TORCH_CHECK(keys.size(3) == d && d % 16 == 0 && d <= 128 && kv > 0 && heads % kv == 0 && columns > 0 &&
-                  n > 0,
-              "attend: head sizes");
+  TORCH_CHECK(keys.size(3) == d && d % 16 == 0 && d <= 128 && kv > 0 && heads % kv == 0 &&
+                  columns > 0 && n > 0,
+              "attend: head sizes (d a multiple of 16, at most 128)");
   TORCH_CHECK(keys.stride(3) == 1 && keys.stride(2) == d && values.stride(3) == 1 &&
                   values.stride(2) == d,
               "attend: each key's numbers contiguous");
@@ -204,9 +203,11 @@ Tensor attend(const Tensor& q, const Tensor& keys, const Tensor& values,
         float best = -INFINITY;
         for (int64_t c = 0; c < width; ++c) {
           if (j == 0) {  // the first head streams the span: fetch keys ahead, values for later
+            const float* key = kh + (c + AHEAD) * d;
+            const float* value = vh + (c + AHEAD) * d;
             for (int64_t k = 0; k < d; k += 16) {
-              _mm_prefetch(reinterpret_cast<const char*>(kh + (c + AHEAD) * d + k), _MM_HINT_T0);
-              _mm_prefetch(reinterpret_cast<const char*>(vh + (c + AHEAD) * d + k), _MM_HINT_T1);
+              _mm_prefetch(reinterpret_cast<const char*>(key + k), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(value + k), _MM_HINT_T1);
             }
           }
           if (row_seen && !row_seen[c]) {
