@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kakeya_lab import SinkWindowConfig, Verifier, reference
+from kakeya_lab.backends.torch_lean import MAX_TOKENS  # the longest lean block
 
 
 def token_by_token(model, ids: Sequence[int], config: SinkWindowConfig, **options):
@@ -24,15 +25,16 @@ def token_by_token(model, ids: Sequence[int], config: SinkWindowConfig, **option
 
 
 def chunked(model, ids: Sequence[int], config: SinkWindowConfig, rng: random.Random, **options):
-    """Blocks of random sizes (1..20: the lean step takes up to 16), each scored then
-    committed, with a random prefill chunk; plus one multi-chunk append of the whole
-    sequence on a fresh verifier.
+    """Blocks of random sizes (1 to 4 past the longest lean block, so that chunks mix the
+    lean step and transformers' forward on torch), each scored then committed, with a
+    random prefill chunk; plus one multi-chunk append of the whole sequence on a fresh
+    verifier.
     ``options`` go to every :class:`~kakeya_lab.Verifier`.
     Returns ``([n, vocab] logits, last row of the single append, verifier)``."""
     v = Verifier(model, config, prefill_chunk=rng.randint(3, 9), **options)
     rows, i = [], 0
     while i < len(ids):
-        chunk = list(ids[i : i + rng.randint(1, 20)])
+        chunk = list(ids[i : i + rng.randint(1, MAX_TOKENS + 4)])
         # append returns only the last row; score the chunk as a block to see every row
         rows.append(v.forward_block(chunk))
         v.commit(len(chunk))
@@ -44,16 +46,16 @@ def chunked(model, ids: Sequence[int], config: SinkWindowConfig, rng: random.Ran
 def blocks_with_rollback(
     model, ids: Sequence[int], config: SinkWindowConfig, rng: random.Random, **options
 ):
-    """Speculative-style: score a block with wrong tail tokens, keep a prefix (or roll the
-    whole block back), feed the true token alone when nothing was kept. ``options`` go to
-    the :class:`~kakeya_lab.Verifier`.
+    """Speculative-style: score a block (1 token up to the longest lean block) with wrong
+    tail tokens, keep a prefix (or roll the whole block back), feed the true token alone
+    when nothing was kept. ``options`` go to the :class:`~kakeya_lab.Verifier`.
     Returns ``([n, vocab] logits of the kept rows, verifier)``."""
     ids = list(ids)
     v = Verifier(model, config, **options)
     rows = [v.append(ids[:1])]
     i = 1
     while i < len(ids):
-        good = ids[i : i + rng.randint(1, 16)]
+        good = ids[i : i + rng.randint(1, MAX_TOKENS)]
         keep = rng.randint(0, len(good))
         wrong = good[:keep] + [(t + 7) % v.vocab_size for t in good[keep:]]
         logits = v.forward_block(wrong)

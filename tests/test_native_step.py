@@ -115,6 +115,9 @@ def test_queries_attend_as_sdpa_over_strided_storage_and_a_mask(
         native.attend(q, keys, values, seen[:, :-1].contiguous(), 0.1)
     with pytest.raises(RuntimeError, match="head sizes"):
         native.attend(torch.randn(heads + 1, n, d), keys, values, None, 0.1)
+    wide = torch.randn(1, kv_heads, columns, 144)  # past the 128 numbers a head may have
+    with pytest.raises(RuntimeError, match="at most 128"):
+        native.attend(torch.randn(heads, n, 144), wide, wide, None, 0.1)
 
 
 def test_the_step_kernels_take_float32_cpu_rows_of_widths_in_sixteens():
@@ -125,6 +128,7 @@ def test_the_step_kernels_take_float32_cpu_rows_of_widths_in_sixteens():
     assert copy.deepcopy(kernels) == kernels == pickle.loads(pickle.dumps(kernels))
     assert step_kernels(torch.bfloat16, cpu, 576, 64) is None
     assert step_kernels(torch.float32, cpu, 576, 24) is None
+    assert step_kernels(torch.float32, cpu, 576, 256) is None  # heads past 128: PyTorch's
     assert step_kernels(torch.float32, torch.device("meta"), 576, 64) is None
 
 
