@@ -36,6 +36,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kakeya_lab.backends.seam import CacheBackend, Forward, interrupts_deferred
+from kakeya_lab.backends.thread_pool import release_thread_pool
 from kakeya_lab.backends.torch_cache import SinkWindowCache
 from kakeya_lab.backends.torch_lean import LeanForward
 from kakeya_lab.tree import DraftTree
@@ -148,17 +149,20 @@ class StepBatcher:
     """Gathers concurrent threads' steps into :class:`BatchForward` calls (continuous
     batching): :meth:`run` submits one step and waits for its logits.
 
-    A step with nobody to batch with (nothing waiting or computing, no member of the last
-    batch still to come back) runs at once in its own thread: a session alone pays no
-    hand-off. Otherwise one worker thread (started on demand, ended after ``idle_s``
-    without work) runs every batch: it takes every step waiting, runs them as one forward and hands each its logits
-    (or the error); steps submitted meanwhile go into the next batch. One thread computes
-    every forward, so the forwards' temporaries come from one allocator arena, not one per
-    generating thread. Before a batch the worker waits for the members of the previous
-    batch that have not come back yet (each session commits and samples its row between
-    two steps; without this wait the first one back would run alone while the others
-    queue behind it), for at most ``gather`` times the last forward's duration (0: never
-    wait); a member whose generation ended says so with :meth:`leave` and is not waited for.
+    One worker thread (started on demand, ended after ``idle_s`` without work) runs every
+    batch, a lone session's step too: it takes every step waiting, runs them as one forward
+    and hands each its logits (or the error); steps submitted meanwhile go into the next
+    batch. One thread computes every forward, so the forwards' temporaries come from one
+    allocator arena, not one per generating thread, and one OpenMP pool runs their parallel
+    parts: a submitting thread lets its own pool go before it waits
+    (:func:`~kakeya_lab.backends.thread_pool.release_thread_pool`; with more OpenMP threads
+    alive than CPUs every parallel region pays a wake-up, 1.6x slower steps on 2 cores).
+    The hand-off costs a lone session a thread switch a step. Before a batch the worker
+    waits for the members of the previous batch that have not come back yet (each session
+    commits and samples its row between two steps; without this wait the first one back
+    would run alone while the others queue behind it), for at most ``gather`` times the
+    last forward's duration (0: never wait); a member whose generation ended says so with
+    :meth:`leave` and is not waited for.
 
     If a forward fails, every cache in it is cut back to where it was and every member gets
     the error. An interrupt of a submitting thread withdraws its step if it is still
@@ -187,7 +191,6 @@ class StepBatcher:
         self._waiting: list[BatchStep] = []
         self._worker: threading.Thread | None = None
         self._expected: set[int] = set()  # ids of caches in the last batch, not yet back
-        self._inline = False  # a step is running alone in its own thread
         self._computing = False  # the worker is running a batch
         self._last_forward_s = 0.0
         self.batches: list[int] = []  # rows of each batch run so far (most recent last)
@@ -204,22 +207,7 @@ class StepBatcher:
         """Append ``token_ids`` to ``cache`` as a provisional block in the next batched
         forward; its float32 logits ``[rows, vocab]`` (every row, or the last)."""
         step = BatchStep(cache, list(token_ids), all_rows)
-        with self._cond:
-            self._expected.discard(id(cache))
-            alone = not (self._waiting or self._expected or self._inline or self._computing)
-            if alone:  # nobody to batch with: run it here (no hand-off to the worker)
-                self._inline = True
-        if alone:
-            t0 = time.perf_counter()
-            try:
-                return self.forward([step])[0]
-            finally:
-                with self._cond:
-                    self._inline = False
-                    self._last_forward_s = time.perf_counter() - t0
-                    self.batches.append(len(step.token_ids))
-                    self._expected.add(id(cache))
-                    self._cond.notify_all()
+        release_thread_pool()  # the worker computes: this thread's OpenMP pool would slow it
         with self._cond:
             self._expected.discard(id(cache))
             self._waiting.append(step)
@@ -244,11 +232,16 @@ class StepBatcher:
         return step.logits
 
     def _work(self) -> None:
-        """The worker: batches until ``idle_s`` pass with nothing waiting."""
+        """The worker: batches until ``idle_s`` pass with nothing waiting. With nothing to
+        do for a forward's time (a generating session's next step comes sooner), it lets
+        its OpenMP pool go: another thread may compute meanwhile (a long prompt's prefill)."""
         with self._cond:
             try:
                 while True:
                     if not self._waiting:
+                        self._cond.wait(self._last_forward_s)
+                    if not self._waiting:
+                        release_thread_pool()
                         self._cond.wait(self.idle_s)
                         if not self._waiting:
                             return
@@ -264,8 +257,6 @@ class StepBatcher:
     def _batch(self) -> None:
         """Under the condition's lock: gather, run one batch (lock released meanwhile),
         hand out its results."""
-        while self._inline:  # a step running alone: its session joins this batch
-            self._cond.wait()
         deadline = time.monotonic() + self.gather * self._last_forward_s
         while self._expected and self._rows_waiting() < self.max_rows:
             left = deadline - time.monotonic()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from kakeya_lab.backends.config import SinkWindowConfig
+from kakeya_lab.backends.thread_pool import release_thread_pool
 from kakeya_lab.serve.admission import Admission
 from kakeya_lab.serve.api_keys import ApiKeys
 from kakeya_lab.serve.grpc_service import start_grpc_server
@@ -182,6 +183,9 @@ def run_server(
         flush=True,
     )
 
+    # the sessions' threads compute from here on: this thread's OpenMP pool (from loading
+    # the model) would slow every one of their steps (backends/thread_pool.py)
+    release_thread_pool()
     stop.wait()
     print(f"{prog}: stopping: ending active streams", file=sys.stderr, flush=True)
     served.shutdown()  # streams end at their next token; queued creations are refused now

@@ -60,6 +60,7 @@ from kakeya_lab import inputs, speculative
 from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.backends.registry import vocab_size_of
 from kakeya_lab.backends.seam import interrupts_deferred
+from kakeya_lab.backends.thread_pool import release_thread_pool
 from kakeya_lab.inputs import InputTypeError
 from kakeya_lab.proposers import check_proposer
 from kakeya_lab.sampling import SamplingConfig
@@ -477,7 +478,10 @@ class SessionStore:
                 self._touch(session)
 
             t0 = time.perf_counter()
-            verifier.append(token_ids, on_commit=committed)
+            try:
+                verifier.append(token_ids, on_commit=committed)
+            finally:
+                release_thread_pool()  # see _run
             latency = time.perf_counter() - t0
             self._check(session, expected_history=None)
             return AppendResult(
@@ -592,6 +596,9 @@ class SessionStore:
                         first_token_s = time.perf_counter() - t_start
                     yield Token(id=decoder.batch[0])
         finally:
+            # a turn's computing is done: this thread's OpenMP pool would slow the threads
+            # that compute next (backends/thread_pool.py)
+            release_thread_pool()
             if self.batcher is not None:  # the next batch does not wait for this session
                 self.batcher.leave(verifier.cache)
             if session.closed_reason is None:  # a dropped session's cache is gone: nothing to keep
