@@ -13,7 +13,7 @@ while the main thread's pool was alive, against 22 ms when either thread ran it 
 So a thread that hands its computing to another lets its pool go first: a session thread
 submitting a step to the batcher's worker (:class:`~kakeya_lab.backends.torch_batch.StepBatcher`),
 a session store's caller when a turn's work is done, the server's main thread once the
-model is loaded. The next parallel region that thread runs builds a new pool; building and
+model is loaded, a server's request threads after each request (:func:`released`). The next parallel region that thread runs builds a new pool; building and
 letting go cost microseconds (measured: no difference over a softmax of a vocabulary's
 logits).
 """
@@ -24,8 +24,12 @@ import ctypes
 import functools
 from collections.abc import Callable
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 import torch
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 OMP_PAUSE_SOFT = 1  # OpenMP 5.0's omp_pause_soft: the threads end, the settings stay
 
@@ -61,3 +65,18 @@ def release_thread_pool() -> bool:
     always so)."""
     pause = _pause()
     return pause is not None and pause(OMP_PAUSE_SOFT) == 0
+
+
+def released(function: Callable[P, T]) -> Callable[P, T]:
+    """``function``, letting the calling thread's OpenMP pool go when it returns or raises:
+    for work a server runs in a pool of threads (one request's computing in one of them,
+    the next request's in another)."""
+
+    @functools.wraps(function)
+    def call(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return function(*args, **kwargs)
+        finally:
+            release_thread_pool()
+
+    return call

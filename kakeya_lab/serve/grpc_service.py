@@ -30,9 +30,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from typing import Any
 
 import grpc
 
+from kakeya_lab.backends.thread_pool import released
 from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.serve.admission import AdmissionRejected, ServerShuttingDown
 from kakeya_lab.serve.api_keys import ApiKeys
@@ -248,6 +250,15 @@ class SessionService(pb_grpc.SessionServiceServicer):
 GRPC_WORKERS = 32  # the server's threads (the admission queue holds fewer: see admission.py)
 
 
+class RequestThreads(futures.ThreadPoolExecutor):
+    """The gRPC server's threads: each lets its OpenMP pool go after every call it served
+    (:func:`~kakeya_lab.backends.thread_pool.released`), so the thread computing next (the
+    batcher's worker, another call's) runs at full speed."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> futures.Future:
+        return super().submit(released(fn), *args, **kwargs)
+
+
 def start_grpc_server(
     served: ServedSessions,
     host: str,
@@ -261,7 +272,7 @@ def start_grpc_server(
     keys = keys if keys is not None else ApiKeys()
     auth = GrpcAuth(keys, on_refuse=lambda: served.metrics.errors.labels("UNAUTHENTICATED").inc())
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        RequestThreads(max_workers=max_workers, thread_name_prefix="grpc"),
         interceptors=[auth],
     )
     pb_grpc.add_SessionServiceServicer_to_server(SessionService(served, keys), server)

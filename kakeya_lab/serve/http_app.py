@@ -36,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kakeya_lab.backends.thread_pool import released
 from kakeya_lab.serve import http_handlers
 from kakeya_lab.serve.api_keys import ApiKeys
 from kakeya_lab.serve.guard import HostCheck, HttpGuard, owner_of
@@ -149,7 +150,7 @@ def create_app(
     async def create_session(request: Request) -> JSONResponse:
         try:
             session, queued_s = await run_in_threadpool(
-                served.create, origin="http", owner=owner_of(request)
+                released(served.create), origin="http", owner=owner_of(request)
             )
         except Exception as exc:
             return fail(exc)
@@ -175,7 +176,7 @@ def create_app(
         t0 = time.perf_counter()
         try:
             options, att = await run_in_threadpool(
-                http_handlers.prepare, served, req, owner_of(request)
+                released(http_handlers.prepare), served, req, owner_of(request)
             )
         except Exception as exc:
             return fail(exc)
@@ -188,7 +189,7 @@ def create_app(
         cancel = threading.Event()  # the client left: stop before the next token
         try:
             events = await run_in_threadpool(
-                served.generate, att.session.id, options, cancel.is_set
+                released(served.generate), att.session.id, options, cancel.is_set
             )
         except Exception as exc:
             served.detach(att.session, close=http_handlers.stateless(req))

@@ -24,6 +24,7 @@ import anyio
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from kakeya_lab.backends.thread_pool import released
 from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.serve.openai_protocol import (
     ChatCompletionRequest,
@@ -145,7 +146,7 @@ async def complete(
 
     watcher = asyncio.ensure_future(watch_disconnect())
     try:
-        text, n_tokens, done, stopped = await run_in_threadpool(run)
+        text, n_tokens, done, stopped = await run_in_threadpool(released(run))
     finally:
         gone.set()
         watcher.cancel()
