@@ -34,6 +34,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 
 from kakeya_lab.backends.config import SinkWindowConfig, analytic_kv_budget_bytes
+from kakeya_lab.backends.thread_pool import release_thread_pool, released
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.proposers import check_proposer_spec, make_proposer
 from kakeya_lab.sampling import SamplingConfig
@@ -200,7 +201,7 @@ class LiveChat:
             if self._loader is None:
                 self._loader = ThreadPoolExecutor(1, thread_name_prefix="live-chat-loader")
             future = self._loader.submit(
-                make_proposer,
+                released(make_proposer),
                 spec,
                 self.store.model,
                 self.store.config,
@@ -263,6 +264,7 @@ class LiveChat:
             name=f"live-chat-turn-{record.turn}",
             daemon=True,
         )
+        release_thread_pool()  # the worker computes now (backends/thread_pool.py)
         self._worker.start()
         return record
 

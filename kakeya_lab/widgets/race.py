@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kakeya_lab.backends.config import SinkWindowConfig
+from kakeya_lab.backends.thread_pool import release_thread_pool
 from kakeya_lab.chat import ChatTemplate
 from kakeya_lab.proposers import check_proposer_spec, make_proposer
 from kakeya_lab.session import (
@@ -150,6 +151,7 @@ class Race:
         self._worker = threading.Thread(
             target=self._run, args=(turn, on_update, on_done), name="race", daemon=True
         )
+        release_thread_pool()  # the worker computes now (backends/thread_pool.py)
         self._worker.start()
         return turn
 
