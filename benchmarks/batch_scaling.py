@@ -10,9 +10,9 @@ gaps between chunks). Every level reports the aggregate tokens/s, the per-token 
 p50/p95 over every session's token gaps, and the time to first token (p50), each as a
 ratio to the solo run of the same path in the same run (the fastest of one session
 without and with batching, each measured first and again after the other levels: the
-fastest single session measured), and the script prints whether the targets of issue 27 are met: at 8 sessions, batched
-aggregate >= 4x the solo rate and p95 per-token latency <= 2.5x the solo p95; at 16, an
-aggregate no lower than at 8.
+fastest single session measured), and the script prints whether the targets of issue 27
+are met: at 8 sessions, batched aggregate >= 4x the solo rate and p95 per-token latency
+<= 2.5x the solo p95; at 16, an aggregate no lower than at 8.
 
     OMP_NUM_THREADS=1 python benchmarks/batch_scaling.py --levels 1 2 4 8 16 \
         --out evidence/batch_scaling/batch_scaling.json

@@ -11,11 +11,12 @@ while the main thread's pool was alive, against 22 ms when either thread ran it 
 (8 sessions' batched step: 58 against 36 ms).
 
 So a thread that hands its computing to another lets its pool go first: a session thread
-submitting a step to the batcher's worker (:class:`~kakeya_lab.backends.torch_batch.StepBatcher`),
-a session store's caller when a turn's work is done, the server's main thread once the
-model is loaded, a server's request threads after each request (:func:`released`). The next parallel region that thread runs builds a new pool; building and
-letting go cost microseconds (measured: no difference over a softmax of a vocabulary's
-logits).
+submitting a step to the batcher's worker
+(:class:`~kakeya_lab.backends.torch_batch.StepBatcher`), a session store's caller when a
+turn's work is done, the server's main thread once the model is loaded, a server's request
+threads after each request (:func:`released`). The next parallel region that thread runs
+builds a new pool; building and letting go cost microseconds (measured: no difference over
+a softmax of a vocabulary's logits).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _pause() -> Callable[[int], int] | None:
     loaded = {line.split()[-1] for line in maps.splitlines() if "/libgomp" in line}
     home = Path(torch.__file__).parent  # its libraries: torch/lib or torch.libs beside it
     own = sorted(p for p in loaded if Path(p).parent in (home / "lib", home.parent / "torch.libs"))
-    for path in own + ["libgomp.so.1"] if loaded else []:
+    for path in (own + ["libgomp.so.1"]) if loaded else []:
         try:
             function = ctypes.CDLL(path).omp_pause_resource_all
         except (OSError, AttributeError):
