@@ -120,6 +120,53 @@ def test_queries_attend_as_sdpa_over_strided_storage_and_a_mask(
         native.attend(torch.randn(heads, n, 144), wide, wide, None, 0.1)
 
 
+def test_several_caches_attend_in_one_call_as_each_does_alone(native):
+    """attend_many writes each cache's block of keys and values into its own storage (slots
+    start..start + n of a larger capacity) and gives each cache's rows what attend gives
+    them over that storage's first columns: caches of different fill levels, blocks of
+    one to several rows, with and without a mask, in one call."""
+    torch.manual_seed(7)
+    heads, kv_heads, d = 9, 3, 64
+    caches = [(1, 37, 80), (4, 700, 760), (1, 1, 16), (3, 300, 400)]  # rows, columns, capacity
+    rows = sum(n for n, _, _ in caches)
+    packed = torch.randn(rows, heads + 2 * kv_heads, d).transpose(0, 1)  # as qkv gives them
+    q, k, v = packed[:heads], packed[heads : heads + kv_heads], packed[heads + kv_heads :]
+    keys = [torch.randn(1, kv_heads, cap, d) for _, _, cap in caches]
+    values = [torch.randn(1, kv_heads, cap, d) for _, _, cap in caches]
+    bounds, starts, columns, masks = [0], [], [], []
+    for n, cols, _ in caches:
+        bounds.append(bounds[-1] + n)
+        starts.append(cols - n)
+        columns.append(cols)
+        mask = torch.arange(cols)[None] <= torch.arange(cols - n, cols)[:, None]
+        masks.append(None if n == 1 else mask.contiguous())
+    want_keys = [t.clone() for t in keys]
+    want_values = [t.clone() for t in values]
+    want = []
+    for i, (n, cols, _) in enumerate(caches):
+        a, b = bounds[i], bounds[i + 1]
+        want_keys[i][0, :, starts[i] : starts[i] + n] = k[:, a:b]
+        want_values[i][0, :, starts[i] : starts[i] + n] = v[:, a:b]
+        want.append(
+            native.attend(
+                q[:, a:b],
+                want_keys[i][:, :, :cols],
+                want_values[i][:, :, :cols],
+                masks[i],
+                d**-0.5,
+            )
+        )
+    out = torch.empty(rows, heads * d)
+    native.attend_many(out, q, k, v, keys, values, bounds, starts, columns, masks, d**-0.5)
+    for got_k, want_k, got_v, want_v in zip(keys, want_keys, values, want_values):
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    assert torch.equal(out, torch.cat(want))
+    with pytest.raises(RuntimeError, match="must fit"):
+        native.attend_many(
+            out, q, k, v, keys, values, bounds, starts, [80, 700, 1, 401], masks, d**-0.5
+        )
+
+
 def test_the_step_kernels_take_float32_cpu_rows_of_widths_in_sixteens():
     cpu = torch.device("cpu")
     kernels = step_kernels(torch.float32, cpu, 576, 64)

@@ -110,7 +110,7 @@ class BatchForward:
 
     def _forward(self, steps: Sequence[BatchStep], starts: list[int]) -> list[torch.Tensor]:
         # LeanForward's own pieces (for the model's current kernel), over every row at once
-        # but attention, which runs per cache
+        # but attention, which runs per cache (LeanForward.attend_all)
         lean = LeanForward.of(self.model)
         self.forwards += 1
         sizes = [len(s.token_ids) for s in steps]
@@ -118,6 +118,7 @@ class BatchForward:
         for n in sizes:
             bounds.append(bounds[-1] + n)
         self.rows += bounds[-1]
+        caches = [s.cache for s in steps]
         x = lean.embed([t for s in steps for t in s.token_ids])  # [rows, hidden]
         positions = torch.cat(
             [torch.arange(p, p + n, device=x.device) for p, n in zip(starts, sizes)]
@@ -128,13 +129,11 @@ class BatchForward:
             layout = s.cache.get_mask_sizes(n, 0)[1].mask
             # as a solo step: one token that sees every column needs no mask
             masks.append(None if n == 1 and bool(layout.all()) else layout)
+        seen = [None if m is None else m.reshape(n, -1).contiguous() for m, n in zip(masks, sizes)]
         for i in range(len(lean.layers)):
             q, k, v = lean.qkv(i, x, cos, sin)
-            outs = [
-                lean.attend(i, step.cache, q[:, a:b], k[:, a:b], v[:, a:b], mask)
-                for step, a, b, mask in zip(steps, bounds, bounds[1:], masks)
-            ]
-            x = lean.finish_layer(i, x, torch.cat(outs) if len(outs) > 1 else outs[0])
+            attended = lean.attend_all(i, caches, bounds, masks, seen, q, k, v)
+            x = lean.finish_layer(i, x, attended)
         keep = [
             torch.arange(bounds[j] if s.all_rows else bounds[j + 1] - 1, bounds[j + 1])
             for j, s in enumerate(steps)

@@ -188,6 +188,18 @@ class SinkWindowLayer(CacheLayerMixin):
         return keys[:, :, :used].nbytes + values[:, :, :used].nbytes
 
     # transformers types the second item (kv_offset) as int; the layout rides in that slot.
+    def span_slots(self, block: TorchBlock) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """For a caller that writes the block's K/V itself: the storage ``(keys, values)``
+        (with room for the block) and the block's first slot, when the block is one run of
+        slots with no rolling sink copies and the layer holds storage; else None (then
+        :meth:`update` it)."""
+        if block.span is None or block.copy_sources is not None or not self.is_initialized:
+            return None
+        held = self.storage()[0].shape[2]
+        self.reserve(self.plan.capacity, min(held, self.plan.capacity))
+        keys, values = self.storage()
+        return keys, values, block.span[0]
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, LayoutMask]:  # type: ignore[override]
         """``(key columns, layout)`` of the next forward: the layout rides in the ``kv_offset``
         slot to the ``"kakeya_sink_window"`` mask function
@@ -319,6 +331,27 @@ class SinkWindowCache(Cache):
             )
         self._next_layer = layer_idx + 1
         return self.sink_window_layers[layer_idx].update(key_states, value_states, self._block)
+
+    def span_slots(
+        self, layer_idx: int, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+        """Layer ``layer_idx`` (not the first: :meth:`update` opens the block) of the open
+        block of ``n`` tokens, for a caller that writes the block's K/V into the storage
+        itself and attends over it (the compiled batched attention): ``(keys, values,
+        first slot, columns)``, the storage ``[1, kv_heads, capacity, head_dim]``, the block
+        to go to slots ``first..first + n`` and the forward to see the first ``columns``.
+        The layer counts as updated. None when the block is not one run of slots, has
+        rolling sink copies, or the layer holds no storage yet: then :meth:`update` it."""
+        block = self._block
+        if layer_idx == 0 or layer_idx != self._next_layer or block is None or n != block.n:
+            raise RuntimeError(
+                f"layer {layer_idx} updated out of order (expected {self._next_layer})"
+            )
+        slots = self.sink_window_layers[layer_idx].span_slots(block)
+        if slots is None:
+            return None
+        self._next_layer = layer_idx + 1
+        return (*slots, block.stop)
 
     def _check_forward_complete(self) -> None:
         if self._next_layer not in (0, len(self.layers)):

@@ -332,6 +332,69 @@ class LeanForward:
         )
         return out[0].transpose(0, 1).reshape(n, h * d)
 
+    def attend_all(
+        self,
+        i: int,
+        caches: Sequence[SinkWindowCache],
+        bounds: Sequence[int],
+        masks: Sequence[torch.Tensor | None],
+        seen: Sequence[torch.Tensor | None],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
+        """Layer ``i``'s attention output ``[rows, heads * head_dim]`` of the rows of several
+        caches (cache ``j``'s rows ``bounds[j]:bounds[j + 1]`` of :meth:`qkv`'s ``q``, ``k``,
+        ``v``; ``masks[j]`` its layout as :meth:`attend` takes it, ``seen[j]`` the same as
+        ``[rows, columns]``, contiguous). With the compiled step operations, past the first
+        layer (which opens each block), every cache whose block is one run of slots is
+        written and attended in one compiled call (``attend_many``: one parallel region, no
+        slicing of the storage); the others, and every cache without them, go through
+        :meth:`attend`."""
+        if self.native is None or i == 0:
+            outs = [
+                self.attend(i, cache, q[:, a:b], k[:, a:b], v[:, a:b], mask)
+                for cache, a, b, mask in zip(caches, bounds, bounds[1:], masks)
+            ]
+            return torch.cat(outs) if len(outs) > 1 else outs[0]
+        out = q.new_empty(q.shape[1], q.shape[0] * q.shape[2])
+        fast: list[int] = []
+        slots: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []
+        for j, (cache, a, b) in enumerate(zip(caches, bounds, bounds[1:])):
+            span = cache.span_slots(i, b - a)
+            if span is None:
+                out[a:b] = self.attend(i, cache, q[:, a:b], k[:, a:b], v[:, a:b], masks[j])
+            else:
+                fast.append(j)
+                slots.append(span)
+        if not fast:
+            return out
+        if len(fast) == len(caches):
+            qf, kf, vf, of = q, k, v, out
+        else:  # those caches' rows only, copied back below
+            rows = torch.cat([torch.arange(bounds[j], bounds[j + 1]) for j in fast])
+            qf, kf, vf = q[:, rows], k[:, rows], v[:, rows]
+            of = out.new_empty(len(rows), out.shape[1])
+        sub = [0]
+        for j in fast:
+            sub.append(sub[-1] + bounds[j + 1] - bounds[j])
+        self.native.attend_many(
+            of,
+            qf,
+            kf,
+            vf,
+            [s[0] for s in slots],
+            [s[1] for s in slots],
+            sub,
+            [s[2] for s in slots],
+            [s[3] for s in slots],
+            [seen[j] for j in fast],
+            self.scaling,
+        )
+        if of is not out:
+            out[rows] = of
+        return out
+
     def finish_layer(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s output rows: ``x`` plus the output projection of ``attended``
         (from :meth:`attend`), then plus the MLP of that."""
@@ -367,7 +430,10 @@ class LeanForward:
         layout = cache.get_mask_sizes(n, 0)[1].mask  # what transformers' forward is given
         # a one-token step that sees every column needs no mask (SDPA's cheaper path)
         mask = None if n == 1 and bool(layout.all()) else layout
+        seen = None if mask is None else mask.reshape(n, -1).contiguous()
         for i in range(len(self.layers)):
             q, k, v = self.qkv(i, x, cos, sin)
-            x = self.finish_layer(i, x, self.attend(i, cache, q, k, v, mask))
+            x = self.finish_layer(
+                i, x, self.attend_all(i, [cache], [0, n], [mask], [seen], q, k, v)
+            )
         return self.logits(x if all_rows else x[-1:])

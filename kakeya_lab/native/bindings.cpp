@@ -8,6 +8,11 @@ void rotate_(torch::Tensor rows, const torch::Tensor& cos, const torch::Tensor& 
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& keys,
                      const torch::Tensor& values, const c10::optional<torch::Tensor>& mask,
                      double scale);
+void attend_many(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k,
+                 const torch::Tensor& v, const std::vector<torch::Tensor>& keys,
+                 const std::vector<torch::Tensor>& values, const std::vector<int64_t>& bounds,
+                 const std::vector<int64_t>& starts, const std::vector<int64_t>& columns,
+                 const std::vector<c10::optional<torch::Tensor>>& masks, double scale);
 
 // Each call releases the GIL while it computes, as PyTorch's own operations do: other
 // Python threads (the sessions of a batched forward, a server's handlers) run meanwhile.
@@ -17,5 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "each row's RMSNorm, scaled by the weight", release());
   m.def("rotate_", &rotate_, "the rotary embedding of the first heads, in place", release());
   m.def("attend", &attend, "a few queries' attention over a cache's keys and values",
+        release());
+  m.def("attend_many", &attend_many,
+        "several caches' attention, each block's keys and values written to its storage first",
         release());
 }

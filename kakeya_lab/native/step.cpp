@@ -134,72 +134,62 @@ void weigh_values(int64_t vecs, const float* w, const float* v, int64_t width, f
   }
 }
 
-// The attention of a few queries: q [heads, n, d] (each query's d numbers contiguous) over
-// keys and values [1, kv_heads, columns, d] (each key's d numbers contiguous; the heads may be
-// further apart, as in a cache's storage), the query heads grouped onto the key heads in
-// order; query r does not see the columns where `mask` [n, columns] is false. Returns
-// [n, heads * d].
-//
-// The work is split into (key head, query, span of columns) units over the threads: a unit
-// reads its span of keys and values from memory once for all the query heads of its group
-// (the later heads find them in cache) and keeps, per query head, its scores' maximum, the
-// sum of their exponentials and the weighted sum of the values; the spans are then merged
-// as flash-decoding merges them. Spans give a one-token step (three key heads, say) enough
-// units for every thread.
-Tensor attend(const Tensor& q, const Tensor& keys, const Tensor& values,
-              const c10::optional<Tensor>& mask, double scale) {
-  check_float(q, "attend's queries");
-  check_float(keys, "attend's keys");
-  check_float(values, "attend's values");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "attend takes queries [heads, n, d]");
-  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.size(0) == 1,
-              "attend takes keys and values [1, kv_heads, columns, d]");
-  const int64_t heads = q.size(0), n = q.size(1), d = q.size(2);
-  const int64_t kv = keys.size(1), columns = keys.size(2);
-  TORCH_CHECK(keys.size(3) == d && d % 16 == 0 && d <= 128 && kv > 0 && heads % kv == 0 &&
-                  columns > 0 && n > 0,
-              "attend: head sizes (d a multiple of 16, at most 128)");
-  TORCH_CHECK(keys.stride(3) == 1 && keys.stride(2) == d && values.stride(3) == 1 &&
-                  values.stride(2) == d,
-              "attend: each key's numbers contiguous");
-  const bool* seen = nullptr;
-  if (mask.has_value()) {
-    TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->is_contiguous() &&
-                    mask->dim() == 2 && mask->size(0) == n && mask->size(1) == columns,
-                "attend: a contiguous bool mask [n, columns]");
-    seen = mask->data_ptr<bool>();
-  }
-  auto out = torch::empty({n, heads * d}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t group = heads / kv, kstride = keys.stride(1), vstride = values.stride(1);
-  const int64_t qhead = q.stride(0), qrow = q.stride(1);
-  const float s = static_cast<float>(scale);
-  // spans of at least 128 columns, as many as give every thread four units
+namespace {
+
+// One cache's part of an attention call: its queries [heads, n, d] (head and row strides),
+// its keys and values (a key head's `columns` keys contiguous, heads `kstride`/`vstride`
+// apart), which columns each query sees (null: all) and where its output rows go.
+struct Job {
+  const float* q;
+  int64_t qhead, qrow;
+  const float* k;
+  const float* v;
+  int64_t kstride, vstride;
+  int64_t n, columns;
+  const bool* seen;
+  float* out;
+  int64_t spans = 1, span = 0, first = 0;  // set by attend_jobs
+};
+
+// Every job's attention, its units in one parallel region (see attend).
+void attend_jobs(std::vector<Job>& jobs, int64_t heads, int64_t kv, int64_t d, float s) {
+  const int64_t group = heads / kv, vecs = d / 16;
   const int64_t threads = at::get_num_threads();
-  const int64_t want = std::max<int64_t>(1, (4 * threads + kv * n - 1) / (kv * n));
-  const int64_t spans = std::max<int64_t>(1, std::min(want, columns / 128));
-  const int64_t span = (columns + spans - 1) / spans;
-  const int64_t units = kv * n * spans;
-  const int64_t vecs = d / 16;
+  int64_t units = 0, work = 0;
+  for (Job& job : jobs) {
+    // spans of at least 128 columns, as many as give every thread four units
+    const int64_t want = std::max<int64_t>(1, (4 * threads + kv * job.n - 1) / (kv * job.n));
+    job.spans = std::max<int64_t>(1, std::min(want, job.columns / 128));
+    job.span = (job.columns + job.spans - 1) / job.spans;
+    job.first = units;
+    units += kv * job.n * job.spans;
+    work += job.columns * d * heads * job.n;
+  }
+  std::vector<int64_t> owner(units);  // each unit's job
+  for (int64_t i = 0; i < static_cast<int64_t>(jobs.size()); ++i) {
+    const Job& job = jobs[i];
+    std::fill(owner.begin() + job.first, owner.begin() + job.first + kv * job.n * job.spans, i);
+  }
   // per (unit, head of its group): the scores' maximum, the exponentials' sum, the values'
   // weighted sum [d]
   std::vector<float> top(units * group), total(units * group), acc(units * group * d);
   constexpr int64_t AHEAD = 16;  // columns prefetched ahead (hints: no fault past the end)
-  const int64_t grain = columns * d * heads * n < (1 << 14) ? units : 1;
+  const int64_t grain = work < (1 << 14) ? units : 1;
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
-    std::vector<float> score(span + 16);
+    std::vector<float> score;
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t g = u / (n * spans), r = (u / spans) % n, c0 = (u % spans) * span;
-      const int64_t width = std::min(columns, c0 + span) - c0;
-      const float* kh = kp + g * kstride + c0 * d;
-      const float* vh = vp + g * vstride + c0 * d;
-      const bool* row_seen = seen ? seen + r * columns + c0 : nullptr;
+      const Job& job = jobs[owner[u]];
+      const int64_t n = job.n, spans = job.spans, columns = job.columns, local = u - job.first;
+      const int64_t g = local / (n * spans), r = (local / spans) % n;
+      const int64_t c0 = (local % spans) * job.span;
+      const int64_t width = std::min(columns, c0 + job.span) - c0;
+      if (static_cast<int64_t>(score.size()) < width + 16) score.resize(width + 16);
+      const float* kh = job.k + g * job.kstride + c0 * d;
+      const float* vh = job.v + g * job.vstride + c0 * d;
+      const bool* row_seen = job.seen ? job.seen + r * columns + c0 : nullptr;
       for (int64_t j = 0; j < group; ++j) {
         const int64_t h = g * group + j, slot = u * group + j;
-        const float* qh = qp + h * qhead + r * qrow;
+        const float* qh = job.q + h * job.qhead + r * job.qrow;
         float best = -INFINITY;
         for (int64_t c = 0; c < width; ++c) {
           if (j == 0) {  // the first head streams the span: fetch keys ahead, values for later
@@ -247,30 +237,144 @@ Tensor attend(const Tensor& q, const Tensor& keys, const Tensor& values,
       }
     }
   });
-  // merge the spans of each (query, head)
-  for (int64_t r = 0; r < n; ++r) {
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t g = h / group, j = h % group;
-      const int64_t first = (g * n + r) * spans;  // the unit of the first span
-      float best = -INFINITY;
-      for (int64_t t = 0; t < spans; ++t) best = std::max(best, top[(first + t) * group + j]);
-      TORCH_CHECK(best > -INFINITY, "attend: query ", r, " sees no column");
-      float sum = 0.0f;
-      __m512 o[8];
-      for (int64_t k = 0; k < vecs; ++k) o[k] = _mm512_setzero_ps();
-      for (int64_t t = 0; t < spans; ++t) {
-        const int64_t slot = (first + t) * group + j;
-        if (total[slot] == 0.0f) continue;
-        const float w = std::exp(top[slot] - best);
-        sum += w * total[slot];
-        const __m512 wv = _mm512_set1_ps(w);
+  // merge the spans of each job's (query, head)
+  for (const Job& job : jobs) {
+    for (int64_t r = 0; r < job.n; ++r) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t g = h / group, j = h % group;
+        const int64_t first = job.first + (g * job.n + r) * job.spans;  // its first span's unit
+        float best = -INFINITY;
+        for (int64_t t = 0; t < job.spans; ++t)
+          best = std::max(best, top[(first + t) * group + j]);
+        TORCH_CHECK(best > -INFINITY, "attend: query ", r, " sees no column");
+        float sum = 0.0f;
+        __m512 o[8];
+        for (int64_t k = 0; k < vecs; ++k) o[k] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < job.spans; ++t) {
+          const int64_t slot = (first + t) * group + j;
+          if (total[slot] == 0.0f) continue;
+          const float w = std::exp(top[slot] - best);
+          sum += w * total[slot];
+          const __m512 wv = _mm512_set1_ps(w);
+          for (int64_t k = 0; k < vecs; ++k)
+            o[k] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(acc.data() + slot * d + 16 * k), o[k]);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / sum);
+        float* dst = job.out + r * heads * d + h * d;
         for (int64_t k = 0; k < vecs; ++k)
-          o[k] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(acc.data() + slot * d + 16 * k), o[k]);
+          _mm512_storeu_ps(dst + 16 * k, _mm512_mul_ps(o[k], inv));
       }
-      const __m512 inv = _mm512_set1_ps(1.0f / sum);
-      float* dst = op + r * heads * d + h * d;
-      for (int64_t k = 0; k < vecs; ++k) _mm512_storeu_ps(dst + 16 * k, _mm512_mul_ps(o[k], inv));
     }
   }
+}
+
+void check_heads(int64_t heads, int64_t kv, int64_t d) {
+  TORCH_CHECK(d % 16 == 0 && d <= 128 && kv > 0 && heads % kv == 0,
+              "attend: head sizes (d a multiple of 16, at most 128)");
+}
+
+const bool* mask_of(const c10::optional<Tensor>& mask, int64_t n, int64_t columns) {
+  if (!mask.has_value()) return nullptr;
+  TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->is_contiguous() && mask->dim() == 2 &&
+                  mask->size(0) == n && mask->size(1) == columns,
+              "attend: a contiguous bool mask [n, columns]");
+  return mask->data_ptr<bool>();
+}
+
+}  // namespace
+
+// The attention of a few queries: q [heads, n, d] (each query's d numbers contiguous) over
+// keys and values [1, kv_heads, columns, d] (each key's d numbers contiguous; the heads may be
+// further apart, as in a cache's storage), the query heads grouped onto the key heads in
+// order; query r does not see the columns where `mask` [n, columns] is false. Returns
+// [n, heads * d].
+//
+// The work is split into (key head, query, span of columns) units over the threads: a unit
+// reads its span of keys and values from memory once for all the query heads of its group
+// (the later heads find them in cache) and keeps, per query head, its scores' maximum, the
+// sum of their exponentials and the weighted sum of the values; the spans are then merged
+// as flash-decoding merges them. Spans give a one-token step (three key heads, say) enough
+// units for every thread.
+Tensor attend(const Tensor& q, const Tensor& keys, const Tensor& values,
+              const c10::optional<Tensor>& mask, double scale) {
+  check_float(q, "attend's queries");
+  check_float(keys, "attend's keys");
+  check_float(values, "attend's values");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "attend takes queries [heads, n, d]");
+  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.size(0) == 1,
+              "attend takes keys and values [1, kv_heads, columns, d]");
+  const int64_t heads = q.size(0), n = q.size(1), d = q.size(2);
+  const int64_t kv = keys.size(1), columns = keys.size(2);
+  check_heads(heads, kv, d);
+  TORCH_CHECK(keys.size(3) == d && columns > 0 && n > 0,
+              "attend: head sizes (d a multiple of 16, at most 128)");
+  TORCH_CHECK(keys.stride(3) == 1 && keys.stride(2) == d && values.stride(3) == 1 &&
+                  values.stride(2) == d,
+              "attend: each key's numbers contiguous");
+  auto out = torch::empty({n, heads * d}, q.options());
+  std::vector<Job> jobs{{q.data_ptr<float>(), q.stride(0), q.stride(1), keys.data_ptr<float>(),
+                         values.data_ptr<float>(), keys.stride(1), values.stride(1), n, columns,
+                         mask_of(mask, n, columns), out.data_ptr<float>()}};
+  attend_jobs(jobs, heads, kv, d, static_cast<float>(scale));
   return out;
+}
+
+// Several caches' attention in one call, each cache's block of keys and values written into
+// its storage first: the rows bounds[i]..bounds[i + 1] of q [heads, rows, d] and of k and v
+// [kv_heads, rows, d] (each row's d numbers contiguous) are cache i's; its keys and values go
+// to slots starts[i].. of keys[i] and values[i] [1, kv_heads, capacity, d] (contiguous), and
+// its queries attend over their first columns[i] slots (masks[i] [n, columns[i]] as in
+// attend). Writes each cache's output rows into out [rows, heads * d]. One parallel region
+// for every cache: a batched step of many sessions calls this once a layer, not once a
+// session.
+void attend_many(Tensor out, const Tensor& q, const Tensor& k, const Tensor& v,
+                 const std::vector<Tensor>& keys, const std::vector<Tensor>& values,
+                 const std::vector<int64_t>& bounds, const std::vector<int64_t>& starts,
+                 const std::vector<int64_t>& columns,
+                 const std::vector<c10::optional<Tensor>>& masks, double scale) {
+  check_float(out, "attend_many's output");
+  check_float(q, "attend_many's queries");
+  check_float(k, "attend_many's keys");
+  check_float(v, "attend_many's values");
+  const int64_t caches = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(values.size() == keys.size() && starts.size() == keys.size() &&
+                  columns.size() == keys.size() && masks.size() == keys.size() &&
+                  static_cast<int64_t>(bounds.size()) == caches + 1,
+              "attend_many: one storage, start, column count and mask per cache");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && q.stride(2) == 1 &&
+                  k.stride(2) == 1 && v.stride(2) == 1,
+              "attend_many takes q [heads, rows, d], k and v [kv_heads, rows, d]");
+  const int64_t heads = q.size(0), rows = q.size(1), d = q.size(2), kv = k.size(0);
+  check_heads(heads, kv, d);
+  TORCH_CHECK(k.size(1) == rows && k.size(2) == d && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == rows && out.size(1) == heads * d,
+              "attend_many: rows and output [rows, heads * d]");
+  TORCH_CHECK(bounds.front() == 0 && bounds.back() == rows, "attend_many: bounds cover the rows");
+  std::vector<Job> jobs;
+  for (int64_t i = 0; i < caches; ++i) {
+    const Tensor& ks = keys[i];
+    const Tensor& vs = values[i];
+    check_float(ks, "attend_many's key storage");
+    check_float(vs, "attend_many's value storage");
+    TORCH_CHECK(ks.dim() == 4 && ks.size(0) == 1 && ks.size(1) == kv && ks.size(3) == d &&
+                    ks.sizes() == vs.sizes() && ks.is_contiguous() && vs.is_contiguous(),
+                "attend_many: storage [1, kv_heads, capacity, d], contiguous");
+    const int64_t a = bounds[i], n = bounds[i + 1] - a, capacity = ks.size(2);
+    TORCH_CHECK(n > 0 && starts[i] >= 0 && starts[i] + n <= columns[i] &&
+                    columns[i] <= capacity,
+                "attend_many: cache ", i, "'s block must fit its storage and columns");
+    float* kp = ks.data_ptr<float>();
+    float* vp = vs.data_ptr<float>();
+    for (int64_t g = 0; g < kv; ++g) {
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t slot = (g * capacity + starts[i] + r) * d;
+        std::copy_n(k.data_ptr<float>() + g * k.stride(0) + (a + r) * k.stride(1), d, kp + slot);
+        std::copy_n(v.data_ptr<float>() + g * v.stride(0) + (a + r) * v.stride(1), d, vp + slot);
+      }
+    }
+    jobs.push_back({q.data_ptr<float>() + a * q.stride(1), q.stride(0), q.stride(1), kp, vp,
+                    capacity * d, capacity * d, n, columns[i], mask_of(masks[i], n, columns[i]),
+                    out.data_ptr<float>() + a * heads * d});
+  }
+  attend_jobs(jobs, heads, kv, d, static_cast<float>(scale));
 }

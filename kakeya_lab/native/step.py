@@ -7,7 +7,11 @@ rows: ``rms_norm(x, weight, eps)``, ``rotate_(rows, cos, sin, heads)`` (the rota
 embedding of the first ``heads`` heads of ``[n, heads_total, d]`` rows, in place) and
 ``attend(q, keys, values, mask, scale)`` (the attention of a few queries ``[heads, n, d]``
 over a cache's keys and values, the query heads grouped onto the key heads, query ``r``
-not seeing the columns where row ``r`` of the ``[n, columns]`` bool mask is false). They compute what PyTorch's operations compute, in float32, rounded
+not seeing the columns where row ``r`` of the ``[n, columns]`` bool mask is false), and
+``attend_many(out, q, k, v, keys, values, bounds, starts, columns, masks, scale)``: several
+caches' ``attend`` in one parallel region, each cache's block of keys and values written
+into its storage first (a batched step of many sessions, once a layer instead of twice a
+session). They compute what PyTorch's operations compute, in float32, rounded
 differently: a default-model forward through them is as close to its float64 forward as
 through PyTorch's. The MLP's SiLU stays PyTorch's: a compiled one (``exp`` rounded
 otherwise) saved little and moved the logits furthest from PyTorch's.
@@ -34,6 +38,7 @@ class StepKernels:
     rms_norm: Callable[..., torch.Tensor]
     rotate_: Callable[..., None]
     attend: Callable[..., torch.Tensor]
+    attend_many: Callable[..., None]
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         return _loaded_step_kernels, ()
@@ -43,7 +48,7 @@ def _loaded_step_kernels() -> StepKernels:
     module = compiled()
     if module is None:  # unpickled where the kernels do not build
         raise RuntimeError("the compiled step operations are not available in this process")
-    return StepKernels(module.rms_norm, module.rotate_, module.attend)
+    return StepKernels(module.rms_norm, module.rotate_, module.attend, module.attend_many)
 
 
 def step_kernels(
