@@ -35,7 +35,8 @@ layer stacks with plain (or this package's) linear layers and no sliding-window 
 The forward is made of per-layer pieces (:meth:`LeanForward.embed`, :meth:`~LeanForward.rope`,
 :meth:`~LeanForward.qkv`, :meth:`~LeanForward.attend`, :meth:`~LeanForward.finish_layer`,
 :meth:`~LeanForward.logits`) over 2-D rows, so rows of several caches can share the
-projections while each attends over its own cache.
+projections while each attends over its own cache (:meth:`~LeanForward.attend_all`: with
+the compiled operations, every cache's block written and attended in one call a layer).
 """
 
 from __future__ import annotations
