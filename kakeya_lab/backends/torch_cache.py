@@ -187,7 +187,6 @@ class SinkWindowLayer(CacheLayerMixin):
         keys, values = self.storage()
         return keys[:, :, :used].nbytes + values[:, :, :used].nbytes
 
-    # transformers types the second item (kv_offset) as int; the layout rides in that slot.
     def span_slots(self, block: TorchBlock) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """For a caller that writes the block's K/V itself: the storage ``(keys, values)``
         (with room for the block) and the block's first slot, when the block is one run of
@@ -200,6 +199,7 @@ class SinkWindowLayer(CacheLayerMixin):
         keys, values = self.storage()
         return keys, values, block.span[0]
 
+    # transformers types the second item (kv_offset) as int; the layout rides in that slot.
     def get_mask_sizes(self, query_length: int) -> tuple[int, LayoutMask]:  # type: ignore[override]
         """``(key columns, layout)`` of the next forward: the layout rides in the ``kv_offset``
         slot to the ``"kakeya_sink_window"`` mask function
