@@ -22,6 +22,7 @@ from kakeya_lab.backends.torch_batch import (
     StepBatcher,
     batch_verifier,
 )
+from kakeya_lab.backends.torch_lean import LeanForward
 from kakeya_lab.linear import kernel_switched
 from kakeya_lab.models import tiny_random_model
 from kakeya_lab.reference import oracle_logits
@@ -203,7 +204,12 @@ def _batch_of_default_model_sessions(model, text_ids, record_tolerance, kernel: 
         for c, o, n in zip(configs, (0, 40, 90), (8, 40, 20))
     ]
     forward = BatchForward.of(model)
+    lean = LeanForward.of(model)
+    compiled_before = 0
     for r in range(40):
+        if r == 35:  # every cache is past eviction by now (the global one since round 24)
+            assert sessions[0].verifier.cache.history_len > sessions[0].config.budget
+            compiled_before = lean.attend_many_calls
         members = sessions if r % 5 else sessions[1:]  # the first leaves, then joins again
         tokens = [text_ids[200 + r + 3 * j] for j in range(len(members))]
         steps = [BatchStep(s.verifier.cache, [t], all_rows=False) for s, t in zip(members, tokens)]
@@ -214,3 +220,5 @@ def _batch_of_default_model_sessions(model, text_ids, record_tolerance, kernel: 
     for s in sessions:
         assert s.verifier.cache.history_len > s.config.budget
         s.check(model, f"smollm2 batch {kernel}/{s.config}", record_tolerance)
+    if lean.native is not None:  # the compiled several-cache attention ran past eviction
+        assert lean.attend_many_calls > compiled_before

@@ -152,9 +152,7 @@ class SinkWindowLayer(CacheLayerMixin):
         (regular columns, then the rolling-mode sink copies)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        held = self.storage()[0].shape[2]
-        self.reserve(self.plan.capacity, min(held, self.plan.capacity))
-        keys, values = self.storage()
+        keys, values = self._planned_storage()
         if block.span is not None:
             start, stop = block.span
             keys[:, :, start:stop] = key_states
@@ -194,10 +192,14 @@ class SinkWindowLayer(CacheLayerMixin):
         :meth:`update` it)."""
         if block.span is None or block.copy_sources is not None or not self.is_initialized:
             return None
+        keys, values = self._planned_storage()
+        return keys, values, block.span[0]
+
+    def _planned_storage(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The storage, resized first to the plan's capacity (keeping what it holds)."""
         held = self.storage()[0].shape[2]
         self.reserve(self.plan.capacity, min(held, self.plan.capacity))
-        keys, values = self.storage()
-        return keys, values, block.span[0]
+        return self.storage()
 
     # transformers types the second item (kv_offset) as int; the layout rides in that slot.
     def get_mask_sizes(self, query_length: int) -> tuple[int, LayoutMask]:  # type: ignore[override]

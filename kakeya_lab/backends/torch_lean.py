@@ -167,6 +167,7 @@ class LeanForward:
         self.model = model
         self.kernel = kernel
         self.forwards = 0  # calls so far (how a caller can tell the lean path ran)
+        self.attend_many_calls = 0  # compiled several-cache attention calls (attend_all)
         self.embed_tokens = base.embed_tokens
         self.norm = base.norm
         self.rotary = base.rotary_emb
@@ -379,6 +380,7 @@ class LeanForward:
         sub = [0]
         for j in fast:
             sub.append(sub[-1] + bounds[j + 1] - bounds[j])
+        self.attend_many_calls += 1
         self.native.attend_many(
             of,
             qf,
