@@ -47,6 +47,15 @@ them, outside the state dict), so switching back restores the exact model; a lay
 shape the kernel cannot tile keeps ``aten`` (int8: an input width that is a multiple of 16;
 int4: of 32, and an output width that is a multiple of 16). After changing the weights,
 switch again to re-quantise.
+
+``w4a8`` multiplies by the same int4 weights as ``int4`` but rounds the rows (float32) to
+int8 per group of 32 inputs and multiplies 4-bit by 8-bit integers on the compiled AVX-512
+VNNI kernel (:mod:`kakeya_lab.native.int4`; CPUs with AVX-512 BW and VNNI, an output width
+that is a multiple of 64): it reads the packed weights at several times PyTorch's int4
+kernel's rate, which spends its time turning each weight into a bfloat16 one, and it is
+faster than oneDNN's float32 product for a prefill's rows too, so it serves every row count.
+The rows' rounding moves its numbers a little further from the model's than ``int4``'s
+bfloat16 rows do (a draft's acceptance, not the verifier's output).
 """
 
 from __future__ import annotations
@@ -60,11 +69,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kakeya_lab.linear_kernels import FULL_PRECISION, KERNELS
+from kakeya_lab.native import int4 as int4_kernel
 from kakeya_lab.native.build import compiled
 from kakeya_lab.native.rows import rows_product
 
 _DTYPES = (torch.float32, torch.bfloat16)
-QUANTISED = ("int8", "int4")  # the kernels that multiply by a quantised copy
+QUANTISED = ("int8", "int4", "w4a8")  # the kernels that multiply by a quantised copy
 # bumped whenever a kernel's implementation changes, so "auto" choices cached on disk from
 # timings of the earlier implementation are measured again (part of their key)
 KERNEL_REVISION = 5
@@ -257,14 +267,17 @@ def stack_rows(layers: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor 
 
 
 class QuantizedLinear(nn.Linear):
-    """An ``nn.Linear`` whose inference forward multiplies bfloat16 activations by a
-    quantised copy of its weight (``_packed``, built by :meth:`pack`); the result has the
-    input's dtype. Subclasses name the kernel. More than :data:`QUANTISED_ROWS` rows at once (a
-    prefill) are multiplied by the layer's own weight on oneDNN's kernel instead: the
+    """An ``nn.Linear`` whose inference forward multiplies its rows (in :attr:`row_dtype`)
+    by a quantised copy of its weight (``_packed``, built by :meth:`pack`); the result has the
+    input's dtype. Subclasses name the kernel. More than :attr:`max_rows` rows at once (a
+    prefill) are multiplied by the layer's own weight on oneDNN's kernel instead: PyTorch's
     quantised kernels are tuned for a few rows and take about three times as long as that
-    for hundreds."""
+    for hundreds (``w4a8``'s is faster than oneDNN for any row count)."""
 
     _packed: tuple[torch.Tensor, ...]
+    row_dtype: torch.dtype = torch.bfloat16  # the dtype :meth:`product` takes its rows in
+    # more rows at once than this go to the layer's own weights (None: no row count does)
+    max_rows: int | None = QUANTISED_ROWS
 
     @staticmethod
     def fits(layer: nn.Linear) -> bool:
@@ -277,7 +290,7 @@ class QuantizedLinear(nn.Linear):
         raise NotImplementedError
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        """``rows`` (2-D, bfloat16) times the quantised weight, transposed."""
+        """``rows`` (2-D, :attr:`row_dtype`) times the quantised weight, transposed."""
         raise NotImplementedError
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
@@ -285,11 +298,11 @@ class QuantizedLinear(nn.Linear):
             return F.linear(input, self.weight, self.bias)
         if input.device.type != "cpu" or input.numel() == 0:
             return F.linear(input, self.weight, self.bias)
-        if input.numel() > QUANTISED_ROWS * input.shape[-1]:
+        if self.max_rows is not None and input.numel() > self.max_rows * input.shape[-1]:
             if torch.backends.mkldnn.is_available():
                 return _onednn_linear(self.weight, self.bias, input)
             return F.linear(input, self.weight, self.bias)
-        rows = input.reshape(-1, input.shape[-1]).to(torch.bfloat16).contiguous()
+        rows = input.reshape(-1, input.shape[-1]).to(self.row_dtype).contiguous()
         out = self.product(rows).to(input.dtype)
         if self.bias is not None:
             out = out + self.bias.to(input.dtype)
@@ -331,6 +344,26 @@ class Int4Linear(QuantizedLinear):
         return torch._weight_int4pack_mm_for_cpu(rows, packed, INT4_GROUP, scales_and_offsets)
 
 
+class W4A8Linear(QuantizedLinear):
+    """``int4``'s weights (:func:`quantize_int4`) multiplied by float32 rows rounded to int8
+    per group of :data:`INT4_GROUP` inputs, on the compiled AVX-512 VNNI kernel
+    (:mod:`kakeya_lab.native.int4`)."""
+
+    row_dtype = torch.float32
+    max_rows = None  # faster than oneDNN's float32 product for a prefill's rows too
+
+    @staticmethod
+    def fits(layer: nn.Linear) -> bool:
+        return int4_kernel.fits(layer.out_features, layer.in_features)
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return int4_kernel.pack(*quantize_int4(weight))
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return int4_kernel.int4_product(rows, *self._packed)
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8 of a 2-D weight: ``(q, scale)`` with ``q * scale ≈ weight``.
 
@@ -366,6 +399,11 @@ def check_linear_kernel(kernel: str) -> None:
             "linear kernel 'onednn' needs a PyTorch build with oneDNN (mkldnn), which this "
             "one lacks; use 'aten'"
         )
+    if kernel == "w4a8" and int4_kernel.why_unavailable():
+        raise ValueError(
+            f"linear kernel 'w4a8' cannot run here: {int4_kernel.why_unavailable()}; "
+            "use 'int4' (PyTorch's int4 kernel, bfloat16 rows)"
+        )
     op = {"int8": "_weight_int8pack_mm", "int4": "_weight_int4pack_mm_for_cpu"}.get(kernel)
     if op and not hasattr(torch, op):
         raise ValueError(
@@ -381,6 +419,7 @@ _CLASSES: dict[str, type[nn.Linear]] = {
     "auto": AutoLinear,
     "int8": Int8Linear,
     "int4": Int4Linear,
+    "w4a8": W4A8Linear,
 }
 
 
@@ -431,10 +470,10 @@ def set_linear_kernel(model: nn.Module, kernel: str, *, choice: Any = None) -> i
 
 def linear_kernel_of(model: nn.Module) -> str:
     """The kernel :func:`set_linear_kernel` last set on ``model``'s linear layers: the first
-    of ``int4``, ``int8``, ``auto``, ``onednn`` and ``split`` some layer runs, else
+    of ``w4a8``, ``int4``, ``int8``, ``auto``, ``onednn`` and ``split`` some layer runs, else
     ``"aten"``."""
     kinds = {type(m) for m in model.modules()}
-    order = ("int4", "int8", "auto", "onednn", "split")
+    order = ("w4a8", "int4", "int8", "auto", "onednn", "split")
     return next((k for k in order if _CLASSES[k] in kinds), "aten")
 
 

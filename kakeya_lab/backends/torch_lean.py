@@ -107,13 +107,13 @@ def _fused(layers: Sequence[nn.Linear], kernel: str) -> Projection:
 
 def _product(layer: Projection, rows: torch.Tensor) -> torch.Tensor:
     """``layer(rows)`` for 2-D ``rows`` of at most :data:`MAX_TOKENS`, in ``rows``' dtype;
-    a quantised layer's kernel is called directly (rows rounded to bfloat16 once)."""
+    a quantised layer's kernel is called directly (rows cast to its row dtype once)."""
     if isinstance(layer, Stacked):
         return linear_as(layer.layers[0], layer.weight, layer.bias, rows)
     if isinstance(layer, tuple):
         return torch.cat([_product(part, rows) for part in layer], dim=-1)
     if isinstance(layer, QuantizedLinear):
-        out = layer.product(rows.to(torch.bfloat16)).to(rows.dtype)
+        out = layer.product(rows.to(layer.row_dtype)).to(rows.dtype)
         return out if layer.bias is None else out + layer.bias
     return layer(rows)
 

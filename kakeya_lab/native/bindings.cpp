@@ -2,6 +2,8 @@
 #include <torch/extension.h>
 
 torch::Tensor rows_product(torch::Tensor rows, torch::Tensor weight);
+torch::Tensor int4_product(const torch::Tensor& rows, const torch::Tensor& packed,
+                           const torch::Tensor& scales);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 void rotate_(torch::Tensor rows, const torch::Tensor& cos, const torch::Tensor& sin,
              int64_t heads);
@@ -19,6 +21,9 @@ void attend_many(torch::Tensor out, const torch::Tensor& q, const torch::Tensor&
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("rows_product", &rows_product, "rows @ weight.T for 1 to 16 float32 rows", release());
+  m.def("int4_product", &int4_product,
+        "rows @ weight.T for a few float32 rows, int4 weights and the rows rounded to int8",
+        release());
   m.def("rms_norm", &rms_norm, "each row's RMSNorm, scaled by the weight", release());
   m.def("rotate_", &rotate_, "the rotary embedding of the first heads, in place", release());
   m.def("attend", &attend, "a few queries' attention over a cache's keys and values",

@@ -1,0 +1,128 @@
+// out[r, j] = sum_k rows[r, k] * w[j, k] for a few float32 rows and int4 weights, with the
+// rows rounded to int8 (W4A8), AVX-512 VNNI.
+//
+// The weights are kakeya_lab.linear's int4: per output row, groups of 32 inputs, each a 4-bit
+// q in 0..15, a bfloat16 scale s and offset o, w = (q - 8) * s + o. Each input row is rounded
+// to int8 per group of 32 (x ~ sx * xq, sx = max |x| / 127), so one group's sum is
+//     sum_k w_k x_k ~ s * (sx * sum_k q_k xq_k - 8 * sum_k x_k) + o * sum_k x_k
+// (sum_k x_k exact) and sum_k q_k xq_k is an integer dot product: VPDPBUSD multiplies 64
+// unsigned by 64 signed bytes into 16 int32 sums. Sixteen output rows are one vector's lanes:
+// the packed weights give each lane four consecutive inputs in a 32-bit word, and the row's
+// matching four int8 inputs are broadcast to every lane. A one-token step reads 4.5 bits a
+// weight (4 of q, 0.5 of the scales) instead of float32's 32 and multiplies in int8, so it
+// is bound by the reads; PyTorch's int4 kernel converts every weight to bfloat16 first.
+//
+// Layout (kakeya_lab/native/int4.py packs it): the output rows in tiles of 64 (4 blocks of
+// 16), each tile one stream:
+//   packed [out / 64][in / 8][4][16][4] uint8: byte j of lane i of block b holds q of output
+//       64 t + 16 b + i at inputs 8 s + j (low nibble) and 8 s + 4 + j (high nibble);
+//   scales [out / 64][in / 32][4][2][16] bfloat16: each block's 16 scales, then 16 offsets.
+// Built with the other kernels by kakeya_lab/native/build.py; only called on CPUs with
+// AVX-512 BW and VNNI (the functions below are compiled for them alone).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <vector>
+
+namespace {
+
+constexpr int64_t GROUP = 32;  // inputs per scale and offset
+constexpr int64_t TILE = 4;    // blocks of 16 output rows per tile
+
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni,fma")))
+
+// One input row rounded to int8 per group: xq (as bytes), each group's sx and exact sum.
+VNNI void quantise_row(const float* x, int64_t in, int8_t* xq, float* sx, float* sum) {
+  for (int64_t g = 0; g < in / GROUP; ++g) {
+    const __m512 a = _mm512_loadu_ps(x + g * GROUP), b = _mm512_loadu_ps(x + g * GROUP + 16);
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+    // round to nearest even (the default rounding mode); |x * inv| <= 127, so no saturation
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * GROUP),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * GROUP + 16),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv))));
+    sx[g] = top / 127.f;
+    sum[g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+  }
+}
+
+VNNI inline __m512 load_bf16(const uint16_t* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m512i wide = _mm512_cvtepu16_epi32(half);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// Tiles t0..t1 (64 output rows each) for one rounded input row.
+VNNI void tiles(const uint8_t* packed, const uint16_t* scales, const int8_t* xq,
+                const float* sx, const float* sum, float* y, int64_t in, int64_t t0,
+                int64_t t1) {
+  const int64_t groups = in / GROUP;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const int32_t* quads = reinterpret_cast<const int32_t*>(xq);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* w = packed + t * (in / 8) * TILE * 64;
+    const uint16_t* so = scales + t * groups * TILE * 32;
+    __m512 acc[TILE];
+    for (int b = 0; b < TILE; ++b) acc[b] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512i dot[TILE];
+      for (int b = 0; b < TILE; ++b) dot[b] = _mm512_setzero_si512();
+      for (int64_t s = 0; s < GROUP / 8; ++s) {
+        const int64_t step = g * (GROUP / 8) + s;
+        const __m512i lo_x = _mm512_set1_epi32(quads[2 * step]);
+        const __m512i hi_x = _mm512_set1_epi32(quads[2 * step + 1]);
+        for (int b = 0; b < TILE; ++b) {
+          const __m512i v = _mm512_loadu_si512(w + (step * TILE + b) * 64);
+          dot[b] = _mm512_dpbusd_epi32(dot[b], _mm512_and_si512(v, nibble), lo_x);
+          dot[b] = _mm512_dpbusd_epi32(
+              dot[b], _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), hi_x);
+        }
+      }
+      const __m512 scale_x = _mm512_set1_ps(sx[g]), total = _mm512_set1_ps(sum[g]);
+      const __m512 eight_total = _mm512_set1_ps(8.f * sum[g]);
+      for (int b = 0; b < TILE; ++b) {
+        const uint16_t* p = so + (g * TILE + b) * 32;
+        const __m512 d = _mm512_fmsub_ps(_mm512_cvtepi32_ps(dot[b]), scale_x, eight_total);
+        acc[b] = _mm512_fmadd_ps(load_bf16(p), d, acc[b]);
+        acc[b] = _mm512_fmadd_ps(load_bf16(p + 16), total, acc[b]);
+      }
+    }
+    for (int b = 0; b < TILE; ++b) _mm512_storeu_ps(y + t * TILE * 16 + b * 16, acc[b]);
+  }
+}
+
+}  // namespace
+
+torch::Tensor int4_product(const torch::Tensor& rows, const torch::Tensor& packed,
+                           const torch::Tensor& scales) {
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == torch::kFloat && rows.is_contiguous(),
+              "int4_product takes contiguous 2-D float32 rows");
+  TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == torch::kUInt8 &&
+                  packed.is_contiguous() && packed.size(2) == TILE && packed.size(3) == 16 &&
+                  packed.size(4) == 4,
+              "int4_product: packed weights as kakeya_lab/native/int4.py packs them");
+  const int64_t n = rows.size(0), in = rows.size(1), tiles_n = packed.size(0);
+  const int64_t out = tiles_n * TILE * 16;
+  TORCH_CHECK(in % GROUP == 0 && packed.size(1) == in / 8,
+              "int4_product: rows of ", packed.size(1) * 8, " inputs, got ", in);
+  TORCH_CHECK(scales.scalar_type() == torch::kBFloat16 && scales.is_contiguous() &&
+                  scales.numel() == tiles_n * (in / GROUP) * TILE * 32,
+              "int4_product: scales as kakeya_lab/native/int4.py packs them");
+  auto y = torch::empty({n, out}, rows.options());
+  std::vector<int8_t> xq(n * in);
+  std::vector<float> sx(n * (in / GROUP)), sum(n * (in / GROUP));
+  for (int64_t r = 0; r < n; ++r)
+    quantise_row(rows.data_ptr<float>() + r * in, in, xq.data() + r * in,
+                 sx.data() + r * (in / GROUP), sum.data() + r * (in / GROUP));
+  const auto* w = packed.data_ptr<uint8_t>();
+  const auto* so = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  float* out_ptr = y.data_ptr<float>();
+  at::parallel_for(0, tiles_n, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t r = 0; r < n; ++r)
+      tiles(w, so, xq.data() + r * in, sx.data() + r * (in / GROUP),
+            sum.data() + r * (in / GROUP), out_ptr + r * out, in, t0, t1);
+  });
+  return y;
+}

@@ -1,0 +1,144 @@
+"""The compiled int4 product with the rows rounded to int8 (kakeya_lab/native/int4.cpp, the
+``w4a8`` linear kernel): it computes exactly its contract (each row rounded to int8 per group
+of 32 inputs, the group's exact sum kept for the offsets) for one to many rows; it stays
+within the rows' rounding of the float product with the dequantised weights; a ``w4a8`` layer
+runs it for every row count and is reversible; bad operands get a clear error; and a draft
+model on it keeps speculative decoding equal to plain decoding past eviction, with most
+drafts accepted. Its speed is measured by notebook 35 (``draft:MODEL:w4a8``), not here."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kakeya_lab import SinkWindowConfig, load_model
+from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
+from kakeya_lab.bench.speculative_settings import SpeculativeSettings
+from kakeya_lab.data import domain_conversations
+from kakeya_lab.linear import (
+    INT4_GROUP,
+    W4A8Linear,
+    check_linear_kernel,
+    linear_kernel_of,
+    quantize_int4,
+    set_linear_kernel,
+)
+from kakeya_lab.models import DEFAULT_MODEL
+from kakeya_lab.native.int4 import int4_product, pack, why_unavailable
+from kakeya_lab.proposers import make_proposer
+
+pytestmark = pytest.mark.skipif(bool(why_unavailable()), reason=why_unavailable() or "-")
+
+
+def _dequantised(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    steps = scale.float().repeat_interleave(INT4_GROUP, dim=1)
+    return (q.float() - 8) * steps + offset.float().repeat_interleave(INT4_GROUP, dim=1)
+
+
+def _rows_rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's rounding of float32 rows: ``(xq, sx)`` per input, ``x ~ sx * xq``
+    (float32 arithmetic as the kernel does it, ties to even)."""
+    groups = x.view(x.shape[0], -1, INT4_GROUP)
+    top = groups.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros_like(top))
+    xq = torch.round(groups * inv)
+    sx = (top / 127.0).expand_as(groups)
+    return xq.reshape(x.shape), sx.reshape(x.shape)
+
+
+@pytest.mark.parametrize("n", [1, 3, 16, 40])
+@pytest.mark.parametrize("shape", [(64, 32), (192, 96), (960, 576), (576, 1536)])
+def test_the_product_is_its_contract_exactly_and_the_float_product_within_rounding(n, shape):
+    torch.manual_seed(n * 7 + shape[0])
+    out_features, in_features = shape
+    weight = torch.randn(out_features, in_features) * 0.05
+    q, scale, offset = quantize_int4(weight)
+    x = torch.randn(n, in_features) * 2
+    x[0, :INT4_GROUP] = 0.0  # a group of zeros: scale 0, no division by it
+    if n > 1:
+        x[1, 5] = 40.0  # an outlier: its group's rows round coarsely
+    got = int4_product(x, *pack(q, scale, offset))
+    assert got.shape == (n, out_features) and got.dtype == torch.float32
+
+    # w = q * s + (o - 8 s): the rows as rounded times q * s, the rows themselves times the rest
+    stepped = q.double() * scale.double().repeat_interleave(INT4_GROUP, dim=1)
+    rest = _dequantised(q, scale, offset).double() - stepped
+    xq, sx = _rows_rounded(x)
+    rounded = xq.double() * sx.double()
+    exact = rounded @ stepped.T + x.double() @ rest.T  # the contract, in float64
+    magnitude = rounded.abs() @ stepped.abs().T + x.double().abs() @ rest.abs().T
+    assert ((got.double() - exact).abs() <= 1e-5 * magnitude + 1e-6).all()
+    # and the float product: off by at most half a rounding step of each input
+    bound = (sx.double() / 2) @ stepped.abs().T
+    want = x.double() @ (stepped + rest).T
+    assert ((got.double() - want).abs() <= bound * 1.0001 + 1e-5).all()
+
+
+def test_a_w4a8_layer_runs_the_kernel_for_any_row_count_and_is_reversible():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 128)
+    ref = copy.deepcopy(layer)
+    check_linear_kernel("w4a8")
+    assert set_linear_kernel(layer, "w4a8") == 1 and isinstance(layer, W4A8Linear)
+    assert linear_kernel_of(layer) == "w4a8"
+    deq = _dequantised(*quantize_int4(ref.weight))
+    for rows in (torch.randn(2, 96), torch.randn(3, 50, 96)):  # a step, a prefill
+        with torch.no_grad():
+            got = layer(rows)
+        flat = rows.reshape(-1, 96)
+        want = (int4_product(flat, *pack(*quantize_int4(ref.weight))) + ref.bias).view_as(got)
+        assert torch.equal(got, want)  # the int4 copy for every row count, not the weights
+        assert (got - (rows @ deq.T + ref.bias)).abs().max() <= 0.02 * got.abs().max()
+    assert set(layer.state_dict()) == {"weight", "bias"}
+    assert set_linear_kernel(layer, "aten") == 1 and "_packed" not in layer.__dict__
+    x = torch.randn(4, 96)
+    with torch.no_grad():
+        assert torch.equal(layer(x), ref(x))
+    odd = torch.nn.Linear(96, 40)  # 40 outputs: not tiles of 64, so it keeps aten
+    assert set_linear_kernel(odd, "w4a8") == 0 and type(odd) is torch.nn.Linear
+
+
+def test_bad_operands_get_a_clear_error():
+    weight = torch.randn(64, 64)
+    packed, scales = pack(*quantize_int4(weight))
+    with pytest.raises(RuntimeError, match="rows of 64 inputs, got 32"):
+        int4_product(torch.randn(1, 32), packed, scales)
+    with pytest.raises(RuntimeError, match="float32"):
+        int4_product(torch.randn(1, 64, dtype=torch.float64), packed, scales)
+    with pytest.raises(RuntimeError, match="scales"):
+        int4_product(torch.randn(1, 64), packed, scales[:, :, :2])
+    with pytest.raises(ValueError, match="out % 64"):
+        pack(*quantize_int4(torch.randn(48, 64)))
+
+
+def test_a_w4a8_draft_keeps_speculative_decoding_lossless_past_eviction(default_model):
+    """The default model's own int4 copy on this kernel drafts through the lean forward: the
+    stream is plain decoding's over two turns of held-out chit-chat that outgrow a 4 + 60
+    cache, and most drafts are accepted (the rows' rounding costs few)."""
+    config = SinkWindowConfig(sink=4, window=60)
+    draft = load_model(DEFAULT_MODEL, dtype=torch.float32, linear="w4a8", progress=False)
+    assert draft.description.linear == "w4a8"
+    made = []
+
+    def proposer():
+        made.append(
+            make_proposer(f"draft:{DEFAULT_MODEL}", default_model.model, config, draft_model=draft)
+        )
+        return made[-1]
+
+    run = run_speculative(
+        default_model,
+        {"w4a8": proposer},
+        domain_conversations("chitchat", "dev")[:1],
+        SpeculativeSettings.for_cache(
+            config, draft_lengths=(4,), turns=2, max_new_tokens=40, measure_cost=False
+        ),
+        progress=False,
+    )
+    assert greedy_streams_identical(run.turns)
+    assert run.turns["history_len"].max() > config.budget
+    assert made and made[0].describe()["forward"] == "lean"
+    drafted = run.turns[run.turns["arm"] != "plain"]
+    assert drafted["accepted"].sum() >= 0.6 * drafted["proposed"].sum()
