@@ -48,14 +48,14 @@ shape the kernel cannot tile keeps ``aten`` (int8: an input width that is a mult
 int4: of 32, and an output width that is a multiple of 16). After changing the weights,
 switch again to re-quantise.
 
-``w4a8`` multiplies by the same int4 weights as ``int4`` but rounds the rows (float32) to
-int8 per group of 32 inputs and multiplies 4-bit by 8-bit integers on the compiled AVX-512
-VNNI kernel (:mod:`kakeya_lab.native.int4`; CPUs with AVX-512 BW and VNNI, an output width
-that is a multiple of 64): it reads the packed weights at several times PyTorch's int4
-kernel's rate, which spends its time turning each weight into a bfloat16 one, and it is
-faster than oneDNN's float32 product for a prefill's rows too, so it serves every row count.
-The rows' rounding moves its numbers a little further from the model's than ``int4``'s
-bfloat16 rows do (a draft's acceptance, not the verifier's output).
+``int4-vnni`` multiplies by the same int4 weights as ``int4`` with the rows (float32) as
+integers: two int8 parts per group of 32 inputs (about 15 bits), 4-bit by 8-bit products on
+the compiled AVX-512 VNNI kernel (:mod:`kakeya_lab.native.int4`; CPUs with AVX-512 BW and VNNI,
+an output width that is a multiple of 64). It reads the packed weights at several times the
+rate of PyTorch's int4 kernel, which spends its time turning each weight into a bfloat16 one,
+its products are the dequantised weights' to about 1e-5 (``int4``'s bfloat16 rows: 3e-3), and
+it is faster than oneDNN's float32 product for a prefill's rows too, so it serves every row
+count.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ from kakeya_lab.native.build import compiled
 from kakeya_lab.native.rows import rows_product
 
 _DTYPES = (torch.float32, torch.bfloat16)
-QUANTISED = ("int8", "int4", "w4a8")  # the kernels that multiply by a quantised copy
+QUANTISED = ("int8", "int4", "int4-vnni")  # the kernels that multiply by a quantised copy
 # bumped whenever a kernel's implementation changes, so "auto" choices cached on disk from
 # timings of the earlier implementation are measured again (part of their key)
 KERNEL_REVISION = 5
@@ -272,7 +272,7 @@ class QuantizedLinear(nn.Linear):
     input's dtype. Subclasses name the kernel. More than :attr:`max_rows` rows at once (a
     prefill) are multiplied by the layer's own weight on oneDNN's kernel instead: PyTorch's
     quantised kernels are tuned for a few rows and take about three times as long as that
-    for hundreds (``w4a8``'s is faster than oneDNN for any row count)."""
+    for hundreds (``int4-vnni``'s is faster than oneDNN for any row count)."""
 
     _packed: tuple[torch.Tensor, ...]
     row_dtype: torch.dtype = torch.bfloat16  # the dtype :meth:`product` takes its rows in
@@ -344,8 +344,8 @@ class Int4Linear(QuantizedLinear):
         return torch._weight_int4pack_mm_for_cpu(rows, packed, INT4_GROUP, scales_and_offsets)
 
 
-class W4A8Linear(QuantizedLinear):
-    """``int4``'s weights (:func:`quantize_int4`) multiplied by float32 rows rounded to int8
+class Int4VnniLinear(QuantizedLinear):
+    """``int4``'s weights (:func:`quantize_int4`) multiplied by float32 rows as two int8 parts
     per group of :data:`INT4_GROUP` inputs, on the compiled AVX-512 VNNI kernel
     (:mod:`kakeya_lab.native.int4`)."""
 
@@ -399,9 +399,9 @@ def check_linear_kernel(kernel: str) -> None:
             "linear kernel 'onednn' needs a PyTorch build with oneDNN (mkldnn), which this "
             "one lacks; use 'aten'"
         )
-    if kernel == "w4a8" and int4_kernel.why_unavailable():
+    if kernel == "int4-vnni" and int4_kernel.why_unavailable():
         raise ValueError(
-            f"linear kernel 'w4a8' cannot run here: {int4_kernel.why_unavailable()}; "
+            f"linear kernel 'int4-vnni' cannot run here: {int4_kernel.why_unavailable()}; "
             "use 'int4' (PyTorch's int4 kernel, bfloat16 rows)"
         )
     op = {"int8": "_weight_int8pack_mm", "int4": "_weight_int4pack_mm_for_cpu"}.get(kernel)
@@ -419,7 +419,7 @@ _CLASSES: dict[str, type[nn.Linear]] = {
     "auto": AutoLinear,
     "int8": Int8Linear,
     "int4": Int4Linear,
-    "w4a8": W4A8Linear,
+    "int4-vnni": Int4VnniLinear,
 }
 
 
@@ -470,10 +470,10 @@ def set_linear_kernel(model: nn.Module, kernel: str, *, choice: Any = None) -> i
 
 def linear_kernel_of(model: nn.Module) -> str:
     """The kernel :func:`set_linear_kernel` last set on ``model``'s linear layers: the first
-    of ``w4a8``, ``int4``, ``int8``, ``auto``, ``onednn`` and ``split`` some layer runs, else
+    of ``int4-vnni``, ``int4``, ``int8``, ``auto``, ``onednn`` and ``split`` some layer runs, else
     ``"aten"``."""
     kinds = {type(m) for m in model.modules()}
-    order = ("w4a8", "int4", "int8", "auto", "onednn", "split")
+    order = ("int4-vnni", "int4", "int8", "auto", "onednn", "split")
     return next((k for k in order if _CLASSES[k] in kinds), "aten")
 
 

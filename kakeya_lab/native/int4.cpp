@@ -1,16 +1,18 @@
-// out[r, j] = sum_k rows[r, k] * w[j, k] for a few float32 rows and int4 weights, with the
-// rows rounded to int8 (W4A8), AVX-512 VNNI.
+// out[r, j] = sum_k rows[r, k] * w[j, k] for a few float32 rows and int4 weights, on integer
+// dot products (AVX-512 VNNI).
 //
 // The weights are kakeya_lab.linear's int4: per output row, groups of 32 inputs, each a 4-bit
-// q in 0..15, a bfloat16 scale s and offset o, w = (q - 8) * s + o. Each input row is rounded
-// to int8 per group of 32 (x ~ sx * xq, sx = max |x| / 127), so one group's sum is
-//     sum_k w_k x_k ~ s * (sx * sum_k q_k xq_k - 8 * sum_k x_k) + o * sum_k x_k
-// (sum_k x_k exact) and sum_k q_k xq_k is an integer dot product: VPDPBUSD multiplies 64
-// unsigned by 64 signed bytes into 16 int32 sums. Sixteen output rows are one vector's lanes:
-// the packed weights give each lane four consecutive inputs in a 32-bit word, and the row's
+// q in 0..15, a bfloat16 scale s and offset o, w = (q - 8) * s + o. Each input row is written
+// per group of 32 in two int8 parts, x ~ sx * (xq + xr / 254) with sx = max |x| / 127 (xq the
+// row rounded, xr its rounding error rounded in turn: about 15 bits, finer than bfloat16's 8),
+// so one group's sum is
+//     sum_k w_k x_k ~ s * (sx * (sum q xq + sum q xr / 254) - 8 * sum x) + o * sum x
+// (sum x exact) and both sums over q are integer dot products: VPDPBUSD multiplies 64 unsigned
+// by 64 signed bytes into 16 int32 sums. Sixteen output rows are one vector's lanes: the
+// packed weights give each lane four consecutive inputs in a 32-bit word, and the row's
 // matching four int8 inputs are broadcast to every lane. A one-token step reads 4.5 bits a
-// weight (4 of q, 0.5 of the scales) instead of float32's 32 and multiplies in int8, so it
-// is bound by the reads; PyTorch's int4 kernel converts every weight to bfloat16 first.
+// weight (4 of q, 0.5 of the scales) and its integer products cost less than the reads;
+// PyTorch's int4 kernel converts every weight to bfloat16 first and is bound by that.
 //
 // Layout (kakeya_lab/native/int4.py packs it): the output rows in tiles of 64 (4 blocks of
 // 16), each tile one stream:
@@ -32,17 +34,26 @@ constexpr int64_t TILE = 4;    // blocks of 16 output rows per tile
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni,fma")))
 
-// One input row rounded to int8 per group: xq (as bytes), each group's sx and exact sum.
+// One input row in two int8 parts per group of 32: x ~ sx * (xq + xr / 254), xq the row
+// rounded to int8 and xr its rounding error (at most half a step) rounded to int8 in turn;
+// each group's sx and exact sum. xq fills the first in bytes, xr the next in.
 VNNI void quantise_row(const float* x, int64_t in, int8_t* xq, float* sx, float* sum) {
+  const __m512 fine = _mm512_set1_ps(2.f * 127.f);
   for (int64_t g = 0; g < in / GROUP; ++g) {
     const __m512 a = _mm512_loadu_ps(x + g * GROUP), b = _mm512_loadu_ps(x + g * GROUP + 16);
     const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
     const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
-    // round to nearest even (the default rounding mode); |x * inv| <= 127, so no saturation
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * GROUP),
-                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * GROUP + 16),
-                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv))));
+    for (int h = 0; h < 2; ++h) {
+      // round to nearest even (the default mode); |x * inv| <= 127 and |error| <= 0.5
+      const __m512 scaled = _mm512_mul_ps(h ? b : a, inv);
+      const __m512i q = _mm512_cvtps_epi32(scaled);
+      const __m512 error = _mm512_sub_ps(scaled, _mm512_cvtepi32_ps(q));
+      const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(error, fine));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * GROUP + 16 * h),
+                       _mm512_cvtsepi32_epi8(q));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + in + g * GROUP + 16 * h),
+                       _mm512_cvtsepi32_epi8(r));
+    }
     sx[g] = top / 127.f;
     sum[g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
   }
@@ -60,31 +71,38 @@ VNNI void tiles(const uint8_t* packed, const uint16_t* scales, const int8_t* xq,
                 int64_t t1) {
   const int64_t groups = in / GROUP;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const int32_t* quads = reinterpret_cast<const int32_t*>(xq);
+  const int32_t* quads = reinterpret_cast<const int32_t*>(xq);  // xq, then xr
+  const int32_t* fine_quads = quads + in / 4;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* w = packed + t * (in / 8) * TILE * 64;
     const uint16_t* so = scales + t * groups * TILE * 32;
     __m512 acc[TILE];
     for (int b = 0; b < TILE; ++b) acc[b] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      __m512i dot[TILE];
-      for (int b = 0; b < TILE; ++b) dot[b] = _mm512_setzero_si512();
+      __m512i dot[TILE], fine_dot[TILE];
+      for (int b = 0; b < TILE; ++b) dot[b] = fine_dot[b] = _mm512_setzero_si512();
       for (int64_t s = 0; s < GROUP / 8; ++s) {
         const int64_t step = g * (GROUP / 8) + s;
         const __m512i lo_x = _mm512_set1_epi32(quads[2 * step]);
         const __m512i hi_x = _mm512_set1_epi32(quads[2 * step + 1]);
+        const __m512i lo_r = _mm512_set1_epi32(fine_quads[2 * step]);
+        const __m512i hi_r = _mm512_set1_epi32(fine_quads[2 * step + 1]);
         for (int b = 0; b < TILE; ++b) {
           const __m512i v = _mm512_loadu_si512(w + (step * TILE + b) * 64);
-          dot[b] = _mm512_dpbusd_epi32(dot[b], _mm512_and_si512(v, nibble), lo_x);
-          dot[b] = _mm512_dpbusd_epi32(
-              dot[b], _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), hi_x);
+          const __m512i lo = _mm512_and_si512(v, nibble);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+          dot[b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[b], lo, lo_x), hi, hi_x);
+          fine_dot[b] =
+              _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(fine_dot[b], lo, lo_r), hi, hi_r);
         }
       }
       const __m512 scale_x = _mm512_set1_ps(sx[g]), total = _mm512_set1_ps(sum[g]);
+      const __m512 scale_r = _mm512_set1_ps(sx[g] / (2.f * 127.f));
       const __m512 eight_total = _mm512_set1_ps(8.f * sum[g]);
       for (int b = 0; b < TILE; ++b) {
         const uint16_t* p = so + (g * TILE + b) * 32;
-        const __m512 d = _mm512_fmsub_ps(_mm512_cvtepi32_ps(dot[b]), scale_x, eight_total);
+        const __m512 coarse = _mm512_fmsub_ps(_mm512_cvtepi32_ps(dot[b]), scale_x, eight_total);
+        const __m512 d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(fine_dot[b]), scale_r, coarse);
         acc[b] = _mm512_fmadd_ps(load_bf16(p), d, acc[b]);
         acc[b] = _mm512_fmadd_ps(load_bf16(p + 16), total, acc[b]);
       }
@@ -111,17 +129,17 @@ torch::Tensor int4_product(const torch::Tensor& rows, const torch::Tensor& packe
                   scales.numel() == tiles_n * (in / GROUP) * TILE * 32,
               "int4_product: scales as kakeya_lab/native/int4.py packs them");
   auto y = torch::empty({n, out}, rows.options());
-  std::vector<int8_t> xq(n * in);
+  std::vector<int8_t> xq(2 * n * in);
   std::vector<float> sx(n * (in / GROUP)), sum(n * (in / GROUP));
   for (int64_t r = 0; r < n; ++r)
-    quantise_row(rows.data_ptr<float>() + r * in, in, xq.data() + r * in,
+    quantise_row(rows.data_ptr<float>() + r * in, in, xq.data() + 2 * r * in,
                  sx.data() + r * (in / GROUP), sum.data() + r * (in / GROUP));
   const auto* w = packed.data_ptr<uint8_t>();
   const auto* so = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   float* out_ptr = y.data_ptr<float>();
   at::parallel_for(0, tiles_n, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t r = 0; r < n; ++r)
-      tiles(w, so, xq.data() + r * in, sx.data() + r * (in / GROUP),
+      tiles(w, so, xq.data() + 2 * r * in, sx.data() + r * (in / GROUP),
             sum.data() + r * (in / GROUP), out_ptr + r * out, in, t0, t1);
   });
   return y;

@@ -1,15 +1,18 @@
-"""A compiled product of a few float32 rows by int4 weights, the rows rounded to int8:
-:func:`int4_product` (``w4a8``, :mod:`kakeya_lab.linear`).
+"""A compiled product of a few float32 rows by int4 weights on integer dot products:
+:func:`int4_product` (the ``int4-vnni`` linear kernel, :mod:`kakeya_lab.linear`).
 
 A draft model's one-token step on PyTorch's int4 kernel spends most of its products turning
 every 4-bit weight into a bfloat16 one before it multiplies: on this kind of machine
-(2 cores, Zen 4) it reads about 12 GB/s of packed weights, a fifth of what the memory gives.
-``int4.cpp`` rounds the rows instead (to int8, per group of 32 inputs, with the group's exact
-sum kept for the offsets) and multiplies 4-bit by 8-bit integers with AVX-512 VNNI, 16
-output rows a vector, so it is bound by reading the 4.5 bits a weight. The weights are the
+(2 cores, Zen 4) it reads the packed weights at a fraction of what the memory gives.
+``int4.cpp`` turns the rows into integers instead: each row, per group of 32 inputs, as two
+int8 parts (the row rounded to 127 steps of the group's largest input, then that rounding's
+error rounded to 254 steps of one step; about 15 bits, finer than bfloat16's 8), with the
+group's exact sum kept for the offsets. It multiplies 4-bit by 8-bit integers with AVX-512
+VNNI, 16 output rows a vector, so a one-token step is bound by reading the 4.5 bits a
+weight, and a prefill's rows cost less than oneDNN's float32 product. The weights are the
 same int4 weights as ``int4``'s (:func:`kakeya_lab.linear.quantize_int4`), laid out by
-:func:`pack`; the rows' rounding to int8 (at most half a step of a group's largest input
-over 127) is what the two kernels' numbers differ by.
+:func:`pack`; the product is the dequantised weights' to about 1e-5 of its size (``int4``'s
+bfloat16 rows: about 3e-3).
 
 It is compiled with the other kernels of this folder (:mod:`kakeya_lab.native.build`) and
 runs on CPUs with AVX-512 BW and VNNI (:func:`why_unavailable`)."""
@@ -64,7 +67,7 @@ def pack(
 
 def int4_product(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``rows @ weight.T`` for float32 ``rows`` ``[n, in]`` and the int4 weight packed by
-    :func:`pack`, the rows rounded to int8 per group of 32 (module docstring); float32
+    :func:`pack`, the rows as two int8 parts per group of 32 (module docstring); float32
     ``[n, out]``. Raises RuntimeError where it cannot run (:func:`why_unavailable`)."""
     module = compiled()
     if module is None:
