@@ -10,11 +10,14 @@ measured by notebook 35 (``draft:MODEL:int4-vnni``), not here."""
 from __future__ import annotations
 
 import copy
+import random
 
 import pytest
 import torch
+from oracle_cases import blocks_with_rollback, check_close
 
 from kakeya_lab import SinkWindowConfig, load_model
+from kakeya_lab.backends.torch_lean import LeanForward
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
 from kakeya_lab.bench.speculative_settings import SpeculativeSettings
 from kakeya_lab.data import domain_conversations
@@ -29,6 +32,7 @@ from kakeya_lab.linear import (
 from kakeya_lab.models import DEFAULT_MODEL
 from kakeya_lab.native.int4 import int4_product, pack, why_unavailable
 from kakeya_lab.proposers import make_proposer
+from kakeya_lab.reference import oracle_logits
 
 pytestmark = pytest.mark.skipif(bool(why_unavailable()), reason=why_unavailable() or "-")
 
@@ -153,3 +157,44 @@ def test_an_int4_vnni_draft_keeps_speculative_decoding_lossless_past_eviction(de
     assert made and made[0].describe()["forward"] == "lean"
     drafted = run.turns[run.turns["arm"] != "plain"]
     assert drafted["accepted"].sum() >= 0.6 * drafted["proposed"].sum()
+
+
+@pytest.fixture(scope="module")
+def int4_vnni_model():
+    """The default model with its linear layers on ``int4-vnni`` (its own module-scoped copy:
+    a test switches its lean forward's compiled layers off)."""
+    return load_model(DEFAULT_MODEL, dtype=torch.float32, linear="int4-vnni", progress=False)
+
+
+@pytest.mark.parametrize("mode", ["global", "rolling"])
+def test_an_int4_vnni_lean_forward_runs_whole_layers_compiled_and_matches_the_oracle(
+    int4_vnni_model, text_ids, mode, record_tolerance
+):
+    """Blocks with rollbacks past eviction: the logits are the dense oracle's of the same
+    model (its layers on the same kernel), every forward after the first (which finds no
+    storage yet) runs its layers past the first as one compiled call wherever the block is
+    one run of slots (always in global positions; rolling positions with sink copies fall
+    back to the operations one by one), and those operations one by one give the same logits
+    bit for bit. The tolerance is a quantised model's: rounding the rows to integers turns
+    the float32 jitter between any two orders of the same sums into whole rounding steps,
+    so transformers' forward through the same cache is as far from the oracle (about 2e-2
+    here); PyTorch's int4 kernel, with bfloat16 rows, is up to 4 away."""
+    model = int4_vnni_model.model
+    lean = LeanForward.of(model)
+    layers = len(lean.layers)
+    assert all(operands is not None for operands in lean.int4_layers)
+    config = SinkWindowConfig(sink=4, window=28, positions=mode)
+    ids = text_ids[:100]
+    forwards, calls = lean.forwards, lean.int4_layer_calls
+    got, v = blocks_with_rollback(model, ids, config, random.Random(5), lean=True)
+    assert v.history_len == len(ids) > 3 * config.budget
+    fused, most = lean.int4_layer_calls - calls, (layers - 1) * (lean.forwards - forwards - 1)
+    assert fused == most if mode == "global" else 0 < fused < most
+    want = oracle_logits(model, ids, config)
+    check_close(f"smollm2 int4-vnni lean/{mode}/blocks+rollback", got, want, 5e-2, record_tolerance)
+    operands, lean.int4_layers = lean.int4_layers, [None] * layers
+    try:
+        one_by_one, _ = blocks_with_rollback(model, ids, config, random.Random(5), lean=True)
+    finally:
+        lean.int4_layers = operands
+    assert torch.equal(got, one_by_one)

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,7 @@ from kakeya_lab.backends.torch_cache import SinkWindowCache
 from kakeya_lab.linear import (
     FEW_ROWS,
     QUANTISED,
+    Int4VnniLinear,
     QuantizedLinear,
     linear_as,
     linear_kernel_of,
@@ -167,6 +168,7 @@ class LeanForward:
         self.model = model
         self.kernel = kernel
         self.forwards = 0  # calls so far (how a caller can tell the lean path ran)
+        self.int4_layer_calls = 0  # layers run as one compiled int4 call (__call__)
         self.attend_many_calls = 0  # compiled several-cache attention calls (attend_all)
         self.embed_tokens = base.embed_tokens
         self.norm = base.norm
@@ -201,6 +203,23 @@ class LeanForward:
             )
             for layer in base.layers
         ]
+        # each layer's int4-vnni operands where the whole layer runs as one compiled call
+        self.int4_layers = [self._int4_operands(layer) for layer in self.layers]
+
+    def _int4_operands(self, layer: LeanLayer) -> list[torch.Tensor] | None:
+        """``layer``'s four projections' packed int4 weights for the compiled layer
+        (``int4_layer``: float32 rows, every projection ``int4-vnni`` without a bias, no
+        per-head norms), else None."""
+        projections = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        if (
+            self.native is None
+            or self.kernel != "int4-vnni"
+            or layer.q_norm is not None
+            or layer.norm1.variance_epsilon != layer.norm2.variance_epsilon
+            or not all(isinstance(p, Int4VnniLinear) and p.bias is None for p in projections)
+        ):
+            return None
+        return [t for p in projections for t in cast(Int4VnniLinear, p)._packed]
 
     @staticmethod
     def unsupported(model: nn.Module) -> str:
@@ -434,7 +453,26 @@ class LeanForward:
         # a one-token step that sees every column needs no mask (SDPA's cheaper path)
         mask = None if n == 1 and bool(layout.all()) else layout
         seen = None if mask is None else mask.reshape(n, -1).contiguous()
-        for i in range(len(self.layers)):
+        for i, layer in enumerate(self.layers):
+            operands = self.int4_layers[i]
+            span = None if i == 0 or operands is None else cache.span_slots(i, n)
+            if span is not None:  # the whole layer in one compiled call
+                self.int4_layer_calls += 1
+                x = self.native.int4_layer(  # type: ignore[union-attr]
+                    x,
+                    layer.norm1.weight,
+                    layer.norm2.weight,
+                    layer.norm1.variance_epsilon,
+                    operands,
+                    cos,
+                    sin,
+                    self.heads,
+                    self.kv_heads,
+                    *span,
+                    seen,
+                    self.scaling,
+                )
+                continue
             q, k, v = self.qkv(i, x, cos, sin)
             x = self.finish_layer(
                 i, x, self.attend_all(i, [cache], [0, n], [mask], [seen], q, k, v)

@@ -4,6 +4,13 @@
 torch::Tensor rows_product(torch::Tensor rows, torch::Tensor weight);
 torch::Tensor int4_product(const torch::Tensor& rows, const torch::Tensor& packed,
                            const torch::Tensor& scales);
+torch::Tensor int4_layer(const torch::Tensor& x, const torch::Tensor& norm1,
+                         const torch::Tensor& norm2, double eps,
+                         const std::vector<torch::Tensor>& weights, const torch::Tensor& cos,
+                         const torch::Tensor& sin, int64_t heads, int64_t kv_heads,
+                         const torch::Tensor& keys, const torch::Tensor& values, int64_t start,
+                         int64_t columns, const c10::optional<torch::Tensor>& mask,
+                         double scale);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 void rotate_(torch::Tensor rows, const torch::Tensor& cos, const torch::Tensor& sin,
              int64_t heads);
@@ -23,6 +30,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_product", &rows_product, "rows @ weight.T for 1 to 16 float32 rows", release());
   m.def("int4_product", &int4_product,
         "rows @ weight.T for a few float32 rows, int4 weights and the rows rounded to int8",
+        release());
+  m.def("int4_layer", &int4_layer,
+        "one decoder layer of a few float32 rows over one cache, every projection int4",
         release());
   m.def("rms_norm", &rms_norm, "each row's RMSNorm, scaled by the weight", release());
   m.def("rotate_", &rotate_, "the rotary embedding of the first heads, in place", release());

@@ -39,6 +39,7 @@ class StepKernels:
     rotate_: Callable[..., None]
     attend: Callable[..., torch.Tensor]
     attend_many: Callable[..., None]
+    int4_layer: Callable[..., torch.Tensor]
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         return _loaded_step_kernels, ()
@@ -48,7 +49,9 @@ def _loaded_step_kernels() -> StepKernels:
     module = compiled()
     if module is None:  # unpickled where the kernels do not build
         raise RuntimeError("the compiled step operations are not available in this process")
-    return StepKernels(module.rms_norm, module.rotate_, module.attend, module.attend_many)
+    return StepKernels(
+        module.rms_norm, module.rotate_, module.attend, module.attend_many, module.int4_layer
+    )
 
 
 def step_kernels(
