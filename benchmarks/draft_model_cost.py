@@ -27,7 +27,7 @@ from kakeya_lab import SinkWindowConfig, Verifier, load_model
 from kakeya_lab.backends.torch_lean import LeanForward
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.durable import write_json_atomic
-from kakeya_lab.linear import KERNELS, set_linear_kernel
+from kakeya_lab.linear import KERNELS, check_linear_kernel, set_linear_kernel
 from kakeya_lab.results import now_iso
 
 
@@ -40,6 +40,20 @@ def code_tokens(tokenizer, n: int, split: str) -> list[int]:
         if len(ids) >= n:
             return ids[:n]
     raise SystemExit(f"the code {split} split has fewer than {n} tokens")
+
+
+def runnable_kernels() -> list[str]:
+    """The kernels of :data:`KERNELS` this machine runs as set (``auto`` needs a measured
+    choice and is one of the others per call; ``int4-vnni`` needs AVX-512 VNNI)."""
+    kernels = []
+    for kernel in KERNELS:
+        try:
+            check_linear_kernel(kernel)
+        except ValueError:
+            continue
+        if kernel != "auto":
+            kernels.append(kernel)
+    return kernels
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,17 +75,18 @@ def main(argv: list[str] | None = None) -> int:
     verifier.append(context[: config.budget])
     turn = context[config.budget :]
 
+    kernels = runnable_kernels()
     lean_verifiers = {}
-    for kernel in KERNELS:  # the fused projections are packed with the kernel
+    for kernel in kernels:  # the fused projections are packed with the kernel
         set_linear_kernel(loaded.model, kernel)
         lean_verifiers[kernel] = Verifier(loaded.model, config, lean=True)
         assert isinstance(lean_verifiers[kernel].backend.lean_forward, LeanForward)
         lean_verifiers[kernel].append(context[: config.budget])
-    times: dict[str, list[float]] = {k: [] for k in KERNELS}
-    lean_times: dict[str, list[float]] = {k: [] for k in KERNELS}
-    prefill: dict[str, list[float]] = {k: [] for k in KERNELS}
+    times: dict[str, list[float]] = {k: [] for k in kernels}
+    lean_times: dict[str, list[float]] = {k: [] for k in kernels}
+    prefill: dict[str, list[float]] = {k: [] for k in kernels}
     for r in range(args.repeats + 1):
-        for kernel in KERNELS:
+        for kernel in kernels:
             set_linear_kernel(loaded.model, kernel)
             for v, block, into in (
                 (verifier, [100], times),
@@ -86,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
     held_out = code_tokens(loaded.tokenizer, args.positions, "dev")
     greedy: dict[str, torch.Tensor] = {}
-    for kernel in KERNELS:  # one token at a time, as a draft model runs (not a prefill)
+    for kernel in kernels:  # one token at a time, as a draft model runs (not a prefill)
         set_linear_kernel(loaded.model, kernel)
         for name, lean in ((kernel, False), (f"{kernel} lean", True)):
             scorer = Verifier(loaded.model, config, lean=lean)
@@ -105,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         f"kernel   one-token step ms  ×aten  lean step ms  lean/transformers  "
         f"prefill of {len(turn)} ms  greedy = aten's  lean greedy = aten's"
     )
-    for kernel in KERNELS:
+    for kernel in kernels:
         print(
-            f"{kernel:7s}  {med[kernel] * 1e3:17.1f}  {med[kernel] / med['aten']:5.2f}  "
+            f"{kernel:9s}  {med[kernel] * 1e3:17.1f}  {med[kernel] / med['aten']:5.2f}  "
             f"{med_lean[kernel] * 1e3:12.1f}  {med_lean[kernel] / med[kernel]:17.2f}  "
             f"{med_prefill[kernel] * 1e3:16.1f}  {agree[kernel]:15.1%}  "
             f"{agree[f'{kernel} lean']:20.1%}"
