@@ -86,11 +86,14 @@ def test_the_panel_offers_the_registry_draft_model_and_it_decodes_losslessly(
     """The default model's registry draft (its own weights in int4) is offered by name in the
     panel; two turns through a cache the conversation outgrows equal plain decoding."""
     from kakeya_lab.linear import linear_kernel_of
+    from kakeya_lab.native.int4 import why_unavailable as int4_unavailable
 
     config = SinkWindowConfig(sink=4, window=28)
     spec = "draft:smollm2-135m-instruct:int4"
     panel, plain = (ChatPanel(default_model, config, max_new_tokens=12) for _ in range(2))
     assert spec in panel.proposer.options and "suffix" in panel.proposer.options
+    if not int4_unavailable():  # the same weights on the faster kernel, offered beside them
+        assert f"{spec}-vnni" in panel.proposer.options
     assert spec not in ChatPanel(tiny_model, CONFIG).proposer.options  # not a registry model
     panel.proposer.value = spec
     # the draft model loads on the loader thread: "loading" at once, and Stop cancels the

@@ -252,16 +252,23 @@ def named_drafter_specs(verifier_sha256: str | None, *, tree: bool = False) -> l
 def registry_draft_specs(model_name: str | None) -> list[str]:
     """The registry's draft model for ``model_name`` (:attr:`ModelSpec.draft
     <kakeya_lab.models.ModelSpec.draft>`, e.g. ``draft:smollm2-135m-instruct:int4``) when the
-    verifier is a registry model, one was measured for it and its draft model is pulled."""
+    verifier is a registry model, one was measured for it and its draft model is pulled;
+    an ``int4`` draft also on ``int4-vnni`` (the same weights, cheaper steps) where this CPU
+    runs that kernel."""
     from kakeya_lab.models import REGISTRY
     from kakeya_lab.models.store import folder_present, model_dir
+    from kakeya_lab.native.int4 import why_unavailable
     from kakeya_lab.proposers import draft_model_spec
 
     spec = REGISTRY[model_name].draft if model_name in REGISTRY else ""
     if not spec:
         return []
-    draft_name = draft_model_spec(spec.partition(":")[2])[0]
-    return [spec] if folder_present(model_dir(draft_name)) else []
+    draft_name, kernel = draft_model_spec(spec.partition(":")[2])
+    if not folder_present(model_dir(draft_name)):
+        return []
+    if kernel == "int4" and not why_unavailable():
+        return [spec, f"draft:{draft_name}:int4-vnni"]
+    return [spec]
 
 
 def offered_proposer_specs(
