@@ -470,8 +470,8 @@ def set_linear_kernel(model: nn.Module, kernel: str, *, choice: Any = None) -> i
 
 def linear_kernel_of(model: nn.Module) -> str:
     """The kernel :func:`set_linear_kernel` last set on ``model``'s linear layers: the first
-    of ``int4-vnni``, ``int4``, ``int8``, ``auto``, ``onednn`` and ``split`` some layer runs, else
-    ``"aten"``."""
+    of ``int4-vnni``, ``int4``, ``int8``, ``auto``, ``onednn`` and ``split`` some layer runs,
+    else ``"aten"``."""
     kinds = {type(m) for m in model.modules()}
     order = ("int4-vnni", "int4", "int8", "auto", "onednn", "split")
     return next((k for k in order if _CLASSES[k] in kinds), "aten")

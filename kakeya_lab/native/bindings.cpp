@@ -29,7 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("rows_product", &rows_product, "rows @ weight.T for 1 to 16 float32 rows", release());
   m.def("int4_product", &int4_product,
-        "rows @ weight.T for a few float32 rows, int4 weights and the rows rounded to int8",
+        "rows @ weight.T for float32 rows and int4 weights, on integer dot products",
         release());
   m.def("int4_layer", &int4_layer,
         "one decoder layer of a few float32 rows over one cache, every projection int4",

@@ -14,7 +14,9 @@ into its storage first (a batched step of many sessions, once a layer instead of
 session). They compute what PyTorch's operations compute, in float32, rounded
 differently: a default-model forward through them is as close to its float64 forward as
 through PyTorch's. The MLP's SiLU stays PyTorch's: a compiled one (``exp`` rounded
-otherwise) saved little and moved the logits furthest from PyTorch's.
+otherwise) saved little and moved the logits furthest from PyTorch's. ``int4_layer``
+(``int4.cpp``) composes them with the ``int4-vnni`` products into a whole decoder layer of
+one cache in one call, for a model on that kernel (a draft: its step is mostly dispatch).
 :class:`~kakeya_lab.backends.torch_lean.LeanForward` runs them where they apply.
 """
 
