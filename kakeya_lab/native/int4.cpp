@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -65,14 +66,20 @@ VNNI inline __m512 load_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+// Four int8 inputs as one 32-bit word, to broadcast to every lane.
+inline int32_t quad(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof word);
+  return word;
+}
+
 // Tiles t0..t1 (64 output rows each) for one rounded input row.
 VNNI void tiles(const uint8_t* packed, const uint16_t* scales, const int8_t* xq,
                 const float* sx, const float* sum, float* y, int64_t in, int64_t t0,
                 int64_t t1) {
   const int64_t groups = in / GROUP;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const int32_t* quads = reinterpret_cast<const int32_t*>(xq);  // xq, then xr
-  const int32_t* fine_quads = quads + in / 4;
+  const int8_t* fine = xq + in;  // xr follows xq
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* w = packed + t * (in / 8) * TILE * 64;
     const uint16_t* so = scales + t * groups * TILE * 32;
@@ -83,10 +90,10 @@ VNNI void tiles(const uint8_t* packed, const uint16_t* scales, const int8_t* xq,
       for (int b = 0; b < TILE; ++b) dot[b] = fine_dot[b] = _mm512_setzero_si512();
       for (int64_t s = 0; s < GROUP / 8; ++s) {
         const int64_t step = g * (GROUP / 8) + s;
-        const __m512i lo_x = _mm512_set1_epi32(quads[2 * step]);
-        const __m512i hi_x = _mm512_set1_epi32(quads[2 * step + 1]);
-        const __m512i lo_r = _mm512_set1_epi32(fine_quads[2 * step]);
-        const __m512i hi_r = _mm512_set1_epi32(fine_quads[2 * step + 1]);
+        const __m512i lo_x = _mm512_set1_epi32(quad(xq + 8 * step));
+        const __m512i hi_x = _mm512_set1_epi32(quad(xq + 8 * step + 4));
+        const __m512i lo_r = _mm512_set1_epi32(quad(fine + 8 * step));
+        const __m512i hi_r = _mm512_set1_epi32(quad(fine + 8 * step + 4));
         for (int b = 0; b < TILE; ++b) {
           const __m512i v = _mm512_loadu_si512(w + (step * TILE + b) * 64);
           const __m512i lo = _mm512_and_si512(v, nibble);
@@ -115,6 +122,8 @@ VNNI void tiles(const uint8_t* packed, const uint16_t* scales, const int8_t* xq,
 
 torch::Tensor int4_product(const torch::Tensor& rows, const torch::Tensor& packed,
                            const torch::Tensor& scales) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni"),
+              "int4_product needs a CPU with AVX-512 BW and VNNI");
   TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == torch::kFloat && rows.is_contiguous(),
               "int4_product takes contiguous 2-D float32 rows");
   TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == torch::kUInt8 &&
