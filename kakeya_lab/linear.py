@@ -399,9 +399,10 @@ def check_linear_kernel(kernel: str) -> None:
             "linear kernel 'onednn' needs a PyTorch build with oneDNN (mkldnn), which this "
             "one lacks; use 'aten'"
         )
-    if kernel == "int4-vnni" and int4_kernel.why_unavailable():
+    why_not = int4_kernel.why_unavailable() if kernel == "int4-vnni" else ""
+    if why_not:
         raise ValueError(
-            f"linear kernel 'int4-vnni' cannot run here: {int4_kernel.why_unavailable()}; "
+            f"linear kernel 'int4-vnni' cannot run here: {why_not}; "
             "use 'int4' (PyTorch's int4 kernel, bfloat16 rows)"
         )
     op = {"int8": "_weight_int8pack_mm", "int4": "_weight_int4pack_mm_for_cpu"}.get(kernel)

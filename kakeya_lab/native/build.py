@@ -1,7 +1,8 @@
 """The compiled kernels' one module: :func:`compiled`.
 
 Every ``*.cpp`` beside this file (``rows.cpp``: the few-row product; ``step.cpp``: a layer
-step's small operations; ``bindings.cpp``: the module) is compiled into one Python module
+step's small operations; ``int4.cpp``: the ``int4-vnni`` product and layer; ``bindings.cpp``:
+the module; ``kernels.h`` declares what they share) is compiled into one Python module
 with PyTorch's extension builder (a C++ compiler and ninja) the first time a process asks
 for it on a CPU with AVX-512F, AVX-512DQ and FMA (what the flags let the compiler use),
 in under a minute (a terminal is told why it waits), into the model store
@@ -26,6 +27,7 @@ import torch
 from kakeya_lab.results import cpu_identity
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # part of the build's identity
 FLAGS = ["-O3", "-mavx512f", "-mavx512dq", "-mfma"]
 CPU_FLAGS = ("avx512f", "avx512dq", "fma")  # what FLAGS let the compiler assume
 
@@ -49,7 +51,7 @@ def _build() -> tuple[Any, str]:
     digest = hashlib.sha256(
         "\n".join(
             [
-                *(f"{source.name}\n{source.read_text()}" for source in SOURCES),
+                *(f"{source.name}\n{source.read_text()}" for source in [*SOURCES, *HEADERS]),
                 torch.__version__,
                 identity["cpu"],
                 " ".join(FLAGS),

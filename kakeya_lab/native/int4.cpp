@@ -28,6 +28,8 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
+
 namespace {
 
 constexpr int64_t GROUP = 32;  // inputs per scale and offset
@@ -153,16 +155,6 @@ torch::Tensor int4_product(const torch::Tensor& rows, const torch::Tensor& packe
   });
   return y;
 }
-
-// step.cpp's operations, composed below
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-void rotate_(torch::Tensor rows, const torch::Tensor& cos, const torch::Tensor& sin,
-             int64_t heads);
-void attend_many(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k,
-                 const torch::Tensor& v, const std::vector<torch::Tensor>& keys,
-                 const std::vector<torch::Tensor>& values, const std::vector<int64_t>& bounds,
-                 const std::vector<int64_t>& starts, const std::vector<int64_t>& columns,
-                 const std::vector<c10::optional<torch::Tensor>>& masks, double scale);
 
 // One decoder layer (Llama's: RMSNorm, q/k/v, rotary, attention, output projection, RMSNorm,
 // SiLU-gated MLP, both residuals) of a few float32 rows x [n, hidden] over one cache, every

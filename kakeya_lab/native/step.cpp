@@ -12,6 +12,8 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels.h"
+
 using torch::Tensor;
 
 namespace {
