@@ -17,10 +17,12 @@ from oracle_cases import check_close
 from kakeya_lab import SinkWindowConfig, Verifier
 from kakeya_lab.backends.torch_batch import (
     MAX_BLOCK,
+    MAX_ROWS,
     BatchForward,
     BatchStep,
     StepBatcher,
     batch_verifier,
+    take_batch,
 )
 from kakeya_lab.backends.torch_lean import LeanForward
 from kakeya_lab.linear import kernel_switched
@@ -121,6 +123,23 @@ def test_a_failed_batch_leaves_every_cache_as_it_was():
     assert all(v.cache.pending_len == 0 for v in verifiers)
     with pytest.raises(ValueError, match="1 to"):
         BatchForward.of(model)([BatchStep(verifiers[0].cache, [1] * (MAX_BLOCK + 1), True)])
+
+
+def test_a_batch_takes_the_waiting_steps_in_order_while_their_rows_fit():
+    """Prompts that arrive together share a forward up to the batch's rows; a step that
+    would not fit waits for the next batch, and a lone step larger than the rows still
+    runs. The default holds eight 39-token chat prompts and their sessions' steps."""
+    model = tiny_random_model("llama", seed=1).model
+    cache = [Verifier(model, CONFIGS[0]).cache for _ in range(10)]
+    prompts = [BatchStep(cache[i], [5] * 39, all_rows=False) for i in range(8)]
+    steps = [BatchStep(cache[8], [7], all_rows=False), BatchStep(cache[9], [7] * 5, True)]
+    waiting = prompts + steps
+    assert take_batch(waiting, MAX_ROWS) == waiting
+    assert take_batch(waiting, 100) == prompts[:2]
+    assert take_batch(steps + prompts, 45) == steps + prompts[:1]
+    assert take_batch(prompts, 10) == prompts[:1]
+    assert take_batch([], 10) == []
+    assert StepBatcher(model).max_rows == MAX_ROWS
 
 
 def _greedy(verifier: Verifier, logits: torch.Tensor, n: int) -> list[int]:

@@ -43,6 +43,11 @@ from kakeya_lab.tree import DraftTree
 
 MAX_BLOCK = 64  # a session's block in a batch (a token, a speculative block, a chat turn's
 # append); longer ones (long prompts) run alone, so one cannot hold up every session's step
+MAX_ROWS = 512  # a batch's rows (StepBatcher's default): prompts that arrive together prefill
+# in one forward. A product's rate grows with its rows (on 2 Zen 4 cores a 576 x 1536 product
+# runs at 77 GFLOP/s for 35 rows, 162 for 280), so eight 39-token prompts cost 0.43 s in one
+# forward against 0.74 s one by one (oneDNN), and the sessions waiting behind them wait less
+# in all
 
 
 @dataclass
@@ -144,6 +149,19 @@ class BatchForward:
         return [part.clone() for part in logits.split([len(r) for r in keep])]
 
 
+def take_batch(waiting: Sequence[BatchStep], max_rows: int) -> list[BatchStep]:
+    """The steps the next batch runs: the waiting ones in order (first come, first served)
+    while their rows fit in ``max_rows``; the first always, whatever its rows."""
+    batch: list[BatchStep] = []
+    rows = 0
+    for s in waiting:
+        if batch and rows + len(s.token_ids) > max_rows:
+            break
+        batch.append(s)
+        rows += len(s.token_ids)
+    return batch
+
+
 class StepBatcher:
     """Gathers concurrent threads' steps into :class:`BatchForward` calls (continuous
     batching): :meth:`run` submits one step and waits for its logits.
@@ -161,7 +179,9 @@ class StepBatcher:
     commits and samples its row between two steps; without this wait the first one back
     would run alone while the others queue behind it), for at most ``gather`` times the
     last forward's duration (0: never wait); a member whose generation ended says so with
-    :meth:`leave` and is not waited for.
+    :meth:`leave` and is not waited for. A batch takes the waiting steps in order up to
+    ``max_rows`` rows (one step always), so short prompts that arrive together prefill in
+    one forward (:data:`MAX_ROWS`).
 
     If a forward fails, every cache in it is cut back to where it was and every member gets
     the error. An interrupt of a submitting thread withdraws its step if it is still
@@ -175,7 +195,7 @@ class StepBatcher:
         model: PreTrainedModel,
         *,
         gather: float = 0.25,
-        max_rows: int = 64,
+        max_rows: int = MAX_ROWS,
         idle_s: float = 1.0,
     ):
         if not 0 <= gather <= 1:
@@ -262,13 +282,8 @@ class StepBatcher:
             if left <= 0:
                 break
             self._cond.wait(left)
-        batch: list[BatchStep] = []
-        rows = 0
-        for s in self._waiting:
-            if batch and rows + len(s.token_ids) > self.max_rows:
-                break
-            batch.append(s)
-            rows += len(s.token_ids)
+        batch = take_batch(self._waiting, self.max_rows)
+        rows = sum(len(s.token_ids) for s in batch)
         if not batch:  # every waiting step was withdrawn meanwhile
             return
         del self._waiting[: len(batch)]
