@@ -1,8 +1,8 @@
 // out[r, j] = sum_k rows[r, k] * weight[j, k] for a few rows (1 to 16), float32, AVX-512.
 //
 // Each weight row is read once for all the input rows: R weight rows at a time are
-// multiplied by every input row, 16 inputs per step, into R x N vector accumulators, then
-// each accumulator is summed. The output rows are split over PyTorch's threads
+// multiplied by every input row (up to 8 at a time), 16 inputs per step, into R x N vector
+// accumulators, then each accumulator is summed. The output rows are split over PyTorch's threads
 // (at::parallel_for), so a one-token step streams the weights on every core, and a block of a
 // few tokens costs little more than one. Built with step.cpp by kakeya_lab/native/build.py.
 //
@@ -18,44 +18,53 @@
 
 namespace {
 
+constexpr int64_t AHEAD = 2;  // blocks prefetched ahead; 1 to 8 measured the same, 0 slower
+
+// y[r, j + a] for R weight rows j.. and N input rows, N x R accumulators in registers;
+// ``next``: the weight rows to prefetch into L2 meanwhile (nullptr: none)
+template <int N, int R>
+inline void block_product(const float* x, const float* w, float* y, int64_t in, int64_t out,
+                          int64_t j, const float* next) {
+  __m512 acc[R][N];
+  for (int a = 0; a < R; ++a)
+    for (int r = 0; r < N; ++r) acc[a][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in; k += 16) {
+    __m512 wv[R];  // the weights in registers, each input row loaded as it is used
+    for (int a = 0; a < R; ++a) wv[a] = _mm512_loadu_ps(w + (j + a) * in + k);
+    if (next != nullptr)
+      for (int a = 0; a < R; ++a)
+        _mm_prefetch(reinterpret_cast<const char*>(next + a * in + k), _MM_HINT_T1);
+    for (int r = 0; r < N; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * in + k);
+      for (int a = 0; a < R; ++a) acc[a][r] = _mm512_fmadd_ps(wv[a], xv, acc[a][r]);
+    }
+  }
+  for (int a = 0; a < R; ++a)
+    for (int r = 0; r < N; ++r) y[r * out + j + a] = _mm512_reduce_add_ps(acc[a][r]);
+}
+
+// the output rows j0..j1 of N input rows: R weight rows at a time; more than 8 input rows run
+// as the first 8, then the rest, over each block of weight rows while it is still in L1 (16
+// rows' accumulators at once would spill the registers)
 template <int N, int R>
 void rows_block(const float* x, const float* w, float* y, int64_t in, int64_t out,
                 int64_t j0, int64_t j1) {
-  constexpr int64_t AHEAD = 2;  // blocks; 1 to 8 measured the same, 0 much slower
+  constexpr int FIRST = N <= 8 ? N : 8;
   int64_t j = j0;
   for (; j + R <= j1; j += R) {
     const float* next = w + (j + AHEAD * R) * in;  // a hint: no fault past the end
-    __m512 acc[R][N];
-    for (int a = 0; a < R; ++a)
-      for (int r = 0; r < N; ++r) acc[a][r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < in; k += 16) {
-      __m512 xv[N];
-      for (int r = 0; r < N; ++r) xv[r] = _mm512_loadu_ps(x + r * in + k);
-      for (int a = 0; a < R; ++a)
-        _mm_prefetch(reinterpret_cast<const char*>(next + a * in + k), _MM_HINT_T1);
-      for (int a = 0; a < R; ++a) {
-        const __m512 wv = _mm512_loadu_ps(w + (j + a) * in + k);
-        for (int r = 0; r < N; ++r) acc[a][r] = _mm512_fmadd_ps(wv, xv[r], acc[a][r]);
-      }
-    }
-    for (int a = 0; a < R; ++a)
-      for (int r = 0; r < N; ++r) y[r * out + j + a] = _mm512_reduce_add_ps(acc[a][r]);
+    block_product<FIRST, R>(x, w, y, in, out, j, next);
+    if constexpr (N > 8) block_product<N - 8, R>(x + 8 * in, w, y + 8 * out, in, out, j, nullptr);
   }
   for (; j < j1; ++j) {  // the weight rows left over, one at a time
-    __m512 acc[N];
-    for (int r = 0; r < N; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < in; k += 16) {
-      const __m512 wv = _mm512_loadu_ps(w + j * in + k);
-      for (int r = 0; r < N; ++r)
-        acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + r * in + k), acc[r]);
-    }
-    for (int r = 0; r < N; ++r) y[r * out + j] = _mm512_reduce_add_ps(acc[r]);
+    block_product<FIRST, 1>(x, w, y, in, out, j, nullptr);
+    if constexpr (N > 8) block_product<N - 8, 1>(x + 8 * in, w, y + 8 * out, in, out, j, nullptr);
   }
 }
 
 template <int N>
 void rows_run(const float* x, const float* w, float* y, int64_t in, int64_t out) {
-  // R x N accumulators within the 32 vector registers (16 rows spill a few: still faster)
+  // R x min(N, 8) accumulators within the 32 vector registers
   constexpr int R = N <= 2 ? 8 : (N <= 4 ? 4 : 2);
   at::parallel_for(0, out, 64, [&](int64_t j0, int64_t j1) {
     rows_block<N, R>(x, w, y, in, out, j0, j1);

@@ -5,10 +5,11 @@ weight matrix. MKL's products read the weights at the full bandwidth only for on
 (``split``'s ``slice @ row``); for two rows ``split``'s batched product takes about twice
 as long as for one, and a block of 9 (a draft of 8 and the token before it) about three
 times. ``rows.cpp`` reads each weight row once for all the rows (AVX-512, the output rows
-split over PyTorch's threads, the next weight rows prefetched while a block computes): on
-this kind of machine (2 cores, Zen 4) 2 rows cost what one does, 8 about 1.4 times, 9 to 16
-1.4 to 2.8 times, and it sums each output in 16 lanes, at least as close to the exact sum as
-MKL's. ``split`` runs it for 2 to :data:`MAX_ROWS` rows; one row stays on MKL's
+split over PyTorch's threads, the next weight rows prefetched while a block computes, more
+than 8 rows as two passes over each block of weight rows while it is in L1): on this kind of
+machine (2 cores, Zen 4), over the default model's weights, 2 to 8 rows cost about what one
+does (1.1 times), 12 rows 1.5 times, 16 rows 1.9 times, and it sums each output in 16
+lanes, at least as close to the exact sum as MKL's. ``split`` runs it for 2 to :data:`MAX_ROWS` rows; one row stays on MKL's
 matrix-vector product (as fast in a decoding step, and cheaper to call), more rows on its
 batched product (beyond 16 the kernel, whose accumulators no longer fit the registers,
 is the slower).
