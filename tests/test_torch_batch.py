@@ -16,8 +16,8 @@ from oracle_cases import check_close
 
 from kakeya_lab import SinkWindowConfig, Verifier
 from kakeya_lab.backends.torch_batch import (
+    BATCH_ROWS,
     MAX_BLOCK,
-    MAX_ROWS,
     BatchForward,
     BatchStep,
     StepBatcher,
@@ -134,12 +134,12 @@ def test_a_batch_takes_the_waiting_steps_in_order_while_their_rows_fit():
     prompts = [BatchStep(cache[i], [5] * 39, all_rows=False) for i in range(8)]
     steps = [BatchStep(cache[8], [7], all_rows=False), BatchStep(cache[9], [7] * 5, True)]
     waiting = prompts + steps
-    assert take_batch(waiting, MAX_ROWS) == waiting
+    assert take_batch(waiting, BATCH_ROWS) == waiting
     assert take_batch(waiting, 100) == prompts[:2]
     assert take_batch(steps + prompts, 45) == steps + prompts[:1]
     assert take_batch(prompts, 10) == prompts[:1]
     assert take_batch([], 10) == []
-    assert StepBatcher(model).max_rows == MAX_ROWS
+    assert StepBatcher(model).max_rows == BATCH_ROWS
 
 
 def _greedy(verifier: Verifier, logits: torch.Tensor, n: int) -> list[int]:

@@ -43,7 +43,7 @@ from kakeya_lab.tree import DraftTree
 
 MAX_BLOCK = 64  # a session's block in a batch (a token, a speculative block, a chat turn's
 # append); longer ones (long prompts) run alone, so one cannot hold up every session's step
-MAX_ROWS = 512  # a batch's rows (StepBatcher's default): prompts that arrive together prefill
+BATCH_ROWS = 512  # a batch's rows (StepBatcher's default): prompts that arrive together prefill
 # in one forward. A product's rate grows with its rows (on 2 Zen 4 cores a 576 x 1536 product
 # runs at 77 GFLOP/s for 35 rows, 162 for 280), so eight 39-token prompts cost 0.43 s in one
 # forward against 0.74 s one by one (oneDNN), and the sessions waiting behind them wait less
@@ -181,7 +181,7 @@ class StepBatcher:
     last forward's duration (0: never wait); a member whose generation ended says so with
     :meth:`leave` and is not waited for. A batch takes the waiting steps in order up to
     ``max_rows`` rows (one step always), so short prompts that arrive together prefill in
-    one forward (:data:`MAX_ROWS`).
+    one forward (:data:`BATCH_ROWS`).
 
     If a forward fails, every cache in it is cut back to where it was and every member gets
     the error. An interrupt of a submitting thread withdraws its step if it is still
@@ -195,7 +195,7 @@ class StepBatcher:
         model: PreTrainedModel,
         *,
         gather: float = 0.25,
-        max_rows: int = MAX_ROWS,
+        max_rows: int = BATCH_ROWS,
         idle_s: float = 1.0,
     ):
         if not 0 <= gather <= 1:
