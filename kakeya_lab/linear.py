@@ -199,15 +199,20 @@ def linear_as(
     """``F.linear(input, weight, bias)`` on the full-precision kernel ``layer`` runs
     (``aten`` for a layer on no such kernel): how several layers whose weights are stacked
     (:func:`stack_rows`) run as one product on their kernel."""
+    return FULL_PRECISION_PRODUCTS[product_kernel(layer, input)](weight, bias, input)
+
+
+def product_kernel(layer: nn.Module, input: torch.Tensor) -> str:  # noqa: A002
+    """The full-precision kernel whose product ``layer`` runs for ``input``'s rows:
+    ``auto``'s choice for that many rows, ``split``, ``onednn``, or ``aten`` (any other
+    layer)."""
     if isinstance(layer, AutoLinear):
-        kernel = layer.kernel_for(input)
-    elif isinstance(layer, SplitLinear):
-        kernel = "split"
-    elif isinstance(layer, OneDNNLinear):
-        kernel = "onednn"
-    else:
-        kernel = "aten"
-    return FULL_PRECISION_PRODUCTS[kernel](weight, bias, input)
+        return layer.kernel_for(input)
+    if isinstance(layer, SplitLinear):
+        return "split"
+    if isinstance(layer, OneDNNLinear):
+        return "onednn"
+    return "aten"
 
 
 def _stacked_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:

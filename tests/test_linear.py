@@ -18,6 +18,7 @@ import torch
 from oracle_cases import blocks_with_rollback, check_close, chunked
 
 from kakeya_lab import SinkWindowConfig, load_model
+from kakeya_lab.backends.torch_lean import LeanForward
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
 from kakeya_lab.bench.speculative_settings import SpeculativeSettings
 from kakeya_lab.data import domain_conversations
@@ -259,7 +260,8 @@ def test_split_verifier_gives_the_oracle_logits_past_eviction(
     default_model, text_ids, mode, record_tolerance
 ):
     """As the oneDNN test above, on the default model's own layers switched to ``split``
-    (two threads, so it does split) and back."""
+    (two threads, so it does split, its lean steps' layers past the first each one compiled
+    call) and back."""
     model = default_model.model
     config = SinkWindowConfig(sink=4, window=28, positions=mode)
     ids = text_ids[:150]
@@ -267,7 +269,11 @@ def test_split_verifier_gives_the_oracle_logits_past_eviction(
     with torch_threads(2), kernel_switched(model, "split"):
         assert linear_kernel_of(model) == "split"
         want = oracle_logits(model, ids, config)
+        lean = LeanForward.of(model)
+        layers_before = lean.compiled_layer_calls
         got, v = blocks_with_rollback(model, ids, config, random.Random(3))
+        if lean.native is not None:  # its layers past the first ran as one compiled call
+            assert lean.compiled_layer_calls > layers_before
         assert v.history_len == len(ids) > 4 * config.budget
         rows, last, _ = chunked(model, ids, config, random.Random(4))
     assert linear_kernel_of(model) == "aten"

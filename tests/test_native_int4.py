@@ -188,19 +188,19 @@ def test_an_int4_vnni_lean_forward_runs_whole_layers_compiled_and_matches_the_or
     model = int4_vnni_model.model
     lean = LeanForward.of(model)
     layers = len(lean.layers)
-    assert all(operands is not None for operands in lean.int4_layers)
+    assert all(c is not None and c.kind == "int4" for c in lean.compiled_layers)
     config = SinkWindowConfig(sink=4, window=28, positions=mode)
     ids = text_ids[:100]
-    forwards, calls = lean.forwards, lean.int4_layer_calls
+    forwards, calls = lean.forwards, lean.compiled_layer_calls
     got, v = blocks_with_rollback(model, ids, config, random.Random(5), lean=True)
     assert v.history_len == len(ids) > 3 * config.budget
-    fused, most = lean.int4_layer_calls - calls, (layers - 1) * (lean.forwards - forwards - 1)
+    fused, most = lean.compiled_layer_calls - calls, (layers - 1) * (lean.forwards - forwards - 1)
     assert fused == most if mode == "global" else 0 < fused < most
     want = oracle_logits(model, ids, config)
     check_close(f"smollm2 int4-vnni lean/{mode}/blocks+rollback", got, want, 5e-2, record_tolerance)
-    operands, lean.int4_layers = lean.int4_layers, [None] * layers
+    operands, lean.compiled_layers = lean.compiled_layers, [None] * layers
     try:
         one_by_one, _ = blocks_with_rollback(model, ids, config, random.Random(5), lean=True)
     finally:
-        lean.int4_layers = operands
+        lean.compiled_layers = operands
     assert torch.equal(got, one_by_one)

@@ -197,10 +197,11 @@ def test_threads_through_the_batcher_decode_their_solo_greedy_tokens():
 def test_a_batch_of_default_model_sessions_gives_each_its_oracle_logits(
     default_model, text_ids, record_tolerance, kernel
 ):
-    """Three sessions of the default model (global and rolling positions, two budgets,
+    """Four sessions of the default model (global and rolling positions, three budgets,
     one past eviction before the first batch), 40 one-token rounds in one batch each; on
-    ``split`` with two threads a batch of 2 or 3 rows runs the compiled few-row product
-    (where it builds) and the oracle is that kernel's."""
+    ``split`` with two threads a batch of 2 to 4 rows runs the compiled few-row product
+    (where it builds), in the last rounds (the global sessions alone) inside whole compiled
+    layers, and the oracle is that kernel's."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2 if kernel == "split" else threads)
     try:
@@ -217,19 +218,25 @@ def _batch_of_default_model_sessions(model, text_ids, record_tolerance, kernel: 
         SinkWindowConfig(sink=4, window=28, positions="global"),
         SinkWindowConfig(sink=4, window=28, positions="rolling"),
         SinkWindowConfig(sink=2, window=50, positions="rolling"),
+        SinkWindowConfig(sink=3, window=30, positions="global"),
     ]
     sessions = [
         Tracked(model, c, list(text_ids[o : o + n]))
-        for c, o, n in zip(configs, (0, 40, 90), (8, 40, 20))
+        for c, o, n in zip(configs, (0, 40, 90, 120), (8, 40, 20, 24))
     ]
+    # every block one run of slots: on split, whole layers compile (a rolling cache's sink
+    # copies keep a batch's layers one by one)
+    global_only = [sessions[0], sessions[3]]
     forward = BatchForward.of(model)
     lean = LeanForward.of(model)
-    compiled_before = 0
+    attend_before = layers_before = 0
     for r in range(40):
-        if r == 35:  # every cache is past eviction by now (the global one since round 24)
+        if r == 35:  # every cache is past eviction by now (the first one since round 31)
             assert sessions[0].verifier.cache.history_len > sessions[0].config.budget
-            compiled_before = lean.attend_many_calls
-        members = sessions if r % 5 else sessions[1:]  # the first leaves, then joins again
+            attend_before, layers_before = lean.attend_many_calls, lean.compiled_layer_calls
+        # the first leaves every fifth round, then joins again; the rolling ones leave for
+        # the last five rounds
+        members = global_only if r >= 35 else sessions[1:] if r % 5 == 0 else sessions
         tokens = [text_ids[200 + r + 3 * j] for j in range(len(members))]
         steps = [BatchStep(s.verifier.cache, [t], all_rows=False) for s, t in zip(members, tokens)]
         for s, t, logits in zip(members, tokens, forward(steps)):
@@ -239,5 +246,9 @@ def _batch_of_default_model_sessions(model, text_ids, record_tolerance, kernel: 
     for s in sessions:
         assert s.verifier.cache.history_len > s.config.budget
         s.check(model, f"smollm2 batch {kernel}/{s.config}", record_tolerance)
-    if lean.native is not None:  # the compiled several-cache attention ran past eviction
-        assert lean.attend_many_calls > compiled_before
+    if lean.native is not None:  # the compiled several-cache attention ran past eviction:
+        # on split (two threads) inside whole compiled layers, else on its own
+        if kernel == "split":
+            assert lean.compiled_layer_calls > layers_before
+        else:
+            assert lean.attend_many_calls > attend_before

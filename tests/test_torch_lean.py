@@ -21,6 +21,7 @@ from kakeya_lab.backends.torch_lean import MAX_TOKENS, LeanForward
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
 from kakeya_lab.bench.speculative_settings import SpeculativeSettings
 from kakeya_lab.data import domain_conversations
+from kakeya_lab.linear import kernel_switched
 from kakeya_lab.models import DEFAULT_MODEL, tiny_random_model
 from kakeya_lab.proposers import DraftModelProposer
 from kakeya_lab.reference import oracle_logits
@@ -69,6 +70,48 @@ def test_lean_forward_of_the_default_model_gives_the_oracle_logits(
     check_close(
         "smollm2 lean (default verifier)/global/blocks+rollback", got, want, TOL, record_tolerance
     )
+
+
+@pytest.mark.parametrize("mode", ["global", "rolling"])
+def test_split_lean_steps_run_whole_layers_compiled_and_match_the_oracle(
+    default_model, text_ids, mode, record_tolerance
+):
+    """On ``split`` with two threads a lean step runs each layer past the first as one
+    compiled call (``native/layer.cpp``; wherever the block is one run of slots: always in
+    global positions, in rolling ones not when sink copies are due). One-token steps past
+    eviction give the oracle's logits (the same kernel's), as the same steps with the layers
+    one by one do; the two differ only in their one-row products (the compiled few-row
+    product against MKL's)."""
+    if "avx512f" not in cpu_identity()["cpu_flags"]:
+        pytest.skip("the compiled kernels need AVX-512")
+    model = default_model.model
+    lean = LeanForward.of(model)
+    assert lean.native is not None
+    layers = len(lean.layers)
+    config = SinkWindowConfig(sink=4, window=28, positions=mode)
+    ids = text_ids[:70]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with kernel_switched(model, "split"):
+            assert all(c is not None and c.kind == "float" for c in lean.compiled_layers)
+            want = oracle_logits(model, ids, config)
+            before = lean.compiled_layer_calls
+            got, v = token_by_token(model, ids, config)
+            fused = lean.compiled_layer_calls - before
+            operands, lean.compiled_layers = lean.compiled_layers, [None] * layers
+            try:
+                one_by_one, _ = token_by_token(model, ids, config)
+            finally:
+                lean.compiled_layers = operands
+    finally:
+        torch.set_num_threads(threads)
+    assert v.history_len == len(ids) > 2 * config.budget
+    most = (layers - 1) * (len(ids) - 1)  # every step but the first (no storage yet)
+    assert fused == most if mode == "global" else 0 < fused < most
+    name = f"smollm2 split lean, compiled layers/{mode}"
+    check_close(name, got, want, TOL, record_tolerance)
+    check_close(f"{name}/layers one by one", one_by_one, want, TOL, record_tolerance)
 
 
 @pytest.mark.slow  # 21 s: the full suite runs it, not the fast loop

@@ -136,8 +136,14 @@ class BatchForward:
             masks.append(None if n == 1 and bool(layout.all()) else layout)
         seen = [None if m is None else m.reshape(n, -1).contiguous() for m, n in zip(masks, sizes)]
         for i in range(len(lean.layers)):
+            spans = None
+            if lean.compiled_for(i, x, len(caches)):
+                spans = [c.span_slots(i, b - a) for c, a, b in zip(caches, bounds, bounds[1:])]
+                if all(span is not None for span in spans):  # the whole layer in one call
+                    x = lean.compiled_layer(i, x, cos, sin, spans, bounds, seen)  # type: ignore[arg-type]
+                    continue
             q, k, v = lean.qkv(i, x, cos, sin)
-            attended = lean.attend_all(i, caches, bounds, masks, seen, q, k, v)
+            attended = lean.attend_all(i, caches, bounds, masks, seen, q, k, v, spans)
             x = lean.finish_layer(i, x, attended)
         keep = [
             torch.arange(bounds[j] if s.all_rows else bounds[j + 1] - 1, bounds[j + 1])

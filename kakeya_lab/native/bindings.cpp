@@ -14,6 +14,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_layer", &int4_layer,
         "one decoder layer of a few float32 rows over one cache, every projection int4",
         release());
+  m.def("float_layer", &float_layer,
+        "one decoder layer of a few float32 rows over one or more caches, float32 weights",
+        release());
   m.def("rms_norm", &rms_norm, "each row's RMSNorm, scaled by the weight", release());
   m.def("rotate_", &rotate_, "the rotary embedding of the first heads, in place", release());
   m.def("attend", &attend, "a few queries' attention over a cache's keys and values",

@@ -156,14 +156,9 @@ torch::Tensor int4_product(const torch::Tensor& rows, const torch::Tensor& packe
   return y;
 }
 
-// One decoder layer (Llama's: RMSNorm, q/k/v, rotary, attention, output projection, RMSNorm,
-// SiLU-gated MLP, both residuals) of a few float32 rows x [n, hidden] over one cache, every
-// projection an int4 product (weights: the packed q/k/v, output, gate/up and down
-// projections, each (packed, scales) as int4.py packs them, no biases). The block's keys and
-// values go to slots start.. of the storage keys/values [1, kv_heads, capacity, d] and the
-// rows attend over its first columns slots (mask [n, columns] or None), as attend_many does.
-// The same operations as kakeya_lab/backends/torch_lean.py runs one by one, in one call: a
-// draft's one-token step is mostly the dispatch between its small operations.
+// One decoder layer of a few float32 rows over one cache, every projection an int4 product
+// (weights: the packed q/k/v, output, gate/up and down projections, each (packed, scales) as
+// int4.py packs them, no biases): layer.cpp's decoder_layer.
 torch::Tensor int4_layer(const torch::Tensor& x, const torch::Tensor& norm1,
                          const torch::Tensor& norm2, double eps,
                          const std::vector<torch::Tensor>& weights, const torch::Tensor& cos,
@@ -172,21 +167,9 @@ torch::Tensor int4_layer(const torch::Tensor& x, const torch::Tensor& norm1,
                          int64_t columns, const c10::optional<torch::Tensor>& mask,
                          double scale) {
   TORCH_CHECK(weights.size() == 8, "int4_layer: (packed, scales) of 4 projections");
-  TORCH_CHECK(x.dim() == 2 && cos.dim() == 2 && cos.size(0) == x.size(0),
-              "int4_layer: rows [n, hidden] and their rotary tables [n, head_dim]");
-  const int64_t n = x.size(0), d = cos.size(1);
-  torch::Tensor rows = int4_product(rms_norm(x, norm1, eps), weights[0], weights[1]);
-  TORCH_CHECK(rows.size(1) == (heads + 2 * kv_heads) * d, "int4_layer: q/k/v widths");
-  rows = rows.view({n, heads + 2 * kv_heads, d});
-  rotate_(rows, cos, sin, heads + kv_heads);
-  const torch::Tensor by_head = rows.transpose(0, 1);
-  const torch::Tensor attended = torch::empty({n, heads * d}, x.options());
-  attend_many(attended, by_head.slice(0, 0, heads), by_head.slice(0, heads, heads + kv_heads),
-              by_head.slice(0, heads + kv_heads), {keys}, {values}, {0, n}, {start},
-              {columns}, {mask}, scale);
-  const torch::Tensor mid = x + int4_product(attended, weights[2], weights[3]);
-  const torch::Tensor gate_up = int4_product(rms_norm(mid, norm2, eps), weights[4], weights[5]);
-  const int64_t width = gate_up.size(1) / 2;
-  const torch::Tensor act = at::silu(gate_up.slice(1, 0, width)) * gate_up.slice(1, width);
-  return mid + int4_product(act.contiguous(), weights[6], weights[7]);
+  const Product product = [&](const torch::Tensor& rows, int i) {
+    return int4_product(rows, weights[2 * i], weights[2 * i + 1]);
+  };
+  return decoder_layer(x, norm1, norm2, eps, product, cos, sin, heads, kv_heads, {keys},
+                       {values}, {0, x.size(0)}, {start}, {columns}, {mask}, scale);
 }

@@ -14,9 +14,11 @@ into its storage first (a batched step of many sessions, once a layer instead of
 session). They compute what PyTorch's operations compute, in float32, rounded
 differently: a default-model forward through them is as close to its float64 forward as
 through PyTorch's. The MLP's SiLU stays PyTorch's: a compiled one (``exp`` rounded
-otherwise) saved little and moved the logits furthest from PyTorch's. ``int4_layer``
-(``int4.cpp``) composes them with the ``int4-vnni`` products into a whole decoder layer of
-one cache in one call, for a model on that kernel (a draft: its step is mostly dispatch).
+otherwise) saved little and moved the logits furthest from PyTorch's. ``layer.cpp``
+composes them with a layer's four products into a whole decoder layer in one call:
+``float_layer`` with float32 weights on the few-row product (``rows.cpp``), over the blocks
+of one or more caches (a verifier's step, a batched step), and ``int4_layer`` (``int4.cpp``)
+with the ``int4-vnni`` products, over one cache (a draft model's step).
 :class:`~kakeya_lab.backends.torch_lean.LeanForward` runs them where they apply.
 """
 
@@ -42,6 +44,7 @@ class StepKernels:
     attend: Callable[..., torch.Tensor]
     attend_many: Callable[..., None]
     int4_layer: Callable[..., torch.Tensor]
+    float_layer: Callable[..., torch.Tensor]
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         return _loaded_step_kernels, ()
@@ -52,7 +55,12 @@ def _loaded_step_kernels() -> StepKernels:
     if module is None:  # unpickled where the kernels do not build
         raise RuntimeError("the compiled step operations are not available in this process")
     return StepKernels(
-        module.rms_norm, module.rotate_, module.attend, module.attend_many, module.int4_layer
+        module.rms_norm,
+        module.rotate_,
+        module.attend,
+        module.attend_many,
+        module.int4_layer,
+        module.float_layer,
     )
 
 
