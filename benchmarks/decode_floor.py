@@ -10,7 +10,9 @@ as the lm_head), and plain greedy decoding (``Verifier.append`` of one token, th
 full at ``--live`` entries so every step evicts) through transformers' forward
 (``lean=False``), through the lean step (the default: with the compiled step operations
 where they build, ``kakeya_lab/native/step.py``) and through the lean step with PyTorch's
-operations (``lean-pytorch-ops``), each on every full-precision linear kernel (``aten``,
+operations (``lean-pytorch-ops``) and with the compiled operations but each layer's
+operations one by one rather than one compiled call (``lean-layer-ops``), each on every
+full-precision linear kernel (``aten``,
 ``onednn``, ``split``), interleaved round by round after one warm-up round
 (``--steps`` tokens a round, ``--rounds`` rounds, every live size in every round, and one
 more bandwidth pass a round, so a changing load falls on all alike; the median round per
@@ -47,9 +49,11 @@ from kakeya_lab.linear_auto import full_precision_kernels
 from kakeya_lab.results import hardware, now_iso
 
 KERNELS = full_precision_kernels()
-# Verifier(lean=...); "lean-pytorch-ops" is the lean step with PyTorch's small operations
+# Verifier(lean=...); "lean-layer-ops" is the lean step with its layers' operations one by one
+# instead of one compiled call each (LeanForward.compiled_layer), "lean-pytorch-ops" with
+# PyTorch's small operations
 # instead of the compiled ones (LeanForward(compiled=False)), to show what those save
-FORWARDS = {"transformers": False, "lean": None, "lean-pytorch-ops": None}
+FORWARDS = {"transformers": False, "lean": None, "lean-layer-ops": None, "lean-pytorch-ops": None}
 
 
 def read_bandwidth(gib: float, repeats: int) -> tuple[torch.Tensor, list[float]]:
@@ -125,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         ctx = ChatTemplate(loaded.tokenizer).replay(itertools.cycle(conversations), live)
         for forward, lean in FORWARDS.items():
             v = Verifier(model, config, lean=lean)
+            if forward == "lean-layer-ops":
+                one_by_one = LeanForward(model)
+                one_by_one.compiled_layers = [None] * len(one_by_one.layers)
+                v.backend.lean_forward = one_by_one
             if forward == "lean-pytorch-ops":
                 v.backend.lean_forward = LeanForward(model, compiled=False)
             next_ids[live, forward] = int(v.append(ctx).argmax())
@@ -166,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         lean_steps = verifiers[live, "lean"].backend.lean_steps
         assert verifiers[live, "lean"].cache_len == live and lean_steps > 0
         assert verifiers[live, "lean-pytorch-ops"].backend.lean_forward.native is None
+        assert verifiers[live, "lean-layer-ops"].backend.lean_forward.compiled_layer_calls == 0
         assert verifiers[live, "transformers"].backend.lean_steps == 0
         median = {name: statistics.median(ts) for name, ts in times[live].items()}
         best = {fw: min(KERNELS, key=lambda k, fw=fw: median[f"{fw}/{k}"]) for fw in FORWARDS}
@@ -185,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
             "compiled_step_ops": verifiers[live, "lean"].backend.lean_forward.native is not None,
             "compiled_step_ops_speedup": median[f"lean-pytorch-ops/{best['lean-pytorch-ops']}"]
             / median[f"lean/{best['lean']}"],
+            "compiled_layer_calls": verifiers[
+                live, "lean"
+            ].backend.lean_forward.compiled_layer_calls,
+            "compiled_layer_speedup": median[f"lean-layer-ops/{best['lean-layer-ops']}"]
+            / median[f"lean/{best['lean']}"],
         }
         print(f"\n{live} live entries (ms/token, × floor):")
         for name, s in median.items():
@@ -196,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"({row['fastest_ratio'][fw]:.2f}× floor, "
                 f"{row['fastest_ratio_to_in_place'][fw]:.2f}× the weights read in place)"
             )
+        print(
+            f"  the lean step's gain from its compiled layers "
+            f"{row['compiled_layer_speedup']:.2f}× ({row['compiled_layer_calls']} calls), "
+            f"from its compiled operations {row['compiled_step_ops_speedup']:.2f}×"
+        )
     met = {live: row["fastest_ratio"]["lean"] <= args.target for live, row in results.items()}
     verdict = "met" if all(met.values()) else "not met"
     print(
