@@ -114,6 +114,31 @@ def test_split_lean_steps_run_whole_layers_compiled_and_match_the_oracle(
     check_close(f"{name}/layers one by one", one_by_one, want, TOL, record_tolerance)
 
 
+def test_a_hooked_layer_keeps_its_operations_one_by_one(default_model, text_ids):
+    """A forward hook on a layer's down projection sees every lean step on ``split``: that
+    layer runs its operations one by one (calling the module), the others stay compiled."""
+    if "avx512f" not in cpu_identity()["cpu_flags"]:
+        pytest.skip("the compiled kernels need AVX-512")
+    model = default_model.model
+    lean = LeanForward.of(model)
+    seen: list[int] = []
+    hook = model.model.layers[3].mlp.down_proj.register_forward_hook(
+        lambda module, args, out: seen.append(out.shape[0])
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with kernel_switched(model, "split"):
+            before = lean.compiled_layer_calls
+            token_by_token(model, text_ids[:12], SinkWindowConfig(sink=4, window=28))
+            fused = lean.compiled_layer_calls - before
+    finally:
+        torch.set_num_threads(threads)
+        hook.remove()
+    assert seen == [1] * 12  # every one-token step called the hooked module
+    assert fused == (len(lean.layers) - 2) * 11  # every step but the first, all but layer 3
+
+
 @pytest.mark.slow  # 21 s: the full suite runs it, not the fast loop
 def test_an_int4_lean_draft_keeps_speculative_decoding_lossless_past_eviction(default_model):
     """The default model's own int4 copy drafts through the lean forward and, side by side,

@@ -136,6 +136,16 @@ def _product(layer: Projection, rows: torch.Tensor) -> torch.Tensor:
     return layer(rows)
 
 
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs forward hooks (its own or every module's)."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or nn.modules.module._global_forward_hooks
+        or nn.modules.module._global_forward_pre_hooks
+    )
+
+
 def _rms(x: torch.Tensor, norm: Any) -> torch.Tensor:
     """RMSNorm of ``x`` in one fused operation (transformers' module takes eight), rounded
     as transformers' module rounds: normalised in float32, then cast to ``x``'s dtype and
@@ -258,16 +268,20 @@ class LeanForward:
         ``caches`` caches runs as one compiled call (:meth:`compiled_layer`): an ``int4-vnni``
         layer for one cache; a full-precision layer where its kernel runs ``split`` for this
         many rows (at most the few-row product's 16, two threads or more: then the compiled
-        layer's products are that kernel's few-row product)."""
+        layer's products are that kernel's few-row product) and its output and down
+        projections, which the operations one by one call as modules, have no forward hooks
+        (a hook sees what it would see without the compiled layer)."""
         layer = self.compiled_layers[i]
         if i == 0 or layer is None:
             return False
         if layer.kind == "int4":
             return caches == 1
+        modules = (self.layers[i].o_proj, self.layers[i].down)  # the modules it would call
         return (
             x.shape[0] <= few_rows.MAX_ROWS
             and torch.get_num_threads() >= 2
-            and product_kernel(self.layers[i].o_proj, x) == "split"
+            and product_kernel(modules[0], x) == "split"
+            and not any(_hooked(m) for m in modules)
         )
 
     def compiled_layer(
