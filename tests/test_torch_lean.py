@@ -21,7 +21,7 @@ from kakeya_lab.backends.torch_lean import MAX_TOKENS, LeanForward
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
 from kakeya_lab.bench.speculative_settings import SpeculativeSettings
 from kakeya_lab.data import domain_conversations
-from kakeya_lab.linear import kernel_switched
+from kakeya_lab.linear import kernel_switched, set_linear_kernel
 from kakeya_lab.models import DEFAULT_MODEL, tiny_random_model
 from kakeya_lab.proposers import DraftModelProposer
 from kakeya_lab.reference import oracle_logits
@@ -282,6 +282,34 @@ def test_a_lean_forward_stacks_the_projections_in_place_and_follows_replaced_wei
     name = "tiny llama lean/re-laid after a replaced weight"
     check_close(name, got, want_halved, TOL, record_tolerance)
     assert (want_halved - want).abs().max().item() > 1e-3  # the change did reach the logits
+
+
+def test_a_compiled_layer_follows_a_replaced_output_weight(text_ids, record_tolerance):
+    """On ``split`` with two threads, an output projection whose weight was replaced after
+    the lean forward was built (not a stacked one: the forward stays current) keeps its
+    layer's operations one by one, so the logits are the new weight's."""
+    if "avx512f" not in cpu_identity()["cpu_flags"]:
+        pytest.skip("the compiled kernels need AVX-512")
+    model = copy.deepcopy(tiny_random_model("llama", seed=1).model)
+    config = SinkWindowConfig(sink=2, window=14)
+    ids = text_ids[:30]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        set_linear_kernel(model, "split")
+        lean = LeanForward.of(model)
+        assert lean.compiled_layers[1] is not None
+        o_proj = model.model.layers[1].self_attn.o_proj
+        with torch.no_grad():
+            o_proj.weight = torch.nn.Parameter(o_proj.weight * 0.5)
+        assert LeanForward.of(model) is lean
+        want = oracle_logits(model, ids, config)
+        before = lean.compiled_layer_calls
+        got, _ = token_by_token(model, ids, config)
+        assert lean.compiled_layer_calls == before  # its only compilable layer went one by one
+    finally:
+        torch.set_num_threads(threads)
+    check_close("tiny llama split lean/replaced output weight", got, want, TOL, record_tolerance)
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])

@@ -270,7 +270,8 @@ class LeanForward:
         many rows (at most the few-row product's 16, two threads or more: then the compiled
         layer's products are that kernel's few-row product) and its output and down
         projections, which the operations one by one call as modules, have no forward hooks
-        (a hook sees what it would see without the compiled layer)."""
+        (a hook sees what it would see without the compiled layer) and still hold the weights
+        it was built with."""
         layer = self.compiled_layers[i]
         if i == 0 or layer is None:
             return False
@@ -282,6 +283,9 @@ class LeanForward:
             and torch.get_num_threads() >= 2
             and product_kernel(modules[0], x) == "split"
             and not any(_hooked(m) for m in modules)
+            # their weights are still the ones it holds (not replaced since)
+            and modules[0].weight is layer.operands[1]
+            and modules[1].weight is layer.operands[3]
         )
 
     def compiled_layer(
