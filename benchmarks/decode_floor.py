@@ -51,8 +51,8 @@ from kakeya_lab.results import hardware, now_iso
 KERNELS = full_precision_kernels()
 # Verifier(lean=...); "lean-layer-ops" is the lean step with its layers' operations one by one
 # instead of one compiled call each (LeanForward.compiled_layer), "lean-pytorch-ops" with
-# PyTorch's small operations
-# instead of the compiled ones (LeanForward(compiled=False)), to show what those save
+# PyTorch's small operations instead of the compiled ones (LeanForward(compiled=False)), to
+# show what each saves
 FORWARDS = {"transformers": False, "lean": None, "lean-layer-ops": None, "lean-pytorch-ops": None}
 
 

@@ -7,8 +7,8 @@ each) as one forward: the embedding, the projections, the MLP and the lm_head ru
 the rows of every block concatenated, so the weights are read once for all of them; the
 rotary angles come from each row's own position; attention runs per cache, over that
 cache's own key layout and mask. It is :class:`~kakeya_lab.backends.torch_lean.LeanForward`
-itself, piece by piece (``embed``, ``rope``, ``qkv``, ``attend`` per cache,
-``finish_layer``, ``logits``), so eviction, rolling positions and open blocks mean what
+itself, piece by piece (``embed``, ``rope``, ``layer``: one compiled call where it applies,
+else ``qkv``, ``attend`` per cache and ``finish_layer``; ``logits``), so eviction, rolling positions and open blocks mean what
 they mean for a solo forward, and a row computes what a solo lean step computes. Each block is left
 provisional in its cache, as a solo forward leaves it: committing or rolling it back
 stays its verifier's business.
@@ -136,15 +136,7 @@ class BatchForward:
             masks.append(None if n == 1 and bool(layout.all()) else layout)
         seen = [None if m is None else m.reshape(n, -1).contiguous() for m, n in zip(masks, sizes)]
         for i in range(len(lean.layers)):
-            spans = None
-            if lean.compiled_for(i, x, len(caches)):
-                spans = [c.span_slots(i, b - a) for c, a, b in zip(caches, bounds, bounds[1:])]
-                if all(span is not None for span in spans):  # the whole layer in one call
-                    x = lean.compiled_layer(i, x, cos, sin, spans, bounds, seen)  # type: ignore[arg-type]
-                    continue
-            q, k, v = lean.qkv(i, x, cos, sin)
-            attended = lean.attend_all(i, caches, bounds, masks, seen, q, k, v, spans)
-            x = lean.finish_layer(i, x, attended)
+            x = lean.layer(i, x, cos, sin, caches, bounds, masks, seen)
         keep = [
             torch.arange(bounds[j] if s.all_rows else bounds[j + 1] - 1, bounds[j + 1])
             for j, s in enumerate(steps)

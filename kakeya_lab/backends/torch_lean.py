@@ -37,8 +37,9 @@ layer stacks with plain (or this package's) linear layers and no sliding-window 
 (:meth:`LeanForward.supports`); anything else keeps transformers' forward.
 
 The forward is made of per-layer pieces (:meth:`LeanForward.embed`, :meth:`~LeanForward.rope`,
-:meth:`~LeanForward.qkv`, :meth:`~LeanForward.attend`, :meth:`~LeanForward.finish_layer`,
-:meth:`~LeanForward.logits`) over 2-D rows, so rows of several caches can share the
+:meth:`~LeanForward.layer`: :meth:`~LeanForward.qkv`, :meth:`~LeanForward.attend`,
+:meth:`~LeanForward.finish_layer`, or one compiled call; :meth:`~LeanForward.logits`) over 2-D
+rows, so rows of several caches can share the
 projections while each attends over its own cache (:meth:`~LeanForward.attend_all`: with
 the compiled operations, every cache's block written and attended in one call a layer).
 """
@@ -516,6 +517,31 @@ class LeanForward:
             out[rows] = of
         return out
 
+    def layer(
+        self,
+        i: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        caches: Sequence[SinkWindowCache],
+        bounds: Sequence[int],
+        masks: Sequence[torch.Tensor | None],
+        seen: Sequence[torch.Tensor | None],
+    ) -> torch.Tensor:
+        """Layer ``i``'s output rows of the rows ``x`` of ``caches`` (as :meth:`attend_all`
+        takes them): one compiled call where :meth:`compiled_for` and every cache's block is
+        one run of slots, else :meth:`qkv`, :meth:`attend_all` and :meth:`finish_layer`."""
+        spans = None
+        if self.compiled_for(i, x, len(caches)):
+            spans = [c.span_slots(i, b - a) for c, a, b in zip(caches, bounds, bounds[1:])]
+            ready = [span for span in spans if span is not None]
+            if len(ready) == len(spans):
+                return self.compiled_layer(i, x, cos, sin, ready, bounds, seen)
+        q, k, v = self.qkv(i, x, cos, sin)
+        return self.finish_layer(
+            i, x, self.attend_all(i, caches, bounds, masks, seen, q, k, v, spans)
+        )
+
     def finish_layer(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s output rows: ``x`` plus the output projection of ``attended``
         (from :meth:`attend`), then plus the MLP of that."""
@@ -553,12 +579,5 @@ class LeanForward:
         mask = None if n == 1 and bool(layout.all()) else layout
         seen = None if mask is None else mask.reshape(n, -1).contiguous()
         for i in range(len(self.layers)):
-            span = cache.span_slots(i, n) if self.compiled_for(i, x, 1) else None
-            if span is not None:  # the whole layer in one compiled call
-                x = self.compiled_layer(i, x, cos, sin, [span], [0, n], [seen])
-                continue
-            q, k, v = self.qkv(i, x, cos, sin)
-            x = self.finish_layer(
-                i, x, self.attend_all(i, [cache], [0, n], [mask], [seen], q, k, v)
-            )
+            x = self.layer(i, x, cos, sin, [cache], [0, n], [mask], [seen])
         return self.logits(x if all_rows else x[-1:])
