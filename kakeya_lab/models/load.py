@@ -24,6 +24,7 @@ from kakeya_lab.models.errors import (
     ModelStoreError,
     UnsupportedModelError,
 )
+from kakeya_lab.models.memory import place_weights
 from kakeya_lab.models.pull import pull, transformers_progress
 from kakeya_lab.models.registry import DEFAULT_MODEL, REGISTRY
 from kakeya_lab.models.store import (
@@ -314,7 +315,9 @@ def load_model(
       (``local_files_only=True``); if it is not there, :class:`ModelNotAvailableError` at once,
       with how to pull a registry model or point at a folder. No network attempt.
 
-    Weights load with ``use_safetensors=True``; ``trust_remote_code`` is never set. ``dtype``
+    Weights load with ``use_safetensors=True``; ``trust_remote_code`` is never set; they are
+    then placed in huge pages, in the order a step reads them
+    (:func:`kakeya_lab.models.memory.place_weights`). ``dtype``
     is a torch dtype or a name (``"float32"``, ``"bf16"``, ..., ``"auto"`` for the stored
     dtype). The model is put in eval mode and switched to the sink-window attention
     (:func:`kakeya_lab.backends.torch_attention.enable_sink_window_attention`). ``linear`` is the kernel its
@@ -373,6 +376,7 @@ def load_model(
             str(folder), dtype=torch_dtype, use_safetensors=True, local_files_only=True
         )
     model.eval()
+    place_weights(model)
     enable_sink_window(model)
     if linear == "auto":
         from kakeya_lab.linear_auto import set_auto_kernel
