@@ -17,7 +17,7 @@ from oracle_cases import token_by_token
 from kakeya_lab import SinkWindowConfig
 from kakeya_lab.backends.torch_lean import LeanForward, _rotate
 from kakeya_lab.native.build import compiled, why_unavailable
-from kakeya_lab.native.step import step_kernels
+from kakeya_lab.native.step import move_slots, step_kernels
 from kakeya_lab.reference import oracle_logits
 from kakeya_lab.results import cpu_identity
 
@@ -165,6 +165,37 @@ def test_several_caches_attend_in_one_call_as_each_does_alone(native):
         native.attend_many(
             out, q, k, v, keys, values, bounds, starts, [80, 700, 1, 401], masks, d**-0.5
         )
+
+
+def test_slot_moves_of_every_layer_in_one_call_are_indexings(native):
+    """``move_slots`` moves as ``storage[:, :, dst] = storage[:, :, src]`` does, in several
+    storages of different dtypes and head counts, also where a destination is a later move's
+    source (every source read first); a bad slot or storage is refused before anything
+    moves."""
+    gen = torch.Generator().manual_seed(0)
+    storages = [
+        torch.randn(1, 3, 40, 64, generator=gen),
+        torch.randn(1, 3, 40, 64, generator=gen),
+        torch.randn(1, 2, 40, 16, generator=gen).to(torch.bfloat16),
+    ]
+    src = torch.tensor([39, 5, 38, 7])
+    dst = torch.tensor([5, 12, 7, 0])  # 5 and 7 are written and read
+    expected = [t.clone() for t in storages]
+    for t in expected:
+        t[:, :, dst] = t[:, :, src]
+    assert move_slots(storages, src, dst)
+    for got, want in zip(storages, expected, strict=True):
+        assert torch.equal(got, want)
+    before = [t.clone() for t in storages]
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        native.move_slots(storages, src, torch.tensor([5, 12, 7, 40]))
+    with pytest.raises(RuntimeError, match="storage"):
+        native.move_slots([storages[0], torch.zeros(3, 40, 64)], src, dst)
+    assert all(torch.equal(a, b) for a, b in zip(storages, before, strict=True))
+    # what it does not take is left to the caller
+    assert not move_slots([storages[0].transpose(2, 3)], src, dst)
+    assert not move_slots(storages, src.int(), dst)
+    assert all(torch.equal(a, b) for a, b in zip(storages, before, strict=True))
 
 
 def test_the_step_kernels_take_float32_cpu_rows_of_widths_in_sixteens():

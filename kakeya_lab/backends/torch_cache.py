@@ -43,6 +43,7 @@ from kakeya_lab.backends.plan import Block, Moves, SlotPlan
 from kakeya_lab.backends.seam import interrupts_deferred
 from kakeya_lab.backends.torch_attention import LayoutMask, rotate
 from kakeya_lab.models.dims import model_dims
+from kakeya_lab.native.step import move_slots
 
 
 def cache_kwarg(model: Any, cache: Cache) -> dict[str, Cache]:
@@ -366,7 +367,11 @@ class SinkWindowCache(Cache):
             return
         sources = torch.from_numpy(moves.sources).to(self.device)
         destinations = torch.from_numpy(moves.destinations).to(self.device)
-        for layer in self.sink_window_layers:
+        held = [layer for layer in self.sink_window_layers if layer.is_initialized]
+        storages = [t for layer in held for t in layer.storage()]
+        if storages and move_slots(storages, sources, destinations):
+            return  # every layer's moves in one compiled call
+        for layer in held:
             layer.move(sources, destinations)
 
     @torch.inference_mode()

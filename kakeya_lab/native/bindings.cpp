@@ -24,4 +24,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_many", &attend_many,
         "several caches' attention, each block's keys and values written to its storage first",
         release());
+  m.def("move_slots", &move_slots, "entries moved between slots in several caches' storage",
+        release());
 }

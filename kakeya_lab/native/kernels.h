@@ -23,6 +23,8 @@ void attend_many(torch::Tensor out, const torch::Tensor& q, const torch::Tensor&
                  const std::vector<torch::Tensor>& values, const std::vector<int64_t>& bounds,
                  const std::vector<int64_t>& starts, const std::vector<int64_t>& columns,
                  const std::vector<c10::optional<torch::Tensor>>& masks, double scale);
+void move_slots(const std::vector<torch::Tensor>& storages, const torch::Tensor& sources,
+                const torch::Tensor& destinations);
 
 // int4.cpp
 torch::Tensor int4_product(const torch::Tensor& rows, const torch::Tensor& packed,

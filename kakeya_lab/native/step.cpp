@@ -380,3 +380,39 @@ void attend_many(Tensor out, const Tensor& q, const Tensor& k, const Tensor& v,
   }
   attend_jobs(jobs, heads, kv, d, static_cast<float>(scale));
 }
+
+// Eviction's moves, every layer's in one call: in each storage [1, kv_heads, capacity, d]
+// (contiguous, any dtype: entries are copied as bytes), the entries of slots `sources` go to
+// slots `destinations`, every source read before any destination is written (as
+// storage[:, :, destinations] = storage[:, :, sources] does). A step of a full cache moves
+// one entry in each of thirty layers; as indexing operations that is sixty dispatches.
+void move_slots(const std::vector<Tensor>& storages, const Tensor& sources,
+                const Tensor& destinations) {
+  TORCH_CHECK(sources.scalar_type() == torch::kLong && destinations.scalar_type() == torch::kLong &&
+                  sources.dim() == 1 && sources.sizes() == destinations.sizes() &&
+                  sources.is_contiguous() && destinations.is_contiguous() &&
+                  sources.device().is_cpu() && destinations.device().is_cpu(),
+              "move_slots: sources and destinations, int64 [n] on the CPU");
+  const int64_t n = sources.size(0);
+  const int64_t* from = sources.data_ptr<int64_t>();
+  const int64_t* to = destinations.data_ptr<int64_t>();
+  for (const Tensor& s : storages) {  // every check before any move: none or all are made
+    TORCH_CHECK(s.dim() == 4 && s.size(0) == 1 && s.is_contiguous() && s.device().is_cpu(),
+                "move_slots: storage [1, kv_heads, capacity, d], contiguous, on the CPU");
+    for (int64_t i = 0; i < n; ++i)
+      TORCH_CHECK(0 <= from[i] && from[i] < s.size(2) && 0 <= to[i] && to[i] < s.size(2),
+                  "move_slots: slot out of range");
+  }
+  std::vector<char> held;
+  for (const Tensor& s : storages) {
+    const int64_t heads = s.size(1), capacity = s.size(2);
+    const int64_t entry = s.size(3) * s.element_size();
+    char* base = static_cast<char*>(s.data_ptr());
+    held.resize(n * entry);
+    for (int64_t g = 0; g < heads; ++g) {
+      char* head = base + g * capacity * entry;
+      for (int64_t i = 0; i < n; ++i) std::copy_n(head + from[i] * entry, entry, &held[i * entry]);
+      for (int64_t i = 0; i < n; ++i) std::copy_n(&held[i * entry], entry, head + to[i] * entry);
+    }
+  }
+}

@@ -11,7 +11,8 @@ not seeing the columns where row ``r`` of the ``[n, columns]`` bool mask is fals
 ``attend_many(out, q, k, v, keys, values, bounds, starts, columns, masks, scale)``: several
 caches' ``attend`` in one parallel region, each cache's block of keys and values written
 into its storage first (a batched step of many sessions, once a layer instead of twice a
-session). They compute what PyTorch's operations compute, in float32, rounded
+session); and ``move_slots``, eviction's moves of every layer's keys and values in one call.
+They compute what PyTorch's operations compute, in float32, rounded
 differently: a default-model forward through them is as close to its float64 forward as
 through PyTorch's. The MLP's SiLU stays PyTorch's: a compiled one (``exp`` rounded
 otherwise) saved little and moved the logits furthest from PyTorch's. ``layer.cpp``
@@ -76,3 +77,23 @@ def step_kernels(
     if head_dim > 128:  # attend keeps a head's output in 8 vector registers
         return None
     return None if compiled() is None else _loaded_step_kernels()
+
+
+def move_slots(
+    storages: list[torch.Tensor], sources: torch.Tensor, destinations: torch.Tensor
+) -> bool:
+    """Move the entries of slots ``sources`` to slots ``destinations`` in every storage
+    ``[1, kv_heads, capacity, d]`` (each a cache layer's keys or values: eviction's moves,
+    all layers in one compiled call, every source read before any destination is written).
+    False, nothing moved, where the compiled kernels are unavailable or do not take these
+    (a storage that is not a contiguous CPU tensor, indices not int64 on the CPU): then the
+    caller moves them itself."""
+    module = compiled()
+    if module is None or not all(
+        t.device.type == "cpu" and t.dim() == 4 and t.is_contiguous() for t in storages
+    ):
+        return False
+    if sources.dtype != torch.long or sources.device.type != "cpu":
+        return False
+    module.move_slots(storages, sources.contiguous(), destinations.contiguous())
+    return True
