@@ -216,7 +216,7 @@ def run_long(
             due_by_time = report_every_s is not None and now - last_report >= report_every_s
             if state.next_turn % settings.checkpoint_every == 0 or due_by_time:
                 report(now - t0, partial=True)
-                last_report = time.perf_counter()
+                last_report = now  # by wall time: the report's own writing counts
         bar.close()
         reason = signals.caught
         final = report(time.perf_counter() - t0, partial=reason is not None, abort_reason=reason)

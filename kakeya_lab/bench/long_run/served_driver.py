@@ -604,7 +604,7 @@ def drive_served(
                 )
                 if progress.next_turn % settings.checkpoint_every == 0 or due:
                     report(driver.wall(), partial=True)
-                    last_report = time.perf_counter()
+                    last_report = now  # by wall time: the report's own writing counts
         finally:
             reason = signals.caught or (MAX_ERRORS if detail is not None else None)
             driver.close(keep_http_sessions=signals.caught is not None)
