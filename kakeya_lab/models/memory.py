@@ -3,9 +3,9 @@
 A one-token step reads every weight once, so it runs at the speed memory streams them.
 transformers leaves a safetensors model's parameters in a private mapping of its file:
 4 KiB pages of the page cache, one tensor wherever the file put it. On this machine kind
-(2 cores, Zen 4) a pass over a tensor in 2 MiB pages (transparent huge pages) runs 10–25%
-faster than over the same bytes in 4 KiB pages: one TLB entry covers 512 times as much, so
-the hardware prefetchers are not stopped at every 4 KiB boundary by a page walk.
+(2 cores, Zen 4) a pass over a tensor in 2 MiB pages (transparent huge pages) ran 10–23%
+faster than over the same bytes in 4 KiB pages (measured, interleaved; one TLB entry covers
+512 times as much, which is the likely reason).
 
 :func:`place_weights` copies a model's parameters, back to back in their module order, into
 one anonymous mapping advised to use huge pages (:func:`huge_page_tensor`), and makes each

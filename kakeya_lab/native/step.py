@@ -93,7 +93,7 @@ def move_slots(
         t.device.type == "cpu" and t.dim() == 4 and t.is_contiguous() for t in storages
     ):
         return False
-    if sources.dtype != torch.long or sources.device.type != "cpu":
+    if any(t.dtype != torch.long or t.device.type != "cpu" for t in (sources, destinations)):
         return False
     module.move_slots(storages, sources.contiguous(), destinations.contiguous())
     return True
