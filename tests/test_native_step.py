@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from oracle_cases import token_by_token
 
-from kakeya_lab import SinkWindowConfig
+from kakeya_lab import SinkWindowConfig, Verifier
 from kakeya_lab.backends.torch_lean import LeanForward, _rotate
 from kakeya_lab.native.build import compiled, why_unavailable
 from kakeya_lab.native.step import move_slots, step_kernels
@@ -196,6 +196,25 @@ def test_slot_moves_of_every_layer_in_one_call_are_indexings(native):
     assert not move_slots([storages[0].transpose(2, 3)], src, dst)
     assert not move_slots(storages, src.int(), dst)
     assert all(torch.equal(a, b) for a, b in zip(storages, before, strict=True))
+
+
+def test_a_real_cache_past_eviction_moves_through_it(tiny_model):
+    """The storages of a verifier's cache that has evicted (every layer's keys and values)
+    are what ``move_slots`` takes, so eviction's moves go through it rather than the
+    indexing fallback, and it moves them as the indexing does."""
+    v = Verifier(tiny_model.model, SinkWindowConfig(sink=2, window=8))
+    for t in range(100, 116):
+        v.append([t])
+    assert v.cache_len == 10 and v.history_len == 16  # evicted at every step past 10
+    storages = [t for layer in v.backend.cache.sink_window_layers for t in layer.storage()]
+    assert len(storages) == 2 * len(v.backend.cache.sink_window_layers)
+    src, dst = torch.tensor([9, 3]), torch.tensor([2, 9])
+    expected = [t.clone() for t in storages]
+    for t in expected:
+        t[:, :, dst] = t[:, :, src]
+    assert move_slots(storages, src, dst)
+    for got, want in zip(storages, expected, strict=True):  # slots never written hold anything
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
 def test_the_step_kernels_take_float32_cpu_rows_of_widths_in_sixteens():
