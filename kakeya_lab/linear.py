@@ -26,9 +26,10 @@ parallel; one row as ``slice @ row`` (a streaming matrix-vector product, each ou
 contiguous weight row against the input), more as ``rows @ slice.T``. A layer whose output
 width the thread count does not divide runs ``aten``. Where the compiled few-row product
 (:mod:`kakeya_lab.native.rows`: AVX-512, built once per machine) is available, ``split``
-runs 2 to 16 float32 rows on it instead: it reads each weight row once for all the rows, so
+runs 1 to 16 float32 rows on it instead: it reads each weight row once for all the rows, so
 a block of a few tokens costs little more than one (the output rows still split over the
-threads), and it rounds at least as closely as MKL.
+threads), one row reads the weights faster than MKL's matrix-vector product, it rounds at
+least as closely as MKL, and a row's output does not depend on the rows that come with it.
 
 Which of them is fastest depends on the CPU: ``auto`` measures them all on this machine
 for one to sixteen rows and for a prefill chunk, caches the choice on disk per model, dtype,
@@ -77,7 +78,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 QUANTISED = ("int8", "int4", "int4-vnni")  # the kernels that multiply by a quantised copy
 # bumped whenever a kernel's implementation changes, so "auto" choices cached on disk from
 # timings of the earlier implementation are measured again (part of their key)
-KERNEL_REVISION = 6
+KERNEL_REVISION = 7
 INT4_GROUP = 32  # inputs per int4 scale and offset (the kernel takes 32, 64, 128 or 256)
 
 
@@ -131,11 +132,10 @@ def _split_linear(
     ):
         return F.linear(input, weight, bias)
     rows = input.reshape(-1, in_features)
-    if rows.shape[0] > 1:  # 2 to 16 rows: the compiled kernel, where it is built and applies
-        out = rows_product(rows, weight)
-        if out is not None:
-            out = out.reshape(*input.shape[:-1], out_features)
-            return out if bias is None else out + bias
+    out = rows_product(rows, weight)  # 1 to 16 rows: the compiled kernel, where it applies
+    if out is not None:
+        out = out.reshape(*input.shape[:-1], out_features)
+        return out if bias is None else out + bias
     slices = weight.view(parts, out_features // parts, in_features)
     if rows.shape[0] == 1:
         # one row: slice @ row, which MKL runs as a streaming matrix-vector product, about

@@ -187,9 +187,11 @@ def test_split_is_the_linear_product_with_one_slice_of_outputs_per_thread():
 
 def test_the_compiled_few_row_product_is_the_linear_product():
     """On a CPU with AVX-512 (this machine kind) the few-row product builds, and for 1 to
-    8 rows it is ``rows @ weight.T`` to float32 rounding, for output widths that its blocks
-    of weight rows do not divide; ``split`` runs it for 2 to 8 rows (and its PyTorch
-    products for one row, more rows or other widths), to the same numbers."""
+    16 rows it is ``rows @ weight.T`` to float32 rounding, for output widths that its blocks
+    of weight rows do not divide; a row's output is the same to the bit whatever rows come
+    with it (a session batched with others computes what it computes alone); ``split`` runs
+    it for 1 to 16 rows (and its PyTorch products for more rows or other widths), to the
+    same numbers."""
     if "avx512f" not in cpu_identity()["cpu_flags"]:
         pytest.skip("the compiled product needs AVX-512")
     assert compiled() is not None, why_unavailable()
@@ -201,6 +203,8 @@ def test_the_compiled_few_row_product_is_the_linear_product():
             got = rows_product(x, weight)
             assert got is not None and got.shape == (n, out_features)
             assert (got - x @ weight.t()).abs().max().item() <= 1e-5, (out_features, n)
+            for i in range(n):
+                assert torch.equal(got[i : i + 1], rows_product(x[i : i + 1], weight)), (n, i)
     assert rows_product(torch.randn(2, 40), torch.randn(8, 40)) is None  # width: not 16k
     assert rows_product(torch.randn(MAX_ROWS + 1, 64), torch.randn(8, 64)) is None
     layer = torch.nn.Linear(64, 96)

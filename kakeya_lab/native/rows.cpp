@@ -6,10 +6,15 @@
 // (at::parallel_for), so a one-token step streams the weights on every core, and a block of a
 // few tokens costs little more than one. Built with step.cpp by kakeya_lab/native/build.py.
 //
-// The weight rows of the block after next are prefetched into L2 while a block computes.
-// Without it the hardware prefetcher, which keeps up with one row's streaming, falls behind
-// once the multiplications take as long as the reads: on a Zen 4, 8 rows cost 1.6x as much
-// and 1 row 1.1x.
+// One or two input rows are memory-bound: there a thread reads its weight rows one after the
+// other (R = 1), a single stream the hardware prefetcher follows at the memory's full speed.
+// R weight rows at a time are R streams; on a Zen 4 whose memory read 62 GB/s, the 121
+// products of the default model's one-token step took 1.25x a plain read of their bytes that
+// way, and 1.08x as one stream. With more input rows the multiplications take as long as the
+// reads, and R weight rows share each input load; the weight rows of the block after next are
+// prefetched into L2 while a block computes, since the hardware prefetcher then falls behind
+// (8 rows cost 1.6x as much without it). Every R sums each output in the same order, so a
+// row's output does not depend on how many rows came with it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -52,7 +57,8 @@ void rows_block(const float* x, const float* w, float* y, int64_t in, int64_t ou
   constexpr int FIRST = N <= 8 ? N : 8;
   int64_t j = j0;
   for (; j + R <= j1; j += R) {
-    const float* next = w + (j + AHEAD * R) * in;  // a hint: no fault past the end
+    // a hint (no fault past the end); one stream needs none
+    const float* next = R == 1 ? nullptr : w + (j + AHEAD * R) * in;
     block_product<FIRST, R>(x, w, y, in, out, j, next);
     if constexpr (N > 8) block_product<N - 8, R>(x + 8 * in, w, y + 8 * out, in, out, j, nullptr);
   }
@@ -65,7 +71,7 @@ void rows_block(const float* x, const float* w, float* y, int64_t in, int64_t ou
 template <int N>
 void rows_run(const float* x, const float* w, float* y, int64_t in, int64_t out) {
   // R x min(N, 8) accumulators within the 32 vector registers
-  constexpr int R = N <= 2 ? 8 : (N <= 4 ? 4 : 2);
+  constexpr int R = N <= 2 ? 1 : (N <= 4 ? 4 : 2);
   at::parallel_for(0, out, 64, [&](int64_t j0, int64_t j1) {
     rows_block<N, R>(x, w, y, in, out, j0, j1);
   });
