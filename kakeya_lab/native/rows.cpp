@@ -8,9 +8,9 @@
 //
 // One or two input rows are memory-bound: there a thread reads its weight rows one after the
 // other (R = 1), a single stream the hardware prefetcher follows at the memory's full speed.
-// R weight rows at a time are R streams; on a Zen 4 whose memory read 62 GB/s, the 121
-// products of the default model's one-token step took 1.25x a plain read of their bytes that
-// way, and 1.08x as one stream. With more input rows the multiplications take as long as the
+// R weight rows at a time are R streams; on a Zen 4 whose memory read 64 GB/s, the 121
+// products of the default model's one-token step took 1.27x a plain read of their bytes that
+// way, and 1.10x as one stream. With more input rows the multiplications take as long as the
 // reads, and R weight rows share each input load; the weight rows of the block after next are
 // prefetched into L2 while a block computes, since the hardware prefetcher then falls behind
 // (8 rows cost 1.6x as much without it). Every R sums each output in the same order, so a

@@ -8,9 +8,9 @@ before it) about three times. ``rows.cpp`` reads each weight row once for all th
 (AVX-512, the output rows split over PyTorch's threads; one or two rows as one stream of
 weight rows per thread, more with the next weight rows prefetched while a block computes,
 more than 8 as two passes over each block of weight rows while it is in L1): on this kind
-of machine (2 cores, Zen 4), over the default model's weights, one row reads them at 1.05
-to 1.1 times a plain read of their bytes (MKL's matrix-vector product: up to 1.35 times), 2
-to 8 rows cost about what one does, 12 rows 1.5 times, 16 rows 1.9 times. It sums each
+of machine (2 cores, Zen 4), over the default model's weights, one row reads them in about
+1.1 times a plain read of their bytes (MKL's matrix-vector product: about 1.3 times), 2 to 8
+rows cost about what one does, 12 rows 1.5 times, 16 rows 1.9 times. It sums each
 output in 16 lanes, at least as close to the exact sum as MKL's, in the same order whatever
 the number of rows, so a row's output does not depend on the rows that come with it (a
 session batched with others computes what it computes alone). ``split`` runs it for 1 to
