@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     in_place_s = min(in_place)
     print(
         f"read bandwidth {bandwidth / 1e9:.2f} GB/s (best of {len(passes)} passes over "
-        f"{args.gib:g} GiB, {args.bandwidth_repeats} first, one a round; median "
+        f"{args.gib:g} GiB, {args.bandwidth_repeats} first, then one after each block of steps; median "
         f"{bandwidth_tensor.nbytes / statistics.median(passes) / 1e9:.2f}); floor "
         f"{floor_s * 1e3:.2f} ms/token (at the median pass {median_floor_s * 1e3:.2f})"
     )

@@ -46,8 +46,8 @@ def test_paced_turns_start_spacing_apart_and_time_reports_are_partial(tmp_path, 
     # every report but the last is partial; reports came by time (checkpoint_every is 100),
     # checked after each round, each at least report_every_s after the one before. How many
     # depends on how long rounds take on a busy machine (a slow first round can leave one),
-    # but a run of 0.9 s has at least one: the check after the last round comes 0.25 s after
-    # the start or after a report
+    # but there is at least one: the check after the last round, 0.9 s in, finds 0.25 s
+    # passed since the start unless a report came since
     assert [r.partial for r in reports] == [True] * (len(reports) - 1) + [False]
     times = [0.0] + [r.duration_s for r in reports[:-1]]
     assert len(times) >= 2 and all(b - a >= 0.25 for a, b in zip(times, times[1:])), times
