@@ -267,8 +267,8 @@ def test_split_verifier_gives_the_oracle_logits_past_eviction(
     default_model, text_ids, mode, record_tolerance
 ):
     """As the oneDNN test above, on the default model's own layers switched to ``split``
-    (two threads, so it does split, its lean steps' layers past the first each one compiled
-    call) and back."""
+    (two threads, so it does split, its lean steps' layers each one compiled call) and
+    back."""
     model = default_model.model
     config = SinkWindowConfig(sink=4, window=28, positions=mode)
     ids = text_ids[:150]
@@ -279,7 +279,7 @@ def test_split_verifier_gives_the_oracle_logits_past_eviction(
         lean = LeanForward.of(model)
         layers_before = lean.compiled_layer_calls
         got, v = blocks_with_rollback(model, ids, config, random.Random(3))
-        if lean.native is not None:  # its layers past the first ran as one compiled call
+        if lean.native is not None:  # its layers ran as one compiled call each
             assert lean.compiled_layer_calls > layers_before
         assert v.history_len == len(ids) > 4 * config.budget
         rows, last, _ = chunked(model, ids, config, random.Random(4))

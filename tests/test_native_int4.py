@@ -178,7 +178,7 @@ def test_an_int4_vnni_lean_forward_runs_whole_layers_compiled_and_matches_the_or
 ):
     """Blocks with rollbacks past eviction: the logits are the dense oracle's of the same
     model (its layers on the same kernel), every forward after the first (which finds no
-    storage yet) runs its layers past the first as one compiled call wherever the block is
+    storage yet) runs each of its layers as one compiled call wherever the block is
     one run of slots (always in global positions; rolling positions with sink copies fall
     back to the operations one by one), and those operations one by one give the same logits
     bit for bit. The tolerance is a quantised model's: rounding the rows to integers turns
@@ -194,7 +194,7 @@ def test_an_int4_vnni_lean_forward_runs_whole_layers_compiled_and_matches_the_or
     forwards, calls = lean.forwards, lean.compiled_layer_calls
     got, v = blocks_with_rollback(model, ids, config, random.Random(5), lean=True)
     assert v.history_len == len(ids) > 3 * config.budget
-    fused, most = lean.compiled_layer_calls - calls, (layers - 1) * (lean.forwards - forwards - 1)
+    fused, most = lean.compiled_layer_calls - calls, layers * (lean.forwards - forwards - 1)
     assert fused == most if mode == "global" else 0 < fused < most
     want = oracle_logits(model, ids, config)
     check_close(f"smollm2 int4-vnni lean/{mode}/blocks+rollback", got, want, 5e-2, record_tolerance)

@@ -76,9 +76,9 @@ def test_lean_forward_of_the_default_model_gives_the_oracle_logits(
 def test_split_lean_steps_run_whole_layers_compiled_and_match_the_oracle(
     default_model, text_ids, mode, record_tolerance
 ):
-    """On ``split`` with two threads a lean step runs each layer past the first as one
-    compiled call (``native/layer.cpp``; wherever the block is one run of slots: always in
-    global positions, in rolling ones not when sink copies are due). One-token steps past
+    """On ``split`` with two threads a lean step runs each layer, the first too (its block
+    opened first), as one compiled call (``native/layer.cpp``; wherever the block is one run
+    of slots: always in global positions, in rolling ones not when sink copies are due). One-token steps past
     eviction give the oracle's logits (the same kernel's), as the same steps with the layers
     one by one do; the two differ only in their one-row products (the compiled few-row
     product against MKL's)."""
@@ -107,7 +107,7 @@ def test_split_lean_steps_run_whole_layers_compiled_and_match_the_oracle(
     finally:
         torch.set_num_threads(threads)
     assert v.history_len == len(ids) > 2 * config.budget
-    most = (layers - 1) * (len(ids) - 1)  # every step but the first (no storage yet)
+    most = layers * (len(ids) - 1)  # every step but the first (no storage yet)
     assert fused == most if mode == "global" else 0 < fused < most
     name = f"smollm2 split lean, compiled layers/{mode}"
     check_close(name, got, want, TOL, record_tolerance)
@@ -136,7 +136,7 @@ def test_a_hooked_layer_keeps_its_operations_one_by_one(default_model, text_ids)
         torch.set_num_threads(threads)
         hook.remove()
     assert seen == [1] * 12  # every one-token step called the hooked module
-    assert fused == (len(lean.layers) - 2) * 11  # every step but the first, all but layer 3
+    assert fused == (len(lean.layers) - 1) * 11  # every step but the first, all but layer 3
 
 
 @pytest.mark.slow  # 21 s: the full suite runs it, not the fast loop
@@ -172,6 +172,59 @@ def test_an_int4_lean_draft_keeps_speculative_decoding_lossless_past_eviction(de
     turns = run.turns[run.turns["arm"] != "plain"].groupby("arm")[["accepted", "proposed"]].sum()
     rate = turns["accepted"] / turns["proposed"]
     assert rate["transformers@5"] > 0.5 and abs(rate["lean@5"] - rate["transformers@5"]) < 0.1
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "default"])
+def test_the_lean_rotary_tables_are_transformers_to_the_bit(architecture, default_model):
+    """:meth:`LeanForward.rope` computes the rotary tables itself where the frequencies are
+    fixed: the same numbers as transformers' rotary module, bit for bit, at the first
+    positions, a long session's and far past the models' trained length, one row or a run."""
+    if architecture == "default":
+        model = default_model.model
+    else:
+        model = tiny_random_model(architecture, seed=0).model
+    lean = LeanForward(model)
+    assert lean.rotary.rope_type == "default"
+    x = torch.zeros(1, model.config.hidden_size)
+    for positions in ([0], [1], [4095], [123_457], list(range(1000, 1016))):
+        at = torch.tensor(positions)
+        cos, sin = lean.rope(x, at)
+        want_cos, want_sin = lean.rotary(x[None], at[None])
+        assert cos.shape == (len(positions), lean.head_dim) and cos.is_contiguous()
+        assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
+
+
+def test_an_opened_block_is_a_begun_forward(tiny_model, text_ids, record_tolerance):
+    """``SinkWindowCache.open_block`` (how a compiled first layer starts a lean step) opens
+    the block as layer 0's update would; until layer 0 is written the forward counts as
+    begun: the next forward, a commit or an update out of order is refused, and a rollback
+    leaves the cache as before, after which a step gives the oracle's logits."""
+    from kakeya_lab import Verifier
+
+    config = SinkWindowConfig(sink=2, window=6)
+    ids = text_ids[:20]
+    want = oracle_logits(tiny_model.model, ids, config)
+    v = Verifier(tiny_model.model, config, lean=True)
+    v.append(ids[:18])
+    cache = v.backend.cache
+    held = (cache.history_len, cache.cache_len, cache.cached_positions())
+    cache.open_block(2)
+    assert cache.pending_len == 2
+    with pytest.raises(RuntimeError, match="only rollback"):
+        cache.open_block(1)
+    with pytest.raises(RuntimeError, match="only rollback"):
+        cache.commit(2)
+    with pytest.raises(RuntimeError, match="out of order"):
+        cache.span_slots(1, 2)
+    with pytest.raises(RuntimeError, match="out of order"):
+        cache.span_slots(0, 1)  # not the opened block's length
+    cache.get_mask_sizes(2, 0)  # a forward starting now must not commit the unwritten block
+    assert cache.pending_len == 2
+    v.rollback()
+    assert (cache.history_len, cache.cache_len, cache.cached_positions()) == held
+    rows = torch.stack([v.append([t]) for t in ids[18:]])
+    assert v.backend.lean_steps >= 2
+    check_close("tiny qwen3 lean/after an opened block", rows, want[18:], TOL, record_tolerance)
 
 
 def test_models_the_lean_forward_cannot_run_keep_transformers_forward(tiny_model):
@@ -306,7 +359,9 @@ def test_a_compiled_layer_follows_a_replaced_output_weight(text_ids, record_tole
         want = oracle_logits(model, ids, config)
         before = lean.compiled_layer_calls
         got, _ = token_by_token(model, ids, config)
-        assert lean.compiled_layer_calls == before  # its only compilable layer went one by one
+        # layer 0 ran compiled in every step but the first (no storage yet); layer 1, whose
+        # weight was replaced, one by one
+        assert lean.compiled_layer_calls - before == len(ids) - 1
     finally:
         torch.set_num_threads(threads)
     check_close("tiny llama split lean/replaced output weight", got, want, TOL, record_tolerance)

@@ -258,6 +258,7 @@ class SinkWindowCache(Cache):
         self.auto_commit = auto_commit
         self._next_layer = 0
         self._block: TorchBlock | None = None
+        self._opened = False  # open_block() ran and layer 0 is not written yet
 
     # ------------------------------------------------------------------ state
     @property
@@ -308,7 +309,12 @@ class SinkWindowCache(Cache):
         self, query_length: int, layer_idx: int = 0
     ) -> tuple[int, LayoutMask]:
         """A forward starts: commit the previous one first when ``auto_commit``."""
-        if self.auto_commit and self.pending_len and self._next_layer in (0, len(self.layers)):
+        if (
+            self.auto_commit
+            and self.pending_len
+            and self._next_layer in (0, len(self.layers))
+            and not self._opened
+        ):
             self.commit(self.pending_len)
         return self.sink_window_layers[layer_idx].get_mask_sizes(query_length)
 
@@ -317,47 +323,64 @@ class SinkWindowCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a block's K/V after the committed entries and return every key column.
 
-        Layer 0 opens the block (committing the previous one first when ``auto_commit``);
-        the other layers must follow in order.
+        Layer 0 opens the block (committing the previous one first when ``auto_commit``)
+        unless :meth:`open_block` opened it; the other layers must follow in order.
         """
         if key_states.shape[0] != 1:
             raise ValueError("SinkWindowCache holds a single sequence (batch size 1)")
         n = key_states.shape[2]
-        if layer_idx == 0:
-            self._check_forward_complete()
-            if self.auto_commit and self.pending_len:
-                self.commit(self.pending_len)
-            self._block = TorchBlock.of(self.plan.open(n), self.device)
-        elif layer_idx != self._next_layer or self._block is None or n != self._block.n:
+        if layer_idx == 0 and not self._opened:
+            self.open_block(n)
+        if layer_idx != self._next_layer or self._block is None or n != self._block.n:
             raise RuntimeError(
                 f"layer {layer_idx} updated out of order (expected {self._next_layer})"
             )
+        self._opened = False
         self._next_layer = layer_idx + 1
         return self.sink_window_layers[layer_idx].update(key_states, value_states, self._block)
+
+    def open_block(self, n: int) -> None:
+        """Open the next forward's block of ``n`` tokens, as layer 0's :meth:`update` would
+        (committing the previous block first when ``auto_commit``), for a caller that then
+        writes layer 0 through :meth:`span_slots` (or :meth:`update`, which takes the open
+        block). Until layer 0 is written the forward counts as begun: only
+        :meth:`rollback` (or :meth:`crop`, :meth:`reset`) undoes it."""
+        self._check_forward_complete()
+        if self.auto_commit and self.pending_len:
+            self.commit(self.pending_len)
+        self._block = TorchBlock.of(self.plan.open(n), self.device)
+        self._next_layer = 0
+        self._opened = True
 
     def span_slots(
         self, layer_idx: int, n: int
     ) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
-        """Layer ``layer_idx`` (not the first: :meth:`update` opens the block) of the open
-        block of ``n`` tokens, for a caller that writes the block's K/V into the storage
+        """Layer ``layer_idx`` of the open block of ``n`` tokens (layer 0 only after
+        :meth:`open_block`), for a caller that writes the block's K/V into the storage
         itself and attends over it (the compiled batched attention): ``(keys, values,
         first slot, columns)``, the storage ``[1, kv_heads, capacity, head_dim]``, the block
         to go to slots ``first..first + n`` and the forward to see the first ``columns``.
         The layer counts as updated. None when the block is not one run of slots, has
         rolling sink copies, or the layer holds no storage yet: then :meth:`update` it."""
         block = self._block
-        if layer_idx == 0 or layer_idx != self._next_layer or block is None or n != block.n:
+        if (
+            (layer_idx == 0 and not self._opened)
+            or layer_idx != self._next_layer
+            or block is None
+            or n != block.n
+        ):
             raise RuntimeError(
                 f"layer {layer_idx} updated out of order (expected {self._next_layer})"
             )
         slots = self.sink_window_layers[layer_idx].span_slots(block)
         if slots is None:
             return None
+        self._opened = False
         self._next_layer = layer_idx + 1
         return (*slots, block.stop)
 
     def _check_forward_complete(self) -> None:
-        if self._next_layer not in (0, len(self.layers)):
+        if self._opened or self._next_layer not in (0, len(self.layers)):
             raise RuntimeError(
                 f"the last forward stopped at layer {self._next_layer}; only rollback() is possible"
             )
@@ -424,6 +447,7 @@ class SinkWindowCache(Cache):
         entries are untouched."""
         self.plan.drop_provisional(0)
         self._next_layer = 0
+        self._opened = False
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen so far (committed + provisional): the next token's position."""
@@ -439,6 +463,7 @@ class SinkWindowCache(Cache):
                 "provisional block can be dropped)"
             )
         self._next_layer = 0
+        self._opened = False
         self.plan.drop_provisional(target - self.history_len)
 
     @torch.inference_mode()
@@ -448,6 +473,7 @@ class SinkWindowCache(Cache):
             layer.reset()
         self.plan.reset()
         self._next_layer = 0
+        self._opened = False
 
     @property
     def is_compileable(self) -> bool:

@@ -16,11 +16,12 @@ With float32 rows on a CPU where the compiled kernels build (:mod:`kakeya_lab.na
 the RMSNorms, the rotary embedding and the attention each run as one compiled pass
 instead (``LeanForward(model, compiled=False)`` keeps PyTorch's operations):
 in a one-token step the dispatch of the small operations between the products costs more
-than their arithmetic. Further, each layer past the first can run as one compiled call
+than their arithmetic. Further, each layer can run as one compiled call
 (:meth:`LeanForward.compiled_layer`, ``native/layer.cpp``): on ``split`` with two threads or
 more, for up to 16 rows, its products the compiled few-row product (a one-token step 9%
 faster, a batched step of 8 sessions 8%, in an interleaved A/B on this machine kind), and on
-``int4-vnni``.
+``int4-vnni``; the first layer too, once each cache's block is opened for it
+(``SinkWindowCache.open_block``).
 
 With a full-precision kernel the q/k/v and the gate/up projections each run as one product
 over their weights stacked (:func:`~kakeya_lab.linear.stack_rows`: the weights re-laid once
@@ -72,6 +73,9 @@ from kakeya_lab.native.step import step_kernels
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 MAX_TOKENS = FEW_ROWS  # longer blocks (prefills) keep transformers' forward
+# rotary types whose frequencies transformers fixes at load (LeanForward.rope computes their
+# tables itself); the others (dynamic, longrope) change with the sequence: their module runs
+STATIC_ROPE = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
@@ -265,28 +269,27 @@ class LeanForward:
         return CompiledLayer("float", weights)
 
     def compiled_for(self, i: int, x: torch.Tensor, caches: int) -> bool:
-        """Whether layer ``i`` (not the first, which opens each block) of the rows ``x`` of
-        ``caches`` caches runs as one compiled call (:meth:`compiled_layer`): an ``int4-vnni``
-        layer for one cache; a full-precision layer where its kernel runs ``split`` for this
+        """Whether layer ``i`` of the rows ``x`` of ``caches`` caches runs as one compiled
+        call (:meth:`compiled_layer`): an ``int4-vnni`` layer for one cache; a full-precision layer where its kernel runs ``split`` for this
         many rows (at most the few-row product's 16, two threads or more: then the compiled
         layer's products are that kernel's few-row product) and its output and down
         projections, which the operations one by one call as modules, have no forward hooks
         (a hook sees what it would see without the compiled layer) and still hold the weights
         it was built with."""
         layer = self.compiled_layers[i]
-        if i == 0 or layer is None:
+        if layer is None:
             return False
         if layer.kind == "int4":
             return caches == 1
-        modules = (self.layers[i].o_proj, self.layers[i].down)  # the modules it would call
+        o_proj, down = self.layers[i].o_proj, self.layers[i].down  # the modules it would call
         return (
             x.shape[0] <= few_rows.MAX_ROWS
             and torch.get_num_threads() >= 2
-            and product_kernel(modules[0], x) == "split"
-            and not any(_hooked(m) for m in modules)
+            and product_kernel(o_proj, x) == "split"
+            and not (_hooked(o_proj) or _hooked(down))
             # their weights are still the ones it holds (not replaced since)
-            and modules[0].weight is layer.operands[1]
-            and modules[1].weight is layer.operands[3]
+            and o_proj._parameters.get("weight") is layer.operands[1]
+            and down._parameters.get("weight") is layer.operands[3]
         )
 
     def compiled_layer(
@@ -391,9 +394,20 @@ class LeanForward:
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary tables ``(cos, sin)``, ``[rows, head_dim]`` in ``x``'s dtype, of the
-        rows at ``positions`` (``[rows]``, any positions: one cache's run or several)."""
-        cos, sin = self.rotary(x[None], positions[None])
-        return cos[0].contiguous(), sin[0].contiguous()
+        rows at ``positions`` (``[rows]``, any positions: one cache's run or several):
+        transformers' rotary module's, computed directly where its frequencies are fixed
+        (the same float32 products, cosines and sines, without the module's autocast and
+        batching around them, which cost more than the arithmetic in a one-token step)."""
+        rotary = self.rotary
+        if getattr(rotary, "rope_type", None) not in STATIC_ROPE:
+            cos, sin = rotary(x[None], positions[None])
+            return cos[0].contiguous(), sin[0].contiguous()
+        freqs = positions.to(torch.float32)[:, None] * rotary.inv_freq.to(torch.float32)[None]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = angles.cos(), angles.sin()
+        if rotary.attention_scaling != 1.0:
+            cos, sin = cos * rotary.attention_scaling, sin * rotary.attention_scaling
+        return cos.to(x.dtype), sin.to(x.dtype)
 
     def qkv(
         self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -467,12 +481,12 @@ class LeanForward:
         caches (cache ``j``'s rows ``bounds[j]:bounds[j + 1]`` of :meth:`qkv`'s ``q``, ``k``,
         ``v``; ``masks[j]`` its layout as :meth:`attend` takes it, ``seen[j]`` the same as
         ``[rows, columns]``, contiguous). With the compiled step operations, past the first
-        layer (which opens each block), every cache whose block is one run of slots is
-        written and attended in one compiled call (``attend_many``: one parallel region, no
-        slicing of the storage); the others, and every cache without them, go through
-        :meth:`attend`. ``spans``: each cache's ``span_slots`` for this layer, when the
-        caller took them already."""
-        if self.native is None or i == 0:
+        layer (which opens each block) or where the caller opened the blocks and took the
+        spans, every cache whose block is one run of slots is written and attended in one
+        compiled call (``attend_many``: one parallel region, no slicing of the storage); the
+        others, and every cache without them, go through :meth:`attend`. ``spans``: each
+        cache's ``span_slots`` for this layer, when the caller took them already."""
+        if self.native is None or (i == 0 and spans is None):
             outs = [
                 self.attend(i, cache, q[:, a:b], k[:, a:b], v[:, a:b], mask)
                 for cache, a, b, mask in zip(caches, bounds, bounds[1:], masks)
@@ -530,9 +544,14 @@ class LeanForward:
     ) -> torch.Tensor:
         """Layer ``i``'s output rows of the rows ``x`` of ``caches`` (as :meth:`attend_all`
         takes them): one compiled call where :meth:`compiled_for` and every cache's block is
-        one run of slots, else :meth:`qkv`, :meth:`attend_all` and :meth:`finish_layer`."""
+        one run of slots, else :meth:`qkv`, :meth:`attend_all` and :meth:`finish_layer`.
+        Layer 0 opens each cache's block (``SinkWindowCache.open_block``) first when it
+        runs compiled."""
         spans = None
         if self.compiled_for(i, x, len(caches)):
+            if i == 0:
+                for c, a, b in zip(caches, bounds, bounds[1:]):
+                    c.open_block(b - a)
             spans = [c.span_slots(i, b - a) for c, a, b in zip(caches, bounds, bounds[1:])]
             ready = [span for span in spans if span is not None]
             if len(ready) == len(spans):
