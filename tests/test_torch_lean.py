@@ -17,7 +17,7 @@ from oracle_cases import blocks_with_rollback, check_close, chunked, token_by_to
 from transformers import AutoModelForCausalLM
 
 from kakeya_lab import SinkWindowConfig, load_model
-from kakeya_lab.backends.torch_lean import MAX_TOKENS, LeanForward
+from kakeya_lab.backends.torch_lean import MAX_TOKENS, ROPE_BLOCK, LeanForward
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
 from kakeya_lab.bench.speculative_settings import SpeculativeSettings
 from kakeya_lab.data import domain_conversations
@@ -177,8 +177,9 @@ def test_an_int4_lean_draft_keeps_speculative_decoding_lossless_past_eviction(de
 @pytest.mark.parametrize("architecture", ["llama", "qwen3", "default"])
 def test_the_lean_rotary_tables_are_transformers_to_the_bit(architecture, default_model):
     """:meth:`LeanForward.rope` computes the rotary tables itself where the frequencies are
-    fixed: the same numbers as transformers' rotary module, bit for bit, at the first
-    positions, a long session's and far past the models' trained length, one row or a run."""
+    fixed (in blocks of positions, looked up): the same numbers as transformers' rotary
+    module, bit for bit, at the first positions, across a block's edge, a long session's and
+    far past the models' trained length; one row, a run, or rows of several caches at once."""
     if architecture == "default":
         model = default_model.model
     else:
@@ -186,9 +187,19 @@ def test_the_lean_rotary_tables_are_transformers_to_the_bit(architecture, defaul
     lean = LeanForward(model)
     assert lean.rotary.rope_type == "default"
     x = torch.zeros(1, model.config.hidden_size)
-    for positions in ([0], [1], [4095], [123_457], list(range(1000, 1016))):
+    edge = ROPE_BLOCK
+    for positions in (
+        [0],
+        [1],
+        [edge - 1],
+        list(range(edge - 3, edge + 5)),
+        [123_457],
+        list(range(1000, 1016)),
+        [7, 7, 300, 2 * edge + 1, 5],
+        [3, 40 * edge],
+    ):
         at = torch.tensor(positions)
-        cos, sin = lean.rope(x, at)
+        cos, sin = lean.rope(x, positions)
         want_cos, want_sin = lean.rotary(x[None], at[None])
         assert cos.shape == (len(positions), lean.head_dim) and cos.is_contiguous()
         assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])

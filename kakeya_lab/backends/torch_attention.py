@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -36,14 +37,24 @@ ATTN_IMPLEMENTATION = "kakeya_sink_window"
 @dataclass(frozen=True)
 class LayoutMask:
     """A forward's :class:`~kakeya_lab.backends.plan.KeyLayout` with its 4-D boolean
-    attention mask ``[1, 1, queries, columns]`` (True = attend) on the model's device."""
+    attention mask ``[1, 1, queries, columns]`` (True = attend) on the model's device, made
+    when first asked for (a one-token step that sees every column needs none)."""
 
     layout: KeyLayout
-    mask: torch.Tensor
+    device: torch.device
 
     @classmethod
     def of(cls, layout: KeyLayout, device: torch.device) -> LayoutMask:
-        return cls(layout, torch.from_numpy(layout.visible).to(device)[None, None])
+        return cls(layout, device)
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        return torch.from_numpy(self.layout.visible).to(self.device)[None, None]
+
+    @property
+    def sees_all(self) -> bool:
+        """Whether every query sees every column (then no mask is needed)."""
+        return bool(self.layout.visible.all())
 
     @property
     def num_columns(self) -> int:

@@ -38,7 +38,7 @@ from transformers import PreTrainedModel
 from kakeya_lab.backends.seam import CacheBackend, Forward, interrupts_deferred
 from kakeya_lab.backends.thread_pool import release_thread_pool
 from kakeya_lab.backends.torch_cache import SinkWindowCache
-from kakeya_lab.backends.torch_lean import LeanForward
+from kakeya_lab.backends.torch_lean import LeanForward, step_mask
 from kakeya_lab.tree import DraftTree
 
 MAX_BLOCK = 64  # a session's block in a batch (a token, a speculative block, a chat turn's
@@ -125,16 +125,13 @@ class BatchForward:
         self.rows += bounds[-1]
         caches = [s.cache for s in steps]
         x = lean.embed([t for s in steps for t in s.token_ids])  # [rows, hidden]
-        positions = torch.cat(
-            [torch.arange(p, p + n, device=x.device) for p, n in zip(starts, sizes)]
-        )
-        cos, sin = lean.rope(x, positions)
-        masks = []
+        cos, sin = lean.rope(x, [p for p0, n in zip(starts, sizes) for p in range(p0, p0 + n)])
+        # as a solo step: one token that sees every column needs no mask
+        masks, seen = [], []
         for s, n in zip(steps, sizes):
-            layout = s.cache.get_mask_sizes(n, 0)[1].mask
-            # as a solo step: one token that sees every column needs no mask
-            masks.append(None if n == 1 and bool(layout.all()) else layout)
-        seen = [None if m is None else m.reshape(n, -1).contiguous() for m, n in zip(masks, sizes)]
+            mask, rows_seen = step_mask(s.cache.get_mask_sizes(n, 0)[1], n)
+            masks.append(mask)
+            seen.append(rows_seen)
         for i in range(len(lean.layers)):
             x = lean.layer(i, x, cos, sin, caches, bounds, masks, seen)
         keep = [

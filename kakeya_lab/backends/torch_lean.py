@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from kakeya_lab.backends.torch_attention import LayoutMask
 from kakeya_lab.backends.torch_cache import SinkWindowCache
 from kakeya_lab.linear import (
     FEW_ROWS,
@@ -76,6 +77,7 @@ MAX_TOKENS = FEW_ROWS  # longer blocks (prefills) keep transformers' forward
 # rotary types whose frequencies transformers fixes at load (LeanForward.rope computes their
 # tables itself); the others (dynamic, longrope) change with the sequence: their module runs
 STATIC_ROPE = ("default", "linear", "llama3")
+ROPE_BLOCK = 2048  # positions per block of LeanForward.rope's tables
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,17 @@ class LeanLayer:
     down: nn.Linear
 
 
+def step_mask(layout: LayoutMask, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A lean step's mask of ``n`` rows from its cache's ``layout`` (what transformers'
+    forward is given), as :meth:`LeanForward.attend` (``[1, 1, n, columns]``) and as the
+    compiled operations (``[n, columns]``, contiguous) take it; both None for a one-token
+    step that sees every column (no mask: the cheaper path, and no tensor made)."""
+    if n == 1 and layout.sees_all:
+        return None, None
+    mask = layout.mask
+    return mask, mask.reshape(n, -1).contiguous()
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The rotary embedding of ``x`` ``[..., head_dim]`` (transformers' ``rotate_half`` form)."""
     half = x.shape[-1] // 2
@@ -237,6 +250,8 @@ class LeanForward:
         ]
         # each layer's operands where the whole layer can run as one compiled call
         self.compiled_layers = [self._compiled_operands(layer) for layer in self.layers]
+        # rope's tables: (first position, cos, sin), whole blocks of ROPE_BLOCK positions
+        self._rope_tables: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def _compiled_operands(self, layer: LeanLayer) -> CompiledLayer | None:
         """``layer``'s operands for one compiled call (float32 rows through the compiled step
@@ -392,22 +407,46 @@ class LeanForward:
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.embed_tokens.weight.device)
         return self.embed_tokens(ids)
 
-    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary tables ``(cos, sin)``, ``[rows, head_dim]`` in ``x``'s dtype, of the
-        rows at ``positions`` (``[rows]``, any positions: one cache's run or several):
-        transformers' rotary module's, computed directly where its frequencies are fixed
-        (the same float32 products, cosines and sines, without the module's autocast and
-        batching around them, which cost more than the arithmetic in a one-token step)."""
+    def rope(self, x: torch.Tensor, positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables ``(cos, sin)``, ``[rows, head_dim]`` in ``x``'s dtype (contiguous),
+        of the rows at ``positions`` (any positions: one cache's run or several):
+        transformers' rotary module's. Where its frequencies are fixed they are computed
+        with the same float32 products, cosines and sines for whole blocks of
+        :data:`ROPE_BLOCK` positions at a time and looked up (a one-token step would
+        otherwise spend more on the module's operations than on their arithmetic)."""
         rotary = self.rotary
         if getattr(rotary, "rope_type", None) not in STATIC_ROPE:
-            cos, sin = rotary(x[None], positions[None])
+            at = torch.tensor(list(positions), device=x.device)
+            cos, sin = rotary(x[None], at[None])
             return cos[0].contiguous(), sin[0].contiguous()
+        first, last, n = min(positions), max(positions), len(positions)
+        tables = self._rope_tables
+        if tables is None or not tables[0] <= first <= last < tables[0] + tables[1].shape[0]:
+            if last - first >= 4 * ROPE_BLOCK:  # far apart: just these rows
+                return self._rope_rows(torch.tensor(list(positions), device=x.device), x.dtype)
+            start = first - first % ROPE_BLOCK
+            count = (last + 1 - start + ROPE_BLOCK - 1) // ROPE_BLOCK * ROPE_BLOCK
+            at = torch.arange(start, start + count, device=x.device)
+            self._rope_tables = tables = (start, *self._rope_rows(at, x.dtype))
+        start, cos, sin = tables
+        if cos.dtype != x.dtype:
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        if last - first == n - 1 and list(positions) == list(range(first, last + 1)):
+            return cos[first - start : last + 1 - start], sin[first - start : last + 1 - start]
+        rows = torch.tensor([p - start for p in positions], device=x.device)
+        return cos[rows], sin[rows]
+
+    def _rope_rows(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables of ``positions`` as transformers' module computes them."""
+        rotary = self.rotary
         freqs = positions.to(torch.float32)[:, None] * rotary.inv_freq.to(torch.float32)[None]
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos(), angles.sin()
         if rotary.attention_scaling != 1.0:
             cos, sin = cos * rotary.attention_scaling, sin * rotary.attention_scaling
-        return cos.to(x.dtype), sin.to(x.dtype)
+        return cos.to(dtype), sin.to(dtype)
 
     def qkv(
         self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -592,11 +631,8 @@ class LeanForward:
         self.forwards += 1
         start = cache.next_position
         x = self.embed(token_ids)
-        cos, sin = self.rope(x, torch.arange(start, start + n, device=x.device))
-        layout = cache.get_mask_sizes(n, 0)[1].mask  # what transformers' forward is given
-        # a one-token step that sees every column needs no mask (SDPA's cheaper path)
-        mask = None if n == 1 and bool(layout.all()) else layout
-        seen = None if mask is None else mask.reshape(n, -1).contiguous()
+        cos, sin = self.rope(x, range(start, start + n))
+        mask, seen = step_mask(cache.get_mask_sizes(n, 0)[1], n)
         for i in range(len(self.layers)):
             x = self.layer(i, x, cos, sin, [cache], [0, n], [mask], [seen])
         return self.logits(x if all_rows else x[-1:])
