@@ -247,6 +247,36 @@ class Verifier:
             raise
         return logits
 
+    def append_copied(self, source: Verifier, token_ids: Sequence[int]) -> bool:
+        """Commit ``token_ids`` (the tokens right after this verifier's history) with the
+        keys and values ``source``'s cache holds for them at the same positions, instead of
+        a forward: how a draft model that is a copy of the verifier (its own weights,
+        quantised) takes a prompt the verifier already read, its steps after it being its
+        own. No logits (the next forward gives them). False, nothing changed, when it
+        cannot: another backend, no such entries (``source``'s history differs there, or it
+        evicted them), or layers of other shapes; then :meth:`append` them."""
+        ids = check_token_ids(token_ids, self.vocab_size)
+        start = len(self._history)
+        if (
+            self._pending
+            or source.backend_name != "torch"
+            or self.backend_name != "torch"
+            or source.history_len < start + len(ids)
+            or list(source._history[start : start + len(ids)]) != ids
+        ):
+            return False
+        self._discard_dangling()
+        with interrupts_deferred():
+            if not self.backend.cache.copy_entries(source.backend.cache, len(ids)):
+                return False
+            try:
+                self.backend.commit(len(ids))
+            except BaseException:
+                self.backend.rollback()
+                raise
+            self._history.extend(ids)
+        return True
+
     def _discard_dangling(self) -> None:
         """Drop provisional entries the verifier does not know about: a forward whose
         result never reached ``_pending`` because an interrupt struck in between."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pandas as pd
 import pytest
@@ -142,6 +143,81 @@ def test_speculative_session_matches_plain_across_turns(default_model):
             assert info.speculative.steps > 0 and info.speculative.tau >= 1.0
     assert outputs["ngram"] == outputs["plain"]
     assert outputs["early"] == outputs["plain"]
+
+
+@pytest.mark.slow  # loads the default model's int4 copy: the full suite runs it
+def test_a_draft_of_the_verifiers_own_weights_copies_each_prompt(default_model):
+    """A ``draft:`` model loaded from the verifier's own weights (its int4 copy: the same
+    weight sha256) takes each user turn into its cache as the verifier's keys and values
+    rather than reading it again; over several turns past both windows (the first prompt
+    longer than the draft's window, so only what the draft keeps is copied) the stream is
+    plain decoding's, and a draft of other weights reads its prompts itself."""
+    from kakeya_lab import load_model
+    from kakeya_lab.chat import ChatTemplate
+
+    model, tok = default_model.model, default_model.tokenizer
+    config = SinkWindowConfig(sink=4, window=48)
+    sha = default_model.description.weight_sha256
+    own = load_model(default_model.description.name, dtype=torch.float32, linear="int4")
+    assert own.description.weight_sha256 == sha
+    long_user = " ".join(["Tell me about the sea, the ships and the harbour."] * 8)
+    outputs = {}
+    for label, proposer in (
+        ("plain", None),
+        (
+            "own",
+            make_proposer("draft:own", model, config, tok, draft_model=own, verifier_sha256=sha),
+        ),
+        ("other", make_proposer("draft:own", model, config, tok, draft_model=own)),
+    ):
+        store = SessionStore(model, replace(config, window=64))
+        sid = store.create()
+        chat = ChatTemplate(tok)
+        toks = []
+        for user in [long_user, "Name three colours.", "And three more?"]:
+            store.append(sid, chat.user(user))
+            events = list(store.generate(sid, 16, proposer=proposer, draft_length=4))
+            reply = [e.id for e in events if isinstance(e, Token)]
+            chat.generated(reply, eos_token_ids=store.eos_token_ids)
+            toks += reply
+        outputs[label] = (toks, proposer)
+        assert store.info(sid).history_len > 64
+    assert outputs["own"][0] == outputs["plain"][0] == outputs["other"][0]
+    own_proposer, other = outputs["own"][1], outputs["other"][1]
+    assert own_proposer.describe()["prompt"] == "copied from the verifier"
+    assert own_proposer.copied_tokens > len(long_user.split())  # every turn's prompt
+    assert other.describe()["prompt"] == "forwarded" and other.copied_tokens == 0
+
+
+@pytest.mark.parametrize("mode", ["global", "rolling"])
+def test_copied_entries_are_the_forward_s(tiny_model, mode):
+    """A cache given another cache's entries of the same model (``Verifier.append_copied``)
+    holds what appending them would hold and then steps to the oracle's logits, also when
+    the source no longer holds the ones it evicts (a prompt past the window); when the
+    source lacks one it would keep, or another history stands there, nothing changes."""
+    model = tiny_model.model
+    config = SinkWindowConfig(sink=2, window=10, positions=mode)
+    rng = random.Random(3)
+    ids = [rng.randrange(1000, 30000) for _ in range(60)]
+    source = Verifier(model, config)
+    source.append(ids[:30])  # holds the sinks and the last 10: 0, 1, 20..29
+    copied = Verifier(model, config)
+    assert copied.append_copied(source, ids[:30])
+    appended = Verifier(model, config)
+    appended.append(ids[:30])
+    assert copied.history_token_ids == appended.history_token_ids == ids[:30]
+    assert copied.cached_positions() == appended.cached_positions() == [0, 1, *range(20, 30)]
+    got = torch.stack([copied.append([t]) for t in ids[30:45]])
+    want = reference.oracle_logits(model, ids[:45], config)[30:]
+    assert (got - want).abs().max().item() <= 1e-4
+    wider = Verifier(model, replace(config, window=20))  # would keep 10..19, evicted there
+    later = Verifier(model, config)
+    source.append(ids[30:35])  # now holds 25..34: the copy's 20..24 are gone
+    other = Verifier(model, config)
+    for verifier, tokens in ((wider, ids[:30]), (later, ids[:30]), (other, ids[1:31])):
+        assert not verifier.append_copied(source, tokens)
+        assert (verifier.history_len, verifier.cache_len, verifier.pending_len) == (0, 0, 0)
+        assert verifier.backend.next_position == 0
 
 
 # ----------------------------------------------------------- rejection sampling

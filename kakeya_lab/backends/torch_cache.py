@@ -379,6 +379,52 @@ class SinkWindowCache(Cache):
         self._next_layer = layer_idx + 1
         return (*slots, block.stop)
 
+    @torch.inference_mode()
+    def copy_entries(self, source: SinkWindowCache, n: int) -> bool:
+        """Write the next ``n`` positions' keys and values as ``source`` holds them (a cache
+        of a model with the same layer shapes and rotary embedding, for a draft model that
+        is a copy of the verifier: the verifier's entries of a prompt instead of a forward of
+        its own) as a provisional block, as a forward would leave it (then ``commit``, or
+        ``rollback``). A position ``source`` no longer holds is left unwritten when this
+        cache's commit of the block evicts it (a prompt longer than the window: only its
+        sinks and last ``window`` entries matter). False, nothing changed, when ``source``
+        lacks a position this cache would keep (it holds committed entries only) or its
+        layers differ in shape."""
+        start = self.next_position
+        sizes = (len(self.layers), self.num_kv_heads, self.head_dim)
+        if n < 1 or sizes != (len(source.layers), source.num_kv_heads, source.head_dim):
+            return False
+        held = source.plan.positions.copy()
+        held[source.plan.pending_slots] = -1  # provisional there: not the source's to give
+        slots = np.full(n, -1, dtype=np.int64)
+        found = np.nonzero((held >= start) & (held < start + n))[0]
+        slots[held[found] - start] = found
+        lacking = start + np.nonzero(slots < 0)[0]
+        window, sink = self.config.window, self.config.sink
+        if lacking.size and (
+            window is None or (lacking < sink).any() or (lacking >= start + n - window).any()
+        ):
+            return False  # this cache would keep one of them
+        sources = source.sink_window_layers
+        if not all(layer.is_initialized for layer in sources):
+            return False
+        self.open_block(n)
+        block = self._block
+        assert block is not None
+        rows = np.nonzero(slots >= 0)[0]  # the block's rows source holds
+        at = block.slots[torch.from_numpy(rows).to(self.device)]
+        index = torch.from_numpy(slots[rows]).to(self.device)
+        for mine, theirs in zip(self.sink_window_layers, sources):
+            their_keys, their_values = theirs.storage()
+            if not mine.is_initialized:
+                mine.lazy_initialization(their_keys[:, :, :0], their_values[:, :, :0])
+            keys, values = mine._planned_storage()
+            keys[:, :, at] = their_keys[:, :, index].to(keys.dtype)
+            values[:, :, at] = their_values[:, :, index].to(values.dtype)
+        self._opened = False
+        self._next_layer = len(self.layers)
+        return True
+
     def _check_forward_complete(self) -> None:
         if self._opened or self._next_layer not in (0, len(self.layers)):
             raise RuntimeError(

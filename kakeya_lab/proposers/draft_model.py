@@ -4,6 +4,7 @@ sink-window cache; the torch backend runs its steps through the lean forward whe
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -31,9 +32,20 @@ class DraftModelProposer:
     cache keeps the accepted drafts and drops the rest. With ``lean`` (the default) a model
     :class:`~kakeya_lab.backends.torch_lean.LeanForward` supports runs its one-token steps through it
     (cheaper on CPU, rounded differently; ``describe()["forward"]`` says which ran).
+
+    With ``copy_prompt`` (for a draft model that is the verifier's own weights, e.g. its
+    quantised copy: the same layer shapes and rotary embedding) a stretch of at least
+    :data:`COPY_AT_LEAST` new tokens the verifier already read (a user turn) is taken into
+    the draft cache as the verifier's keys and values (``Verifier.append_copied``) rather
+    than through a forward of its own, which on a CPU costs about what the verifier's
+    prefill does; only the last token of the context is forwarded (its logits start the
+    draft). The decoder gives the verifier (``bind``); without it, or where the verifier
+    no longer holds those entries, the draft appends them itself. The verifier checks every
+    draft, so the stream is the same either way; ``copied_tokens`` counts the tokens taken.
     """
 
     name = "draft_model"
+    COPY_AT_LEAST = 4  # shorter stretches (a step's accepted tail) the draft forwards itself
 
     def __init__(
         self,
@@ -44,6 +56,7 @@ class DraftModelProposer:
         verifier_tokenizer=None,
         label: str | None = None,
         lean: bool = True,
+        copy_prompt: bool = False,
     ):
         check_same_tokenizer(tokenizer, verifier_tokenizer)
         self.model = model
@@ -54,9 +67,17 @@ class DraftModelProposer:
             or type(model).__name__
         )
         self.lean = lean
+        self.copy_prompt = copy_prompt
+        self.copied_tokens = 0
+        self._source: weakref.ref[Verifier] | None = None  # the verifier (bind), weakly
         self.verifier = self._new_cache()
         self._next_logits: torch.Tensor | None = None
         self._rows: list[torch.Tensor] = []
+
+    def bind(self, verifier: Verifier) -> None:
+        """The verifier this proposer drafts for (the decoder calls it): with
+        ``copy_prompt``, where a prompt's keys and values are copied from."""
+        self._source = weakref.ref(verifier) if self.copy_prompt else None
 
     def _new_cache(self) -> Verifier:
         return Verifier(self.model, self.config, lean=self.lean)
@@ -78,6 +99,14 @@ class DraftModelProposer:
             self.verifier = v = self._new_cache()
             n, self._next_logits = 0, None
         new = context[n:]
+        source = self._source() if self._source is not None else None
+        if (
+            source is not None
+            and len(new) > self.COPY_AT_LEAST
+            and v.append_copied(source, new[:-1])
+        ):
+            self.copied_tokens += len(new) - 1
+            new = new[-1:]
         if new:
             self._next_logits = v.append(new)
         if self._next_logits is None:
@@ -120,6 +149,7 @@ class DraftModelProposer:
             "model": self.label,
             "cache": self.config.to_dict(),
             "forward": "lean" if self.lean_forward is not None else "transformers",
+            "prompt": "copied from the verifier" if self.copy_prompt else "forwarded",
         }
 
 
@@ -148,7 +178,10 @@ def build(argument: str, request: ProposerRequest) -> DraftModelProposer:
     kernel, else the request's ``draft_linear``, else the verifier's (``int8``/``int4``:
     quantised weights, cheaper steps on CPU, :mod:`kakeya_lab.linear`). Its own sink-window
     cache keeps the config's sinks and positions and ``draft_window`` recent entries
-    (default: the config's window); its tokenizer must equal the verifier's."""
+    (default: the config's window); its tokenizer must equal the verifier's. A draft model
+    loaded from the verifier's own weights (the same ``weight_sha256`` as the request's
+    ``verifier_sha256``: a quantised copy) copies each prompt's keys and values from the
+    verifier (``copy_prompt``) instead of reading the prompt again."""
     from kakeya_lab.models.load import LoadedModel
 
     _, kernel = draft_model_spec(argument)
@@ -167,10 +200,16 @@ def build(argument: str, request: ProposerRequest) -> DraftModelProposer:
     # PreTrainedModel's own ``.model`` is its base without the lm_head)
     loaded = isinstance(draft_model, LoadedModel)
     config = request.config
+    own_weights = (
+        loaded
+        and request.verifier_sha256 is not None
+        and draft_model.description.weight_sha256 == request.verifier_sha256
+    )
     return DraftModelProposer(
         draft_model.model if loaded else draft_model,
         config if request.draft_window is None else replace(config, window=request.draft_window),
         tokenizer=draft_model.tokenizer if loaded else None,
         verifier_tokenizer=request.tokenizer,
         label=argument,
+        copy_prompt=own_weights,
     )
