@@ -266,10 +266,10 @@ class Verifier:
         ):
             return False
         self._discard_dangling()
-        with interrupts_deferred():
-            if not self.backend.cache.copy_entries(source.backend.cache, len(ids)):
-                return False
+        with interrupts_deferred():  # copied and committed as a whole, or not at all
             try:
+                if not self.backend.cache.copy_entries(source.backend.cache, len(ids)):
+                    return False
                 self.backend.commit(len(ids))
             except BaseException:
                 self.backend.rollback()
