@@ -253,8 +253,8 @@ class Verifier:
         a forward: how a draft model that is a copy of the verifier (its own weights,
         quantised) takes a prompt the verifier already read, its steps after it being its
         own. No logits (the next forward gives them). False, nothing changed, when it
-        cannot: another backend, no such entries (``source``'s history differs there, or it
-        evicted them), or layers of other shapes; then :meth:`append` them."""
+        cannot: another backend, no such entries (``source``'s history differs there or
+        before, or it evicted them), or layers of other shapes; then :meth:`append` them."""
         ids = check_token_ids(token_ids, self.vocab_size)
         start = len(self._history)
         if (
@@ -262,13 +262,14 @@ class Verifier:
             or source.backend_name != "torch"
             or self.backend_name != "torch"
             or source.history_len < start + len(ids)
-            or list(source._history[start : start + len(ids)]) != ids
+            or source._history[: start + len(ids)] != self._history + ids
         ):
             return False
         self._discard_dangling()
+        dtype = getattr(self.model, "dtype", None) or torch.float32
         with interrupts_deferred():  # copied and committed as a whole, or not at all
             try:
-                if not self.backend.cache.copy_entries(source.backend.cache, len(ids)):
+                if not self.backend.cache.copy_entries(source.backend.cache, len(ids), dtype):
                     return False
                 self.backend.commit(len(ids))
             except BaseException:

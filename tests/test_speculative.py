@@ -210,6 +210,10 @@ def test_copied_entries_are_the_forward_s(tiny_model, mode):
     got = torch.stack([copied.append([t]) for t in ids[30:45]])
     want = reference.oracle_logits(model, ids[:45], config)[30:]
     assert (got - want).abs().max().item() <= 1e-4
+    half = Verifier(copy.deepcopy(model).to(torch.bfloat16), config)  # storage in its dtype
+    assert half.append_copied(source, ids[:30])
+    assert half.backend.cache.sink_window_layers[0].storage()[0].dtype == torch.bfloat16
+    assert int(half.append([ids[30]]).argmax()) == int(want[0].argmax())
     wider = Verifier(model, replace(config, window=20))  # would keep 10..19, evicted there
     later = Verifier(model, config)
     source.append(ids[30:35])  # now holds 25..34: the copy's 20..24 are gone

@@ -199,10 +199,12 @@ def test_the_lean_rotary_tables_are_transformers_to_the_bit(architecture, defaul
         [3, 40 * edge],
     ):
         at = torch.tensor(positions)
-        cos, sin = lean.rope(x, positions)
-        want_cos, want_sin = lean.rotary(x[None], at[None])
-        assert cos.shape == (len(positions), lean.head_dim) and cos.is_contiguous()
-        assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
+        for rows in (x, x.to(torch.bfloat16)):  # the tables are float32, cast as the module casts
+            cos, sin = lean.rope(rows, positions)
+            want_cos, want_sin = lean.rotary(rows[None], at[None])
+            assert cos.shape == (len(positions), lean.head_dim) and cos.is_contiguous()
+            assert cos.dtype == rows.dtype
+            assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
 
 
 def test_an_opened_block_is_a_begun_forward(tiny_model, text_ids, record_tolerance):

@@ -380,7 +380,7 @@ class SinkWindowCache(Cache):
         return (*slots, block.stop)
 
     @torch.inference_mode()
-    def copy_entries(self, source: SinkWindowCache, n: int) -> bool:
+    def copy_entries(self, source: SinkWindowCache, n: int, dtype: torch.dtype) -> bool:
         """Write the next ``n`` positions' keys and values as ``source`` holds them (a cache
         of a model with the same layer shapes and rotary embedding, for a draft model that
         is a copy of the verifier: the verifier's entries of a prompt instead of a forward of
@@ -389,7 +389,8 @@ class SinkWindowCache(Cache):
         cache's commit of the block evicts it (a prompt longer than the window: only its
         sinks and last ``window`` entries matter). False, nothing changed, when ``source``
         lacks a position this cache would keep (it holds committed entries only) or its
-        layers differ in shape."""
+        layers differ in shape. ``dtype``: this cache's model's, which its storage takes
+        (converted from ``source``'s)."""
         start = self.next_position
         sizes = (len(self.layers), self.num_kv_heads, self.head_dim)
         if n < 1 or sizes != (len(source.layers), source.num_kv_heads, source.head_dim):
@@ -417,7 +418,9 @@ class SinkWindowCache(Cache):
         for mine, theirs in zip(self.sink_window_layers, sources):
             their_keys, their_values = theirs.storage()
             if not mine.is_initialized:
-                mine.lazy_initialization(their_keys[:, :, :0], their_values[:, :, :0])
+                mine.lazy_initialization(
+                    their_keys[:, :, :0].to(dtype), their_values[:, :, :0].to(dtype)
+                )
             keys, values = mine._planned_storage()
             keys[:, :, at] = their_keys[:, :, index].to(keys.dtype)
             values[:, :, at] = their_values[:, :, index].to(values.dtype)

@@ -285,9 +285,10 @@ class LeanForward:
 
     def compiled_for(self, i: int, x: torch.Tensor, caches: int) -> bool:
         """Whether layer ``i`` of the rows ``x`` of ``caches`` caches runs as one compiled
-        call (:meth:`compiled_layer`): an ``int4-vnni`` layer for one cache; a full-precision layer where its kernel runs ``split`` for this
-        many rows (at most the few-row product's 16, two threads or more: then the compiled
-        layer's products are that kernel's few-row product) and its output and down
+        call (:meth:`compiled_layer`): an ``int4-vnni`` layer for one cache; a
+        full-precision layer where its kernel runs ``split`` for this many rows (at most the
+        few-row product's 16, two threads or more: then the compiled layer's products are
+        that kernel's few-row product) and its output and down
         projections, which the operations one by one call as modules, have no forward hooks
         (a hook sees what it would see without the compiled layer) and still hold the weights
         it was built with."""
@@ -420,33 +421,39 @@ class LeanForward:
             cos, sin = rotary(x[None], at[None])
             return cos[0].contiguous(), sin[0].contiguous()
         first, last, n = min(positions), max(positions), len(positions)
-        tables = self._rope_tables
-        if tables is None or not tables[0] <= first <= last < tables[0] + tables[1].shape[0]:
+        tables = self._rope_tables  # float32, as the module computes them before its cast
+        if (
+            tables is None
+            or tables[1].device != x.device
+            or not tables[0] <= first <= last < tables[0] + tables[1].shape[0]
+        ):
             if last - first >= 4 * ROPE_BLOCK:  # far apart: just these rows
-                return self._rope_rows(torch.tensor(list(positions), device=x.device), x.dtype)
+                at = torch.tensor(list(positions), device=x.device)
+                cos, sin = self._rope_rows(at)
+                return cos.to(x.dtype), sin.to(x.dtype)
             start = first - first % ROPE_BLOCK
             count = (last + 1 - start + ROPE_BLOCK - 1) // ROPE_BLOCK * ROPE_BLOCK
             at = torch.arange(start, start + count, device=x.device)
-            self._rope_tables = tables = (start, *self._rope_rows(at, x.dtype))
+            self._rope_tables = tables = (start, *self._rope_rows(at))
         start, cos, sin = tables
-        if cos.dtype != x.dtype:
-            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         if last - first == n - 1 and list(positions) == list(range(first, last + 1)):
-            return cos[first - start : last + 1 - start], sin[first - start : last + 1 - start]
-        rows = torch.tensor([p - start for p in positions], device=x.device)
-        return cos[rows], sin[rows]
+            cos, sin = cos[first - start : last + 1 - start], sin[first - start : last + 1 - start]
+        else:
+            rows = torch.tensor([p - start for p in positions], device=x.device)
+            cos, sin = cos[rows], sin[rows]
+        return cos.to(x.dtype), sin.to(x.dtype)
 
-    def _rope_rows(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary tables of ``positions`` as transformers' module computes them."""
+    def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 rotary tables of ``positions`` as transformers' module computes them
+        (before it casts them to the rows' dtype)."""
         rotary = self.rotary
         freqs = positions.to(torch.float32)[:, None] * rotary.inv_freq.to(torch.float32)[None]
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos(), angles.sin()
-        if rotary.attention_scaling != 1.0:
-            cos, sin = cos * rotary.attention_scaling, sin * rotary.attention_scaling
-        return cos.to(dtype), sin.to(dtype)
+        scaling = getattr(rotary, "attention_scaling", 1.0)
+        if scaling != 1.0:
+            cos, sin = cos * scaling, sin * scaling
+        return cos, sin
 
     def qkv(
         self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
