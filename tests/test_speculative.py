@@ -190,7 +190,7 @@ def test_a_draft_of_the_verifiers_own_weights_copies_each_prompt(default_model):
 
 
 @pytest.mark.parametrize("mode", ["global", "rolling"])
-def test_copied_entries_are_the_forward_s(tiny_model, mode):
+def test_copied_entries_are_what_a_forward_leaves(tiny_model, mode):
     """A cache given another cache's entries of the same model (``Verifier.append_copied``)
     holds what appending them would hold and then steps to the oracle's logits, also when
     the source no longer holds the ones it evicts (a prompt past the window); when the

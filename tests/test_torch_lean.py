@@ -78,10 +78,10 @@ def test_split_lean_steps_run_whole_layers_compiled_and_match_the_oracle(
 ):
     """On ``split`` with two threads a lean step runs each layer, the first too (its block
     opened first), as one compiled call (``native/layer.cpp``; wherever the block is one run
-    of slots: always in global positions, in rolling ones not when sink copies are due). One-token steps past
-    eviction give the oracle's logits (the same kernel's), as the same steps with the layers
-    one by one do; the two differ only in their one-row products (the compiled few-row
-    product against MKL's)."""
+    of slots: always in global positions, in rolling ones not when sink copies are due).
+    One-token steps past eviction give the oracle's logits (the same kernel's), as the same
+    steps with the layers one by one do; the two differ only in their one-row products (the
+    compiled few-row product against MKL's)."""
     if "avx512f" not in cpu_identity()["cpu_flags"]:
         pytest.skip("the compiled kernels need AVX-512")
     model = default_model.model
