@@ -17,7 +17,7 @@ from oracle_cases import blocks_with_rollback, check_close, chunked, token_by_to
 from transformers import AutoModelForCausalLM
 
 from kakeya_lab import SinkWindowConfig, load_model
-from kakeya_lab.backends.torch_lean import MAX_TOKENS, ROPE_BLOCK, LeanForward
+from kakeya_lab.backends.torch_lean import MAX_TOKENS, ROPE_BLOCK, ROPE_BLOCKS_KEPT, LeanForward
 from kakeya_lab.bench.speculative import greedy_streams_identical, run_speculative
 from kakeya_lab.bench.speculative_settings import SpeculativeSettings
 from kakeya_lab.data import domain_conversations
@@ -177,9 +177,11 @@ def test_an_int4_lean_draft_keeps_speculative_decoding_lossless_past_eviction(de
 @pytest.mark.parametrize("architecture", ["llama", "qwen3", "default"])
 def test_the_lean_rotary_tables_are_transformers_to_the_bit(architecture, default_model):
     """:meth:`LeanForward.rope` computes the rotary tables itself where the frequencies are
-    fixed (in blocks of positions, looked up): the same numbers as transformers' rotary
-    module, bit for bit, at the first positions, across a block's edge, a long session's and
-    far past the models' trained length; one row, a run, or rows of several caches at once."""
+    fixed (in blocks of positions, looked up, a few blocks kept): the same numbers as
+    transformers' rotary module, bit for bit, at the first positions, on both sides of a
+    block's edge and across it, a long session's and far past the models' trained length;
+    one row, a run, or rows of several caches at once; and sessions far apart stepping in
+    turn keep no more than a few blocks."""
     if architecture == "default":
         model = default_model.model
     else:
@@ -192,6 +194,8 @@ def test_the_lean_rotary_tables_are_transformers_to_the_bit(architecture, defaul
         [0],
         [1],
         [edge - 1],
+        [edge],
+        list(range(edge, edge + 8)),
         list(range(edge - 3, edge + 5)),
         [123_457],
         list(range(1000, 1016)),
@@ -205,6 +209,10 @@ def test_the_lean_rotary_tables_are_transformers_to_the_bit(architecture, defaul
             assert cos.shape == (len(positions), lean.head_dim) and cos.is_contiguous()
             assert cos.dtype == rows.dtype
             assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
+    for p in [b * edge + 5 for b in range(3 * ROPE_BLOCKS_KEPT)] * 2:  # far-apart sessions
+        cos, _ = lean.rope(x, [p])
+        assert torch.equal(cos, lean.rotary(x[None], torch.tensor([[p]]))[0][0])
+    assert len(lean._rope_blocks) == ROPE_BLOCKS_KEPT
 
 
 def test_an_opened_block_is_a_begun_forward(tiny_model, text_ids, record_tolerance):

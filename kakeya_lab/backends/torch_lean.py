@@ -78,6 +78,7 @@ MAX_TOKENS = FEW_ROWS  # longer blocks (prefills) keep transformers' forward
 # tables itself); the others (dynamic, longrope) change with the sequence: their module runs
 STATIC_ROPE = ("default", "linear", "llama3")
 ROPE_BLOCK = 2048  # positions per block of LeanForward.rope's tables
+ROPE_BLOCKS_KEPT = 8  # blocks kept (sessions far apart each keep theirs; ~1 MB a block)
 
 
 @dataclass(frozen=True)
@@ -250,8 +251,8 @@ class LeanForward:
         ]
         # each layer's operands where the whole layer can run as one compiled call
         self.compiled_layers = [self._compiled_operands(layer) for layer in self.layers]
-        # rope's tables: (first position, cos, sin), whole blocks of ROPE_BLOCK positions
-        self._rope_tables: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        # rope's float32 tables (cos, sin) by (block of ROPE_BLOCK positions, device)
+        self._rope_blocks: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _compiled_operands(self, layer: LeanLayer) -> CompiledLayer | None:
         """``layer``'s operands for one compiled call (float32 rows through the compiled step
@@ -414,33 +415,33 @@ class LeanForward:
         transformers' rotary module's. Where its frequencies are fixed they are computed
         with the same float32 products, cosines and sines for whole blocks of
         :data:`ROPE_BLOCK` positions at a time and looked up (a one-token step would
-        otherwise spend more on the module's operations than on their arithmetic)."""
+        otherwise spend more on the module's operations than on their arithmetic); the
+        :data:`ROPE_BLOCKS_KEPT` blocks made last are kept, so sessions far apart stepping
+        in turn each find theirs; rows of several blocks are computed directly."""
         rotary = self.rotary
         if getattr(rotary, "rope_type", None) not in STATIC_ROPE:
             at = torch.tensor(list(positions), device=x.device)
             cos, sin = rotary(x[None], at[None])
             return cos[0].contiguous(), sin[0].contiguous()
-        first, last, n = min(positions), max(positions), len(positions)
-        tables = self._rope_tables  # float32, as the module computes them before its cast
-        if (
-            tables is None
-            or tables[1].device != x.device
-            or not tables[0] <= first <= last < tables[0] + tables[1].shape[0]
-        ):
-            if last - first >= 4 * ROPE_BLOCK:  # far apart: just these rows
-                at = torch.tensor(list(positions), device=x.device)
-                cos, sin = self._rope_rows(at)
-                return cos.to(x.dtype), sin.to(x.dtype)
-            start = first - first % ROPE_BLOCK
-            count = (last + 1 - start + ROPE_BLOCK - 1) // ROPE_BLOCK * ROPE_BLOCK
-            at = torch.arange(start, start + count, device=x.device)
-            self._rope_tables = tables = (start, *self._rope_rows(at))
-        start, cos, sin = tables
-        if last - first == n - 1 and list(positions) == list(range(first, last + 1)):
-            cos, sin = cos[first - start : last + 1 - start], sin[first - start : last + 1 - start]
+        block = min(positions) // ROPE_BLOCK
+        if max(positions) // ROPE_BLOCK != block:  # rows of several blocks: computed
+            cos, sin = self._rope_rows(torch.tensor(list(positions), device=x.device))
+            return cos.to(x.dtype), sin.to(x.dtype)
+        key = (block, x.device)
+        tables = self._rope_blocks.get(key)
+        if tables is None:
+            if len(self._rope_blocks) >= ROPE_BLOCKS_KEPT:  # the oldest goes
+                self._rope_blocks.pop(next(iter(self._rope_blocks)), None)
+            start = block * ROPE_BLOCK
+            at = torch.arange(start, start + ROPE_BLOCK, device=x.device)
+            tables = self._rope_blocks[key] = self._rope_rows(at)
+        cos, sin = tables
+        rows = [p - block * ROPE_BLOCK for p in positions]
+        if rows == list(range(rows[0], rows[0] + len(rows))):  # one run: a slice
+            cos, sin = cos[rows[0] : rows[0] + len(rows)], sin[rows[0] : rows[0] + len(rows)]
         else:
-            rows = torch.tensor([p - start for p in positions], device=x.device)
-            cos, sin = cos[rows], sin[rows]
+            index = torch.tensor(rows, device=x.device)
+            cos, sin = cos[index], sin[index]
         return cos.to(x.dtype), sin.to(x.dtype)
 
     def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
