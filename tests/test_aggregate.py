@@ -108,6 +108,21 @@ def test_prefill_flat_vs_history_slope_and_drift():
     assert prefill_flat_vs_history(flat.iloc[0:0], budget_tokens=8)["reason"] == "no turns"
 
 
+def test_prefill_flat_vs_history_when_the_adjusted_first_p50_is_not_positive():
+    # A tiny model on a busy machine: the first bucket's long messages ran fast, so its
+    # length-adjusted p50 comes out below zero and a relative drift has no meaning. The
+    # gate says so (a long run reports at every turn; this once failed to format).
+    message = [30, 30, 30, 30, 2, 30, 2, 2, 2, 2, 30, 2]
+    latency = [0.002] * 4 + [0.001 * m for m in message[4:]]
+    n = len(message)
+    history = [100 + 10 * (i % 4) for i in range(n)]
+    df = table([1] * n, latency, [8] * n, history=history).assign(user_tokens=message)
+    out = prefill_flat_vs_history(df, budget_tokens=8, size=4)
+    assert out["covariate"] == "user_tokens" and out["drift"]["full_buckets"] == 3
+    assert out["drift"]["first_p50_s"] < 0 and out["drift"]["drift_pct"] is None
+    assert not out["bounded"] and "not defined" in out["reason"]
+
+
 def test_prefill_flat_vs_history_adjusts_for_message_length():
     # Later messages are shorter: a session-bound arm's append latency falls with history
     # although nothing depends on history. The partial slope (user_tokens as a covariate)

@@ -339,6 +339,12 @@ def prefill_flat_vs_history(
             if slope > 0
             else "append latency slope differs from zero"
         )
+    elif drift["drift_pct"] is None:
+        # the length adjustment can move a fast first bucket's p50 to zero or below
+        out["reason"] = (
+            f"the first full bucket's p50 is {drift['first_p50_s']:.3g}s after the length "
+            "adjustment: its relative drift is not defined (not measured)"
+        )
     elif not within:
         out["reason"] = f"last bucket p50 differs {drift['drift_pct']:.1f}% from the first"
     else:
