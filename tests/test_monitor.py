@@ -8,6 +8,7 @@ import base64
 import json
 import threading
 import time
+import traceback
 
 import numpy as np
 import pytest
@@ -67,7 +68,7 @@ def test_the_run_monitor_follows_a_running_long_run_to_its_end(tmp_path, tiny_mo
         seen.append(_kv_points(monitor))
         time.sleep(0.05)
     runner.join(60)
-    assert not errors, errors
+    assert not errors, "".join(traceback.format_exception(errors[0]))
     end = time.monotonic() + 60
     while monitor.running and time.monotonic() < end:  # it stops by itself at the end
         time.sleep(0.05)
