@@ -33,6 +33,7 @@ VERIFIER_KERNELS = (
     "aten",
     "onednn",
     "split",
+    "exact",
     "auto",
 )  # --linear: the quantised kernels are for draft models
 POSITIONS = ("global", "rolling")
@@ -137,15 +138,17 @@ def add_cache(p: argparse.ArgumentParser, *, window: int, positions: bool = True
 
 
 def add_linear(p: argparse.ArgumentParser) -> None:
-    """``--linear aten|onednn|split|auto``: the torch verifier's linear-layer kernel."""
+    """``--linear aten|onednn|split|exact|auto``: the torch verifier's linear-layer kernel."""
     p.add_argument(
         "--linear",
         choices=list(VERIFIER_KERNELS),
         default="aten",
         help="the torch model's linear-layer kernel: aten (PyTorch's default), onednn "
         "(oneDNN's; on CPU a block of a few draft tokens costs little more than one token), "
-        "split (each product's output rows split over the threads) or auto (the fastest of "
-        "them on this machine for each row count, measured once and cached)",
+        "split (each product's output rows split over the threads), exact (split's numbers, "
+        "each weight read from its exact 4- or 8-bit form where it has one, as a dequantised "
+        "GGUF's) or auto (the fastest of them on this machine for each row count, measured "
+        "once and cached)",
     )
 
 

@@ -31,6 +31,16 @@ a block of a few tokens costs little more than one (the output rows still split 
 threads), one row reads the weights faster than MKL's matrix-vector product, it rounds at
 least as closely as MKL, and a row's output does not depend on the rows that come with it.
 
+``exact`` computes ``split``'s numbers, to the bit, from fewer bytes. The store's models are
+dequantised GGUF files, and a GGUF's 4-bit (``Q4_1``) and 8-bit (``Q8_0``) blocks dequantise
+to float32 weights that are exactly ``q * d + m`` or ``q * d`` per group of 32 inputs (small
+integers ``q``, a float16 ``d``). Where a weight is so (the default model's every weight is),
+``exact`` reads it in that form (:mod:`kakeya_lab.native.exact`: found and packed on first use,
+kept beside the weight, 0.75 or 1.125 bytes a weight instead of 4) and rebuilds each float32
+weight in registers before the same multiply-adds in the same order as the few-row product;
+other weights, and more than 16 rows, run ``split``. It changes no number, so it is plain
+decoding of the same model, a candidate for the fastest plain baseline like the others.
+
 Which of them is fastest depends on the CPU: ``auto`` measures them all on this machine
 for one to sixteen rows and for a prefill chunk, caches the choice on disk per model, dtype,
 CPU, torch version and thread count, and runs each call on the winner for its row count
@@ -70,6 +80,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kakeya_lab.linear_kernels import FULL_PRECISION, KERNELS
+from kakeya_lab.native import exact
 from kakeya_lab.native import int4 as int4_kernel
 from kakeya_lab.native.build import compiled
 from kakeya_lab.native.rows import rows_product
@@ -78,7 +89,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 QUANTISED = ("int8", "int4", "int4-vnni")  # the kernels that multiply by a quantised copy
 # bumped whenever a kernel's implementation changes, so "auto" choices cached on disk from
 # timings of the earlier implementation are measured again (part of their key)
-KERNEL_REVISION = 7
+KERNEL_REVISION = 8
 INT4_GROUP = 32  # inputs per int4 scale and offset (the kernel takes 32, 64, 128 or 256)
 
 
@@ -148,8 +159,37 @@ def _split_linear(
     return out if bias is None else out + bias
 
 
+def _exact_linear(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    input: torch.Tensor,  # noqa: A002
+) -> torch.Tensor:
+    """``F.linear(input, weight, bias)`` with the weight read from its exact integer form
+    (:mod:`kakeya_lab.native.exact`: a dequantised 4- or 8-bit GGUF block's) for 1 to 16
+    float32 rows, the same bits as ``split``'s; ``split``'s product for a weight that has no
+    such form and for other rows."""
+    rows = input.reshape(-1, input.shape[-1]) if input.dim() else input
+    if (
+        input.dim()
+        and 1 <= rows.shape[0] <= exact.MAX_ROWS
+        and input.dtype == weight.dtype == torch.float32
+        and not _recording(weight, input)
+    ):
+        form = exact.packed(weight)
+        out = exact.exact_product(rows, form) if form is not None else None
+        if out is not None:
+            out = out.reshape(*input.shape[:-1], weight.shape[0])
+            return out if bias is None else out + bias
+    return _split_linear(weight, bias, input)
+
+
 # each full-precision kernel's product, ``(weight, bias, input) -> output``
-FULL_PRECISION_PRODUCTS = {"aten": _aten_linear, "onednn": _onednn_linear, "split": _split_linear}
+FULL_PRECISION_PRODUCTS = {
+    "aten": _aten_linear,
+    "onednn": _onednn_linear,
+    "split": _split_linear,
+    "exact": _exact_linear,
+}
 
 
 class OneDNNLinear(nn.Linear):
@@ -165,6 +205,14 @@ class SplitLinear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
         return _split_linear(self.weight, self.bias, input)
+
+
+class ExactLinear(nn.Linear):
+    """An ``nn.Linear`` whose inference forward reads its weight from the weight's exact
+    integer form where it has one (:func:`_exact_linear`)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
+        return _exact_linear(self.weight, self.bias, input)
 
 
 # one-token steps and verification blocks: "auto" measures each row count up to this, and the
@@ -210,6 +258,8 @@ def product_kernel(layer: nn.Module, input: torch.Tensor) -> str:  # noqa: A002
         return layer.kernel_for(input)
     if isinstance(layer, SplitLinear):
         return "split"
+    if isinstance(layer, ExactLinear):
+        return "exact"
     if isinstance(layer, OneDNNLinear):
         return "onednn"
     return "aten"
@@ -422,6 +472,7 @@ _CLASSES: dict[str, type[nn.Linear]] = {
     "aten": nn.Linear,
     "onednn": OneDNNLinear,
     "split": SplitLinear,
+    "exact": ExactLinear,
     "auto": AutoLinear,
     "int8": Int8Linear,
     "int4": Int4Linear,
@@ -450,7 +501,7 @@ def set_linear_kernel(model: nn.Module, kernel: str, *, choice: Any = None) -> i
                 "use kakeya_lab.linear_auto.set_auto_kernel(model)"
             )
         model.__dict__["linear_auto_choice"] = choice
-    if kernel == "split":
+    if kernel in ("split", "exact"):
         compiled()  # built (once per machine) or loaded now, not in the first forward
     switched = 0
     for module in model.modules():
@@ -476,10 +527,10 @@ def set_linear_kernel(model: nn.Module, kernel: str, *, choice: Any = None) -> i
 
 def linear_kernel_of(model: nn.Module) -> str:
     """The kernel :func:`set_linear_kernel` last set on ``model``'s linear layers: the first
-    of ``int4-vnni``, ``int4``, ``int8``, ``auto``, ``onednn`` and ``split`` some layer runs,
-    else ``"aten"``."""
+    of ``int4-vnni``, ``int4``, ``int8``, ``auto``, ``onednn``, ``exact`` and ``split`` some
+    layer runs, else ``"aten"``."""
     kinds = {type(m) for m in model.modules()}
-    order = ("int4-vnni", "int4", "int8", "auto", "onednn", "split")
+    order = ("int4-vnni", "int4", "int8", "auto", "onednn", "exact", "split")
     return next((k for k in order if _CLASSES[k] in kinds), "aten")
 
 

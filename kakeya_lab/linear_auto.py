@@ -2,8 +2,9 @@
 
 Which CPU kernel multiplies a few rows fastest depends on the CPU (and its load): on one
 machine PyTorch's default (``aten``) wins one-token steps and oneDNN blocks, on another
-oneDNN wins both. :func:`auto_choice` times every full-precision kernel (``aten``, ``split``
-and, when this PyTorch has it, ``onednn``) over all of a model's linear layers, for 1 to
+oneDNN wins both. :func:`auto_choice` times every full-precision kernel (``aten``, ``split``,
+``exact`` where the compiled kernels build and, when this PyTorch has it, ``onednn``) over all
+of a model's linear layers, for 1 to
 :data:`~kakeya_lab.linear.FEW_ROWS` rows (one-token steps and verification blocks) and for a
 prefill chunk of :data:`PREFILL_ROWS` rows (what more rows run), interleaved, best of
 :data:`REPEATS`; about ten seconds for a 135M model. The choice is cached on disk as JSON under
@@ -78,12 +79,14 @@ class AutoChoice:
 
 def full_precision_kernels() -> tuple[str, ...]:
     """The full-precision kernels this PyTorch build can run here, each once: ``onednn``
-    needs oneDNN, and ``split`` on one thread is ``aten``'s own product."""
+    needs oneDNN, ``split`` on one thread is ``aten``'s own product, and ``exact`` without
+    the compiled kernels is ``split``'s."""
     return tuple(
         k
         for k in FULL_PRECISION
         if (k != "onednn" or torch.backends.mkldnn.is_available())
         and (k != "split" or torch.get_num_threads() > 1)
+        and (k != "exact" or compiled() is not None)
     )
 
 
@@ -151,7 +154,7 @@ def _measure(model: nn.Module, key: dict[str, Any]) -> AutoChoice:
     layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
     weight = next(model.parameters())
     kernels = full_precision_kernels()
-    if "split" in kernels:
+    if "split" in kernels or "exact" in kernels:
         compiled()  # built or loaded before the timing, not within split's first pass
     ms: dict[str, dict[str, float]] = {k: {} for k in kernels}
     for label in _labels():

@@ -3,5 +3,5 @@
 
 from __future__ import annotations
 
-KERNELS = ("aten", "onednn", "split", "auto", "int8", "int4", "int4-vnni")
-FULL_PRECISION = ("aten", "onednn", "split")  # the kernels "auto" chooses from
+KERNELS = ("aten", "onednn", "split", "exact", "auto", "int8", "int4", "int4-vnni")
+FULL_PRECISION = ("aten", "onednn", "split", "exact")  # the kernels "auto" chooses from

@@ -69,6 +69,7 @@ from kakeya_lab.linear import (
     set_linear_kernel,
     stack_rows,
 )
+from kakeya_lab.native import exact
 from kakeya_lab.native import rows as few_rows
 from kakeya_lab.native.step import step_kernels
 
@@ -287,9 +288,10 @@ class LeanForward:
     def compiled_for(self, i: int, x: torch.Tensor, caches: int) -> bool:
         """Whether layer ``i`` of the rows ``x`` of ``caches`` caches runs as one compiled
         call (:meth:`compiled_layer`): an ``int4-vnni`` layer for one cache; a
-        full-precision layer where its kernel runs ``split`` for this many rows (at most the
-        few-row product's 16, two threads or more: then the compiled layer's products are
-        that kernel's few-row product) and its output and down
+        full-precision layer where its kernel runs ``split`` or ``exact`` for this many rows
+        (at most the few-row product's 16, two threads or more: then the compiled layer's
+        products are that kernel's: the few-row product, or the weights' exact integer form's
+        where they have one, the same bits) and its output and down
         projections, which the operations one by one call as modules, have no forward hooks
         (a hook sees what it would see without the compiled layer) and still hold the weights
         it was built with."""
@@ -302,7 +304,7 @@ class LeanForward:
         return (
             x.shape[0] <= few_rows.MAX_ROWS
             and torch.get_num_threads() >= 2
-            and product_kernel(o_proj, x) == "split"
+            and product_kernel(o_proj, x) in ("split", "exact")
             and not (_hooked(o_proj) or _hooked(down))
             # their weights are still the ones it holds (not replaced since)
             and o_proj._parameters.get("weight") is layer.operands[1]
@@ -333,6 +335,19 @@ class LeanForward:
                 *common, compiled.operands, cos, sin, self.heads, self.kv_heads,
                 keys, values, start, columns, seen[0], self.scaling,
             )  # fmt: skip
+        forms = (
+            [exact.packed(w) for w in compiled.operands]
+            if product_kernel(layer.o_proj, x) == "exact"
+            else None
+        )
+        if forms is not None and all(f is not None for f in forms):
+            return self.native.exact_layer(
+                *common, [t for f in forms if f is not None for t in f], cos, sin,
+                self.heads, self.kv_heads, [s[0] for s in spans], [s[1] for s in spans],
+                list(bounds), [s[2] for s in spans], [s[3] for s in spans], list(seen),
+                self.scaling,
+            )  # fmt: skip
+        # split's product, or exact's for weights that have no exact integer form (the same)
         return self.native.float_layer(
             *common, compiled.operands, cos, sin, self.heads, self.kv_heads,
             [s[0] for s in spans], [s[1] for s in spans], list(bounds),

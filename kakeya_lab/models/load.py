@@ -322,8 +322,10 @@ def load_model(
     dtype). The model is put in eval mode and switched to the sink-window attention
     (:func:`kakeya_lab.backends.torch_attention.enable_sink_window_attention`). ``linear`` is the kernel its
     linear layers run (torch only): ``"aten"`` (PyTorch's default), ``"onednn"`` (oneDNN's,
-    cheaper for blocks of a few rows on some CPUs), ``"auto"`` (the faster of the two on this
-    machine for each row count, measured once and cached: :mod:`kakeya_lab.linear_auto`) or
+    cheaper for blocks of a few rows on some CPUs), ``"split"`` (products over the threads),
+    ``"exact"`` (``split``'s numbers, each weight read from its exact 4- or 8-bit form where
+    it has one), ``"auto"`` (the fastest of these on this machine for each row count,
+    measured once and cached: :mod:`kakeya_lab.linear_auto`) or
     ``"int8"``/``"int4"`` (quantised copies of
     the weights for a draft model: cheaper steps, changed numbers; :mod:`kakeya_lab.linear`);
     ``ValueError`` for another name, before anything is loaded.

@@ -17,6 +17,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("float_layer", &float_layer,
         "one decoder layer of a few float32 rows over one or more caches, float32 weights",
         release());
+  m.def("exact_product", &exact_product,
+        "rows @ weight.T for 1 to 16 float32 rows, the weight read from its exact integer form",
+        release());
+  m.def("exact_layer", &exact_layer,
+        "one decoder layer of a few float32 rows over one or more caches, each weight read "
+        "from its exact integer form",
+        release());
   m.def("rms_norm", &rms_norm, "each row's RMSNorm, scaled by the weight", release());
   m.def("rotate_", &rotate_, "the rotary embedding of the first heads, in place", release());
   m.def("attend", &attend, "a few queries' attention over a cache's keys and values",

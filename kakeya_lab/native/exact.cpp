@@ -1,0 +1,144 @@
+// out[r, j] = sum_k rows[r, k] * weight[j, k] for 1 to 16 float32 rows, the float32 weight
+// read from its exact integer form: the same numbers as rows.cpp's product, from a sixth (4-bit
+// form) or a third (8-bit form) of the bytes.
+//
+// A model dequantised from a GGUF of 4- or 8-bit blocks holds float32 weights that are, per
+// group of 32 inputs of a row, w = q * d + m (Q4_1: q in 0..15, d a float16 value, m a
+// float32) or w = q * d (Q8_0: q in -128..127, d a float16 value); kakeya_lab/native/exact.py
+// finds q, d (and m) and keeps them only when they give back every weight exactly. q * d has
+// at most 19 significant bits, so it is exact in float32, and the 4-bit form's w rounds once,
+// in the add, whether or not the compiler fuses the two. Each weight row's 16-lane vectors
+// are therefore rows.cpp's, and each output is summed as rows.cpp sums it (16 lanes, input
+// order, one fused multiply-add per vector, then the lanes), bit for bit.
+//
+// Layout, by the codes' dtype. 4-bit: codes [out, in / 2] uint8, per group 16 bytes, byte b
+// holding q of input b (low nibble) and of input b + 16 (high nibble); so [out, in / 32, 2]
+// float32, each group's d and m. 8-bit: codes [out, in] int8; so [out, in / 32, 1], each
+// group's d. The unpacking is what a one-token step's time goes to: R weight rows at a time
+// (one accumulator chain each, so the fused multiply-adds overlap), the output rows split
+// over PyTorch's threads.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+constexpr int64_t GROUP = 32;
+
+// one group's two weight vectors (inputs 32 g .. 32 g + 31) of weight row j
+template <bool FOUR>
+inline void weights(const void* codes, const float* so, int64_t in, int64_t j, int64_t g,
+                    __m512& w0, __m512& w1) {
+  const int64_t groups = in / GROUP;
+  if constexpr (FOUR) {
+    const auto* c = static_cast<const uint8_t*>(codes) + j * (in / 2) + 16 * g;
+    const float* p = so + (j * groups + g) * 2;
+    const __m512i bytes =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+    const __m512i nibble = _mm512_set1_epi32(0x0F);
+    const __m512 d = _mm512_set1_ps(p[0]), m = _mm512_set1_ps(p[1]);
+    w0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, nibble)), d), m);
+    w1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d), m);
+  } else {
+    const auto* c = static_cast<const int8_t*>(codes) + j * in + GROUP * g;
+    const __m512 d = _mm512_set1_ps(so[j * groups + g]);
+    const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+    const __m512i hi =
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16)));
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d);
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d);
+  }
+}
+
+// y[r, j + a] for R weight rows j.. and N input rows
+template <bool FOUR, int N, int R>
+inline void block_product(const float* x, const void* codes, const float* so, float* y,
+                          int64_t in, int64_t out, int64_t j) {
+  __m512 acc[R][N];
+  for (int a = 0; a < R; ++a)
+    for (int r = 0; r < N; ++r) acc[a][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < in / GROUP; ++g) {
+    __m512 w0[R], w1[R];
+    for (int a = 0; a < R; ++a) weights<FOUR>(codes, so, in, j + a, g, w0[a], w1[a]);
+    for (int r = 0; r < N; ++r) {
+      const __m512 x0 = _mm512_loadu_ps(x + r * in + GROUP * g);
+      const __m512 x1 = _mm512_loadu_ps(x + r * in + GROUP * g + 16);
+      for (int a = 0; a < R; ++a) acc[a][r] = _mm512_fmadd_ps(w0[a], x0, acc[a][r]);
+      for (int a = 0; a < R; ++a) acc[a][r] = _mm512_fmadd_ps(w1[a], x1, acc[a][r]);
+    }
+  }
+  for (int a = 0; a < R; ++a)
+    for (int r = 0; r < N; ++r) y[r * out + j + a] = _mm512_reduce_add_ps(acc[a][r]);
+}
+
+template <bool FOUR, int N>
+void rows_run(const float* x, const void* codes, const float* so, float* y, int64_t in,
+              int64_t out) {
+  // R x N accumulators and 2 R weight vectors within the 32 vector registers
+  constexpr int R = N <= 2 ? 4 : (N <= 6 ? 2 : 1);
+  at::parallel_for(0, out, 64, [&](int64_t j0, int64_t j1) {
+    int64_t j = j0;
+    for (; j + R <= j1; j += R) block_product<FOUR, N, R>(x, codes, so, y, in, out, j);
+    for (; j < j1; ++j) block_product<FOUR, N, 1>(x, codes, so, y, in, out, j);
+  });
+}
+
+using Run = void (*)(const float*, const void*, const float*, float*, int64_t, int64_t);
+template <bool FOUR>
+constexpr Run RUNS[] = {
+    rows_run<FOUR, 1>,  rows_run<FOUR, 2>,  rows_run<FOUR, 3>,  rows_run<FOUR, 4>,
+    rows_run<FOUR, 5>,  rows_run<FOUR, 6>,  rows_run<FOUR, 7>,  rows_run<FOUR, 8>,
+    rows_run<FOUR, 9>,  rows_run<FOUR, 10>, rows_run<FOUR, 11>, rows_run<FOUR, 12>,
+    rows_run<FOUR, 13>, rows_run<FOUR, 14>, rows_run<FOUR, 15>, rows_run<FOUR, 16>};
+constexpr int64_t MAX_ROWS = 16;
+
+}  // namespace
+
+torch::Tensor exact_product(const torch::Tensor& rows, const torch::Tensor& codes,
+                            const torch::Tensor& so) {
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == torch::kFloat && rows.is_contiguous(),
+              "exact_product takes contiguous 2-D float32 rows");
+  const int64_t n = rows.size(0), in = rows.size(1);
+  const bool four = codes.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && in % GROUP == 0 &&
+                  (four || codes.scalar_type() == torch::kChar) &&
+                  codes.size(1) == (four ? in / 2 : in),
+              "exact_product: codes [out, in / 2] uint8 (4-bit) or [out, in] int8 (8-bit) "
+              "for rows of ", in, " inputs");
+  const int64_t out = codes.size(0);
+  TORCH_CHECK(so.scalar_type() == torch::kFloat && so.is_contiguous() &&
+                  so.numel() == out * (in / GROUP) * (four ? 2 : 1),
+              "exact_product: so [out, in / 32, ", four ? 2 : 1, "] float32");
+  TORCH_CHECK(1 <= n && n <= MAX_ROWS, "exact_product takes 1 to ", MAX_ROWS, " rows");
+  auto y = torch::empty({n, out}, rows.options());
+  const Run run = four ? RUNS<true>[n - 1] : RUNS<false>[n - 1];
+  run(rows.data_ptr<float>(), codes.data_ptr(), so.data_ptr<float>(), y.data_ptr<float>(), in,
+      out);
+  return y;
+}
+
+// One decoder layer of a few float32 rows over one or more caches (float_layer's
+// arguments), every projection an exact product (weights: the (codes, so) of the q/k/v,
+// output, gate/up and down projections): layer.cpp's decoder_layer.
+torch::Tensor exact_layer(const torch::Tensor& x, const torch::Tensor& norm1,
+                          const torch::Tensor& norm2, double eps,
+                          const std::vector<torch::Tensor>& weights, const torch::Tensor& cos,
+                          const torch::Tensor& sin, int64_t heads, int64_t kv_heads,
+                          const std::vector<torch::Tensor>& keys,
+                          const std::vector<torch::Tensor>& values,
+                          const std::vector<int64_t>& bounds,
+                          const std::vector<int64_t>& starts,
+                          const std::vector<int64_t>& columns,
+                          const std::vector<c10::optional<torch::Tensor>>& masks,
+                          double scale) {
+  TORCH_CHECK(weights.size() == 8, "exact_layer: (codes, so) of 4 projections");
+  const Product product = [&](const torch::Tensor& rows, int i) {
+    return exact_product(rows, weights[2 * i], weights[2 * i + 1]);
+  };
+  return decoder_layer(x, norm1, norm2, eps, product, cos, sin, heads, kv_heads, keys, values,
+                       bounds, starts, columns, masks, scale);
+}

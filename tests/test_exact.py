@@ -1,0 +1,177 @@
+"""The ``exact`` kernel (kakeya_lab/native/exact.py): a float32 weight that is exactly
+``q * d + m`` (4-bit) or ``q * d`` (8-bit) per group of 32 inputs, as a dequantised GGUF's
+blocks are, is packed to that form, and its products are the compiled few-row product's bit
+for bit; any other weight is not packed and runs ``split``. On the default model (a Q4_1
+GGUF with a Q8_0 embedding) every weight packs, and lean steps past eviction, blocks and
+rollbacks give ``split``'s logits to the bit, so the oracle tests of ``split`` hold for it
+unchanged. Its speed is a benchmark (benchmarks/decode_floor.py), not a test."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import random
+
+import pytest
+import torch
+from oracle_cases import blocks_with_rollback, token_by_token
+
+from kakeya_lab import SinkWindowConfig
+from kakeya_lab.backends.torch_lean import LeanForward
+from kakeya_lab.linear import kernel_switched, linear_kernel_of, set_linear_kernel
+from kakeya_lab.native import exact
+from kakeya_lab.native.build import compiled
+from kakeya_lab.native.rows import MAX_ROWS, rows_product
+from kakeya_lab.results import cpu_identity
+
+pytestmark = pytest.mark.skipif(
+    "avx512f" not in cpu_identity()["cpu_flags"], reason="the compiled kernels need AVX-512"
+)
+
+
+def q4_weight(out: int, width: int, seed: int = 0) -> torch.Tensor:
+    """A weight as a 4-bit GGUF dequantises: per group of 32, ``q * d + m`` in float32 with
+    q in 0..15 (0 and 15 both used, as the quantiser's least and greatest value are), d a
+    float16 value, m a float32."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (out, width // 32, 32), generator=g).float()
+    q[..., 5], q[..., 20] = 0.0, 15.0
+    d = (torch.rand(out, width // 32, 1, generator=g) * 0.02 + 1e-3).half().float()
+    m = torch.randn(out, width // 32, 1, generator=g) * 0.05
+    return (q * d + m).reshape(out, width).contiguous()
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def q8_weight(out: int, width: int, seed: int = 0) -> torch.Tensor:
+    """A weight as an 8-bit GGUF (Q8_0) dequantises: per group of 32, ``q * d`` with q in
+    -127..127 (±127 at the greatest magnitude) and d a float16 value."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (out, width // 32, 32), generator=g).float()
+    q[..., 7] = 127.0
+    d = (torch.rand(out, width // 32, 1, generator=g) * 0.002 + 1e-4).half().float()
+    return (q * d).reshape(out, width).contiguous()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_an_exact_integer_weight_multiplies_to_the_few_row_products_bits(bits):
+    assert compiled() is not None
+    for out, width in ((7, 64), (33, 96), (96, 64), (130, 576)):
+        weight = (q4_weight if bits == 4 else q8_weight)(out, width, seed=out)
+        form = exact.pack(weight)
+        assert form is not None, (out, width)
+        codes, so = form
+        assert codes.dtype == (torch.uint8 if bits == 4 else torch.int8)
+        assert codes.shape == (out, width * bits // 8)
+        assert so.shape == (out, width // 32, 2 if bits == 4 else 1)
+        # bytes: 0.75 (4-bit) or 1.125 (8-bit) a weight, against float32's 4
+        assert codes.numel() + 4 * so.numel() <= weight.numel() * (bits + 2) // 8
+        for n in range(1, MAX_ROWS + 1):
+            x = torch.randn(n, width)
+            got = exact.exact_product(x, form)
+            assert torch.equal(got, rows_product(x, weight)), (out, width, n)
+    assert exact.exact_product(torch.randn(MAX_ROWS + 1, 64), form) is None
+
+
+def test_weights_that_are_not_exactly_4_bit_are_not_packed():
+    weight = q4_weight(64, 64)
+    assert exact.pack(weight) is not None
+    off = weight.clone()
+    off[40, 33] = torch.nextafter(off[40, 33], torch.tensor(1.0))  # one weight, one ulp
+    assert exact.pack(off) is None
+    off8 = q8_weight(64, 64)
+    off8[40, 33] = torch.nextafter(off8[40, 33], torch.tensor(1.0))
+    assert exact.pack(off8) is None
+    assert exact.pack(torch.randn(64, 64)) is None  # a random model's
+    assert exact.pack(weight.half()) is None and exact.pack(weight.bfloat16()) is None
+    assert exact.pack(weight[:, :48].contiguous()) is None  # width not a multiple of 32
+    # a group of one value (q all 0) packs
+    flat = weight.clone()
+    flat[3, :32] = 0.25
+    form = exact.pack(flat)
+    assert form is not None and torch.equal(
+        exact.exact_product(torch.eye(64)[:16], form), rows_product(torch.eye(64)[:16], flat)
+    )
+
+
+def test_a_packed_form_is_kept_while_its_weight_lives_unchanged():
+    weight = q4_weight(64, 64)
+    form = exact.packed(weight)
+    assert form is not None and exact.packed(weight) is form and exact.is_packed(weight)
+    with torch.no_grad():
+        weight.mul_(1.0)  # changed in place (same values): packed again
+    assert not exact.is_packed(weight)
+    assert exact.packed(weight) is not form and exact.is_packed(weight)
+    with torch.no_grad():
+        weight[0, 0] += 1e-3  # no longer exact: no form
+    assert exact.packed(weight) is None and not exact.is_packed(weight)
+    with torch.inference_mode():  # no version counter: taken as unchanged
+        frozen = q4_weight(64, 64, seed=2)
+    assert exact.packed(frozen) is not None and exact.packed(frozen) is exact.packed(frozen)
+    before = len(exact._packed)
+    other = q4_weight(64, 64, seed=1)
+    exact.packed(other)
+    assert len(exact._packed) == before + 1
+    del other
+    gc.collect()
+    assert len(exact._packed) == before  # freed with its weight
+
+
+def test_an_exact_layer_is_splits_layer_to_the_bit_and_falls_back_where_it_must():
+    torch.manual_seed(0)
+    for weight in (q4_weight(96, 64), torch.randn(96, 64)):
+        layer = torch.nn.Linear(64, 96)
+        split = torch.nn.Linear(64, 96)
+        with torch.no_grad():
+            layer.weight.copy_(weight)
+            split.weight.copy_(weight)
+            split.bias.copy_(layer.bias)
+        assert set_linear_kernel(layer, "exact") == 1 and linear_kernel_of(layer) == "exact"
+        set_linear_kernel(split, "split")
+        for n in (1, 2, 5, MAX_ROWS, MAX_ROWS + 4):
+            x = torch.randn(n, 64)
+            with threads(2), torch.no_grad():
+                assert torch.equal(layer(x), split(x)), n
+        # recording gradients: PyTorch's product, which has a backward
+        x = torch.randn(3, 64, requires_grad=True)
+        layer(x).sum().backward()
+        assert x.grad is not None and layer.weight.grad is not None
+
+
+@pytest.mark.parametrize("mode", ["global", "rolling"])
+def test_exact_lean_steps_give_splits_logits_to_the_bit_past_eviction(
+    default_model, text_ids, mode
+):
+    """The default model (a Q4_1 GGUF): every decoder weight, stacked as the lean forward
+    runs it, has an exact 4-bit form and the output layer (its tied Q8_0 embedding) an
+    8-bit one, the layers run as ``exact`` compiled calls, and one-token steps, then blocks
+    with rollbacks, past eviction give exactly ``split``'s logits (which
+    tests/test_torch_lean.py holds to the oracle)."""
+    model = default_model.model
+    lean = LeanForward.of(model)
+    config = SinkWindowConfig(sink=4, window=28, positions=mode)
+    ids = text_ids[:70]
+    with threads(2):
+        with kernel_switched(model, "split"):
+            want, _ = token_by_token(model, ids, config)
+            want_blocks, _ = blocks_with_rollback(model, ids, config, random.Random(3))
+        with kernel_switched(model, "exact"):
+            before = lean.compiled_layer_calls
+            got, v = token_by_token(model, ids, config)
+            calls = lean.compiled_layer_calls - before
+            got_blocks, _ = blocks_with_rollback(model, ids, config, random.Random(3))
+    assert v.history_len == len(ids) > 2 * config.budget and calls > 0
+    assert all(
+        exact.is_packed(w) for layer in lean.compiled_layers if layer for w in layer.operands
+    )
+    assert torch.equal(got, want) and torch.equal(got_blocks, want_blocks)
+    head = exact.packed(model.get_output_embeddings().weight)
+    assert head is not None and head[0].dtype == torch.int8
