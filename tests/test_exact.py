@@ -16,7 +16,8 @@ import pytest
 import torch
 from oracle_cases import blocks_with_rollback, token_by_token
 
-from kakeya_lab import SinkWindowConfig
+from kakeya_lab import SinkWindowConfig, Verifier
+from kakeya_lab.backends.torch_batch import BatchForward, BatchStep
 from kakeya_lab.backends.torch_lean import LeanForward
 from kakeya_lab.linear import kernel_switched, linear_kernel_of, set_linear_kernel
 from kakeya_lab.native import exact
@@ -175,3 +176,42 @@ def test_exact_lean_steps_give_splits_logits_to_the_bit_past_eviction(
     assert torch.equal(got, want) and torch.equal(got_blocks, want_blocks)
     head = exact.packed(model.get_output_embeddings().weight)
     assert head is not None and head[0].dtype == torch.int8
+
+
+def test_a_batch_of_sessions_on_exact_gives_splits_logits_to_the_bit(default_model, text_ids):
+    """Three default-model sessions at different fill levels and position modes, one past
+    eviction, stepping together in batched forwards (rows of several caches in one
+    compiled layer call where every block is one run of slots): on ``exact`` every row's
+    logits are ``split``'s bit for bit."""
+    model = default_model.model
+    configs = [
+        SinkWindowConfig(sink=4, window=28, positions="global"),
+        SinkWindowConfig(sink=4, window=28, positions="rolling"),
+        SinkWindowConfig(sink=3, window=30, positions="global"),
+    ]
+    starts = [(0, 40), (50, 12), (80, 20)]
+
+    def run(kernel: str) -> list[torch.Tensor]:
+        with threads(2), kernel_switched(model, kernel):
+            verifiers = [Verifier(model, c) for c in configs]
+            for v, (o, n) in zip(verifiers, starts):
+                v.append(list(text_ids[o : o + n]))
+            forward = BatchForward.of(model)
+            rows = []
+            for r in range(12):
+                steps = [
+                    BatchStep(v.cache, [text_ids[200 + r + 3 * j]], all_rows=False)
+                    for j, v in enumerate(verifiers)
+                ]
+                for v, logits in zip(verifiers, forward(steps)):
+                    v.cache.commit(1)
+                    rows.append(logits[-1])
+            assert verifiers[0].cache.history_len > configs[0].budget
+            return rows
+
+    lean = LeanForward.of(model)
+    want = run("split")
+    before = lean.compiled_layer_calls
+    got = run("exact")
+    assert lean.compiled_layer_calls > before
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
