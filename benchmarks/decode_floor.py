@@ -30,9 +30,9 @@ floor) is met at every live size, against the floor (the best pass, the verdict)
 the floor of the moment. The ``exact`` kernel computes the float32 weights' products from
 their exact integer forms (a dequantised GGUF's 4- and 8-bit blocks), so it reads fewer bytes
 than the weights hold; beside the float32 floor the script gives the floor of the bytes the
-fastest lean step reads (those forms' when it is ``exact``) and the ratio to it. Writes ``decode_floor.json`` (with
-the CPU's model and flags, the machine's load average before and after) and
-``command.txt`` into ``--out-dir``. A benchmark, not a test.
+fastest lean step reads (those forms' when it is ``exact``) and the ratio to it. Writes
+``decode_floor.json`` (with the CPU's model and flags, the machine's load average before and
+after) and ``command.txt`` into ``--out-dir``. A benchmark, not a test.
 """
 
 from __future__ import annotations

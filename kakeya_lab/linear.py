@@ -166,8 +166,9 @@ def _exact_linear(
 ) -> torch.Tensor:
     """``F.linear(input, weight, bias)`` with the weight read from its exact integer form
     (:mod:`kakeya_lab.native.exact`: a dequantised 4- or 8-bit GGUF block's) for 1 to 16
-    float32 rows, the same bits as ``split``'s; ``split``'s product for a weight that has no
-    such form and for other rows."""
+    float32 rows, the same bits as the compiled few-row product (``split``'s, with two
+    threads or more); ``split``'s product for a weight that has no such form and for other
+    rows."""
     rows = input.reshape(-1, input.shape[-1]) if input.dim() else input
     if (
         input.dim()
