@@ -8,13 +8,13 @@ unchanged. Its speed is a benchmark (benchmarks/decode_floor.py), not a test."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import random
 
 import pytest
 import torch
 from oracle_cases import blocks_with_rollback, token_by_token
+from test_linear import torch_threads as threads
 
 from kakeya_lab import SinkWindowConfig, Verifier
 from kakeya_lab.backends.torch_batch import BatchForward, BatchStep
@@ -40,16 +40,6 @@ def q4_weight(out: int, width: int, seed: int = 0) -> torch.Tensor:
     d = (torch.rand(out, width // 32, 1, generator=g) * 0.02 + 1e-3).half().float()
     m = torch.randn(out, width // 32, 1, generator=g) * 0.05
     return (q * d + m).reshape(out, width).contiguous()
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def q8_weight(out: int, width: int, seed: int = 0) -> torch.Tensor:
