@@ -20,6 +20,7 @@ from kakeya_lab import SinkWindowConfig, Verifier
 from kakeya_lab.backends.torch_batch import BatchForward, BatchStep
 from kakeya_lab.backends.torch_lean import LeanForward
 from kakeya_lab.linear import kernel_switched, linear_kernel_of, set_linear_kernel
+from kakeya_lab.models import tiny_random_model
 from kakeya_lab.native import exact
 from kakeya_lab.native.build import compiled
 from kakeya_lab.native.rows import MAX_ROWS, rows_product
@@ -166,6 +167,46 @@ def test_exact_lean_steps_give_splits_logits_to_the_bit_past_eviction(
     assert torch.equal(got, want) and torch.equal(got_blocks, want_blocks)
     head = exact.packed(model.get_output_embeddings().weight)
     assert head is not None and head[0].dtype == torch.int8
+
+
+def test_a_compiled_layer_reads_a_weight_changed_in_place_from_its_new_exact_form():
+    """A compiled layer keeps its weights' exact forms between steps; a weight changed in
+    place (here to another exact 4-bit weight, then to one with no exact form) is read
+    from what it holds now: the logits stay ``split``'s bit for bit, and a weight with no
+    exact form runs the few-row product itself."""
+    loaded = tiny_random_model("llama", seed=1, intermediate_size=128)
+    model = loaded.model
+    with torch.no_grad():
+        for i, w in enumerate(p for n, p in model.named_parameters() if "layers." in n):
+            if w.dim() == 2:
+                w.copy_(q4_weight(*w.shape, seed=10 + i))
+    lean = LeanForward.of(model)
+    config = SinkWindowConfig(sink=2, window=10, positions="global")
+    ids = list(range(100, 120))
+    o_proj = model.model.layers[0].self_attn.o_proj.weight
+
+    def both() -> tuple[torch.Tensor, torch.Tensor]:
+        with threads(2):
+            with kernel_switched(model, "split"):
+                want, _ = token_by_token(model, ids, config)
+            with kernel_switched(model, "exact"):
+                got, _ = token_by_token(model, ids, config)
+        return got, want
+
+    got, want = both()
+    layer = lean.compiled_layers[0]
+    assert layer is not None and layer.exact_operands() is not None
+    assert torch.equal(got, want)
+    with torch.no_grad():
+        o_proj.copy_(q4_weight(*o_proj.shape, seed=99))
+    got, want2 = both()
+    assert torch.equal(got, want2) and not torch.equal(want2, want)
+    assert layer.exact_operands() is not None
+    with torch.no_grad():
+        o_proj.add_(torch.randn(o_proj.shape) * 1e-3)
+    got, want3 = both()
+    assert layer.exact_operands() is None
+    assert torch.equal(got, want3) and not torch.equal(want3, want2)
 
 
 def test_a_batch_of_sessions_on_exact_gives_splits_logits_to_the_bit(default_model, text_ids):

@@ -95,15 +95,29 @@ class Stacked:
 Projection = nn.Linear | Stacked | tuple[nn.Linear, ...]
 
 
-@dataclass(frozen=True)
+@dataclass
 class CompiledLayer:
     """A decoder layer's operands for one compiled call (``native/layer.cpp``): ``kind``
     ``"float"`` (``float_layer``: its four float32 weights, q/k/v and gate/up stacked, on the
-    few-row product; the blocks of any caches) or ``"int4"`` (``int4_layer``: its packed
-    ``int4-vnni`` weights; one cache)."""
+    few-row product, or their exact integer forms (:meth:`exact_operands`); the blocks of
+    any caches) or ``"int4"`` (``int4_layer``: its packed ``int4-vnni`` weights; one
+    cache)."""
 
     kind: str
     operands: list[torch.Tensor]
+    # (the weights' versions, their exact forms' (codes, so) in order or None: not all exact)
+    _exact: tuple[tuple[int, ...], list[torch.Tensor] | None] | None = None
+
+    def exact_operands(self) -> list[torch.Tensor] | None:
+        """The four float32 weights' exact integer forms as ``float_layer`` takes them in
+        their place (codes and so of each, in order), or None when any has none; kept here
+        while the weights are not changed in place, so a step asks for them once."""
+        versions = tuple(exact.version(w) for w in self.operands)
+        if self._exact is None or self._exact[0] != versions:
+            forms = [exact.packed(w) for w in self.operands]
+            flat = [t for f in forms if f is not None for t in f]
+            self._exact = (versions, flat if len(flat) == 2 * len(forms) else None)
+        return self._exact[1]
 
 
 def _fused(layers: Sequence[nn.Linear], kernel: str) -> Projection:
@@ -335,21 +349,12 @@ class LeanForward:
                 *common, compiled.operands, cos, sin, self.heads, self.kv_heads,
                 keys, values, start, columns, seen[0], self.scaling,
             )  # fmt: skip
-        forms = (
-            [exact.packed(w) for w in compiled.operands]
-            if product_kernel(layer.o_proj, x) == "exact"
-            else None
-        )
-        if forms is not None and all(f is not None for f in forms):
-            return self.native.exact_layer(
-                *common, [t for f in forms if f is not None for t in f], cos, sin,
-                self.heads, self.kv_heads, [s[0] for s in spans], [s[1] for s in spans],
-                list(bounds), [s[2] for s in spans], [s[3] for s in spans], list(seen),
-                self.scaling,
-            )  # fmt: skip
-        # split's product, or exact's for weights that have no exact integer form (the same)
+        # split's product, or exact's (the same bits) from the weights' exact integer forms
+        operands = compiled.operands
+        if product_kernel(layer.o_proj, x) == "exact":
+            operands = compiled.exact_operands() or operands
         return self.native.float_layer(
-            *common, compiled.operands, cos, sin, self.heads, self.kv_heads,
+            *common, operands, cos, sin, self.heads, self.kv_heads,
             [s[0] for s in spans], [s[1] for s in spans], list(bounds),
             [s[2] for s in spans], [s[3] for s in spans], list(seen), self.scaling,
         )  # fmt: skip

@@ -15,14 +15,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one decoder layer of a few float32 rows over one cache, every projection int4",
         release());
   m.def("float_layer", &float_layer,
-        "one decoder layer of a few float32 rows over one or more caches, float32 weights",
+        "one decoder layer of a few float32 rows over one or more caches, float32 weights "
+        "(or their exact integer forms)",
         release());
   m.def("exact_product", &exact_product,
         "rows @ weight.T for 1 to 16 float32 rows, the weight read from its exact integer form",
-        release());
-  m.def("exact_layer", &exact_layer,
-        "one decoder layer of a few float32 rows over one or more caches, each weight read "
-        "from its exact integer form",
         release());
   m.def("rms_norm", &rms_norm, "each row's RMSNorm, scaled by the weight", release());
   m.def("rotate_", &rotate_, "the rotary embedding of the first heads, in place", release());

@@ -145,25 +145,3 @@ torch::Tensor exact_product(const torch::Tensor& rows, const torch::Tensor& code
       out);
   return y;
 }
-
-// One decoder layer of a few float32 rows over one or more caches (float_layer's
-// arguments), every projection an exact product (weights: the (codes, so) of the q/k/v,
-// output, gate/up and down projections): layer.cpp's decoder_layer.
-torch::Tensor exact_layer(const torch::Tensor& x, const torch::Tensor& norm1,
-                          const torch::Tensor& norm2, double eps,
-                          const std::vector<torch::Tensor>& weights, const torch::Tensor& cos,
-                          const torch::Tensor& sin, int64_t heads, int64_t kv_heads,
-                          const std::vector<torch::Tensor>& keys,
-                          const std::vector<torch::Tensor>& values,
-                          const std::vector<int64_t>& bounds,
-                          const std::vector<int64_t>& starts,
-                          const std::vector<int64_t>& columns,
-                          const std::vector<c10::optional<torch::Tensor>>& masks,
-                          double scale) {
-  TORCH_CHECK(weights.size() == 8, "exact_layer: (codes, so) of 4 projections");
-  const Product product = [&](const torch::Tensor& rows, int i) {
-    return exact_product(rows, weights[2 * i], weights[2 * i + 1]);
-  };
-  return decoder_layer(x, norm1, norm2, eps, product, cos, sin, heads, kv_heads, keys, values,
-                       bounds, starts, columns, masks, scale);
-}

@@ -117,7 +117,7 @@ def pack(weight: torch.Tensor) -> Packed | None:
     return None
 
 
-def _version(weight: torch.Tensor) -> int:
+def version(weight: torch.Tensor) -> int:
     """The tensor's in-place change counter; -1 for a tensor made in inference mode, which
     has none (such a tensor is taken as unchanged)."""
     return -1 if weight.is_inference() else weight._version
@@ -129,7 +129,7 @@ def packed(weight: torch.Tensor) -> Packed | None:
     key = id(weight)
     with _lock:
         entry = _packed.get(key)
-        if entry is not None and entry[0]() is weight and entry[1] == _version(weight):
+        if entry is not None and entry[0]() is weight and entry[1] == version(weight):
             return entry[2]
     form = pack(weight)  # outside the lock: other weights pack meanwhile
     with _lock:
@@ -139,7 +139,7 @@ def packed(weight: torch.Tensor) -> Packed | None:
         else:
             ref = weakref.ref(weight)
             weakref.finalize(weight, _forget, key, ref)
-        _packed[key] = (ref, _version(weight), form)
+        _packed[key] = (ref, version(weight), form)
     return form
 
 
@@ -149,7 +149,7 @@ def is_packed(weight: torch.Tensor) -> bool:
     return (
         entry is not None
         and entry[0]() is weight
-        and entry[1] == _version(weight)
+        and entry[1] == version(weight)
         and entry[2] is not None
     )
 

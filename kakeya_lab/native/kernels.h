@@ -40,17 +40,6 @@ torch::Tensor int4_layer(const torch::Tensor& x, const torch::Tensor& norm1,
 // exact.cpp
 torch::Tensor exact_product(const torch::Tensor& rows, const torch::Tensor& codes,
                              const torch::Tensor& so);
-torch::Tensor exact_layer(const torch::Tensor& x, const torch::Tensor& norm1,
-                           const torch::Tensor& norm2, double eps,
-                           const std::vector<torch::Tensor>& weights, const torch::Tensor& cos,
-                           const torch::Tensor& sin, int64_t heads, int64_t kv_heads,
-                           const std::vector<torch::Tensor>& keys,
-                           const std::vector<torch::Tensor>& values,
-                           const std::vector<int64_t>& bounds,
-                           const std::vector<int64_t>& starts,
-                           const std::vector<int64_t>& columns,
-                           const std::vector<c10::optional<torch::Tensor>>& masks,
-                           double scale);
 
 // layer.cpp: a decoder layer whose four projections (0: q/k/v, 1: output, 2: gate/up,
 // 3: down) are product(rows, i)

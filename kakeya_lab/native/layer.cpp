@@ -6,8 +6,9 @@
 // values go to slots starts[c].. of its storage keys[c]/values[c] [1, kv_heads, capacity, d]
 // and its rows attend over the first columns[c] slots (masks[c] [rows, columns] or None), as
 // attend_many does. The four projections (q/k/v stacked, output, gate/up stacked, down; no
-// biases) are whatever product the caller gives: float32 weights on the few-row product
-// (float_layer), or packed int4 weights on integer dot products (int4_layer, int4.cpp).
+// biases) are whatever product the caller gives: float32 weights on the few-row product, or
+// read from their exact integer forms to the same bits (float_layer; exact.cpp), or packed
+// int4 weights on integer dot products (int4_layer, int4.cpp).
 #include <torch/extension.h>
 
 #include <vector>
@@ -52,9 +53,12 @@ torch::Tensor float_layer(const torch::Tensor& x, const torch::Tensor& norm1,
                           const std::vector<int64_t>& bounds, const std::vector<int64_t>& starts,
                           const std::vector<int64_t>& columns,
                           const std::vector<c10::optional<torch::Tensor>>& masks, double scale) {
-  TORCH_CHECK(weights.size() == 4, "float_layer: the weights of 4 projections");
+  TORCH_CHECK(weights.size() == 4 || weights.size() == 8,
+              "float_layer: the float32 weights of 4 projections, or their exact forms' "
+              "(codes, so)");
   const Product product = [&](const torch::Tensor& rows, int i) {
-    return rows_product(rows, weights[i]);
+    return weights.size() == 4 ? rows_product(rows, weights[i])
+                               : exact_product(rows, weights[2 * i], weights[2 * i + 1]);
   };
   return decoder_layer(x, norm1, norm2, eps, product, cos, sin, heads, kv_heads, keys, values,
                        bounds, starts, columns, masks, scale);

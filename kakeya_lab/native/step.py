@@ -17,11 +17,10 @@ differently: a default-model forward through them is as close to its float64 for
 through PyTorch's. The MLP's SiLU stays PyTorch's: a compiled one (``exp`` rounded
 otherwise) saved little and moved the logits furthest from PyTorch's. ``layer.cpp``
 composes them with a layer's four products into a whole decoder layer in one call:
-``float_layer`` with float32 weights on the few-row product (``rows.cpp``), over the blocks
-of one or more caches (a verifier's step, a batched step), ``exact_layer`` (``exact.cpp``)
-the same with the weights read from their exact integer form (the same bits), and
-``int4_layer`` (``int4.cpp``) with the ``int4-vnni`` products, over one cache (a draft
-model's step).
+``float_layer`` with float32 weights on the few-row product (``rows.cpp``), or with each
+weight's exact integer form in its place (``exact.cpp``, the same bits), over the blocks of
+one or more caches (a verifier's step, a batched step), and ``int4_layer`` (``int4.cpp``)
+with the ``int4-vnni`` products, over one cache (a draft model's step).
 :class:`~kakeya_lab.backends.torch_lean.LeanForward` runs them where they apply.
 """
 
@@ -48,7 +47,6 @@ class StepKernels:
     attend_many: Callable[..., None]
     int4_layer: Callable[..., torch.Tensor]
     float_layer: Callable[..., torch.Tensor]
-    exact_layer: Callable[..., torch.Tensor]
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         return _loaded_step_kernels, ()
@@ -65,7 +63,6 @@ def _loaded_step_kernels() -> StepKernels:
         module.attend_many,
         module.int4_layer,
         module.float_layer,
-        module.exact_layer,
     )
 
 
