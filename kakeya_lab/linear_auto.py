@@ -36,6 +36,7 @@ from kakeya_lab.linear import (
     KERNEL_REVISION,
     set_linear_kernel,
 )
+from kakeya_lab.native import exact
 from kakeya_lab.native.build import compiled
 from kakeya_lab.results import cpu_identity
 
@@ -157,6 +158,7 @@ def _measure(model: nn.Module, key: dict[str, Any]) -> AutoChoice:
     if "split" in kernels or "exact" in kernels:
         compiled()  # built or loaded before the timing, not within split's first pass
     ms: dict[str, dict[str, float]] = {k: {} for k in kernels}
+    packed_before = {id(layer.weight) for layer in layers if exact.is_packed(layer.weight)}
     for label in _labels():
         rows = PREFILL_ROWS if label == "prefill" else int(label)
         inputs = {
@@ -169,6 +171,9 @@ def _measure(model: nn.Module, key: dict[str, Any]) -> AutoChoice:
             for kernel in kernels:
                 t = _one_pass(layers, inputs, kernel)
                 ms[kernel][label] = min(ms[kernel].get(label, float("inf")), t)
+    for layer in layers:  # packed only to be timed: the model packs what it runs on use
+        if id(layer.weight) not in packed_before:
+            exact.forget(layer.weight)
     best = {label: min(kernels, key=lambda k: ms[k][label]) for label in _labels()}
     measurements += 1
     return AutoChoice(tuple(best[str(r)] for r in range(1, FEW_ROWS + 1)), best["prefill"], ms, key)

@@ -20,6 +20,7 @@ from kakeya_lab import SinkWindowConfig, Verifier
 from kakeya_lab.backends.torch_batch import BatchForward, BatchStep
 from kakeya_lab.backends.torch_lean import LeanForward
 from kakeya_lab.linear import kernel_switched, linear_kernel_of, set_linear_kernel
+from kakeya_lab.linear_auto import full_precision_kernels, set_auto_kernel
 from kakeya_lab.models import tiny_random_model
 from kakeya_lab.native import exact
 from kakeya_lab.native.build import compiled
@@ -207,6 +208,24 @@ def test_a_compiled_layer_reads_a_weight_changed_in_place_from_its_new_exact_for
     got, want3 = both()
     assert layer.exact_operands() is None
     assert torch.equal(got, want3) and not torch.equal(want3, want2)
+
+
+def test_autos_measurement_keeps_only_the_exact_forms_held_before_it(tmp_path):
+    """``auto`` times ``exact`` on each linear layer's own weight, packing it; it drops those
+    forms afterwards (the model packs what it runs, e.g. its stacked q/k/v, on use), and
+    keeps a form that was held before it."""
+    model = tiny_random_model("llama", seed=2, intermediate_size=128).model
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        for i, layer in enumerate(linears):
+            layer.weight.copy_(q4_weight(*layer.weight.shape, seed=30 + i))
+    held = linears[0].weight
+    assert exact.packed(held) is not None
+    with threads(2):
+        assert "exact" in full_precision_kernels()
+        set_auto_kernel(model, cache_dir=tmp_path)
+    assert exact.is_packed(held)
+    assert not any(exact.is_packed(layer.weight) for layer in linears[1:])
 
 
 def test_a_batch_of_sessions_on_exact_gives_splits_logits_to_the_bit(default_model, text_ids):

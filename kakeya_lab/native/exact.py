@@ -154,6 +154,15 @@ def is_packed(weight: torch.Tensor) -> bool:
     )
 
 
+def forget(weight: torch.Tensor) -> None:
+    """Drop what :func:`packed` keeps for ``weight`` (made again on its next use): for a
+    weight packed only to be measured, whose form would otherwise stay while it lives."""
+    with _lock:
+        entry = _packed.get(id(weight))
+        if entry is not None and entry[0]() is weight:
+            del _packed[id(weight)]
+
+
 def _forget(key: int, ref: weakref.ref[torch.Tensor]) -> None:
     with _lock:
         entry = _packed.get(key)
