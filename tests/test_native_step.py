@@ -7,7 +7,12 @@ operations (the oracle tests in test_torch_lean.py and test_torch_batch.py run t
 from __future__ import annotations
 
 import copy
+import os
 import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +21,7 @@ from oracle_cases import token_by_token
 
 from kakeya_lab import SinkWindowConfig, Verifier
 from kakeya_lab.backends.torch_lean import LeanForward, _rotate
-from kakeya_lab.native.build import compiled, why_unavailable
+from kakeya_lab.native.build import HEADERS, SOURCES, build_folder, compiled, why_unavailable
 from kakeya_lab.native.step import move_slots, step_kernels
 from kakeya_lab.reference import oracle_logits
 from kakeya_lab.results import cpu_identity
@@ -31,6 +36,33 @@ def native():
     module = compiled()
     assert module is not None, why_unavailable()
     return module
+
+
+def test_a_checkout_elsewhere_loads_the_same_build_without_rebuilding(native, tmp_path):
+    """The module is built from copies of its sources kept in its build folder, so a copy of
+    the package at another path (a second clone, a git worktree) loads that build as it is;
+    built from each checkout's own files, PyTorch's builder would rebuild it (about a
+    minute) whenever another checkout had built it last."""
+    folder = build_folder()
+    assert Path(native.__file__).parent == folder
+    for source in [*SOURCES, *HEADERS]:
+        assert (folder / "src" / source.name).read_bytes() == source.read_bytes()
+    built = {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.suffix in (".so", ".o")}
+    package = SOURCES[0].parents[1]
+    shutil.copytree(package, tmp_path / package.name, ignore=shutil.ignore_patterns("__pycache__"))
+    script = (
+        "import kakeya_lab; from kakeya_lab.native.build import compiled, why_unavailable; "
+        "m = compiled(); assert m is not None, why_unavailable(); "
+        "print(kakeya_lab.__file__); print(m.__file__)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=600, check=True,
+    ).stdout.split()  # fmt: skip
+    assert out[0].startswith(str(tmp_path)) and Path(out[1]).parent == folder
+    after = {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.suffix in (".so", ".o")}
+    assert after == built
 
 
 def test_rms_norm_is_pytorchs(native):

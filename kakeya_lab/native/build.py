@@ -7,7 +7,10 @@ with PyTorch's extension builder (a C++ compiler and ninja) the first time a pro
 for it on a CPU with AVX-512F, AVX-512DQ and FMA (what the flags let the compiler use),
 in under a minute (a terminal is told why it waits), into the model store
 (``$KAKEYA_LAB_HOME/kernels/build/``, one folder per sources, torch version, CPU and
-flags), and loaded from there afterwards. Where it cannot be built (no AVX-512, no compiler or
+flags), and loaded from there afterwards. The build reads copies of the sources kept in
+that folder, so checkouts at other paths (a second clone, a git worktree) with the same
+sources share the build rather than rebuilding it for each other (the builder's ninja file
+names the sources' paths). Where it cannot be built (no AVX-512, no compiler or
 ninja, a failed build) :func:`compiled` returns None and :func:`why_unavailable` says why;
 every caller then runs PyTorch's operations instead (the same numbers to float rounding).
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shutil
 import sys
 import threading
@@ -46,8 +50,32 @@ def _build() -> tuple[Any, str]:
         return None, f"no {' or '.join(missing)} on PATH"
     from torch.utils.cpp_extension import load
 
+    folder = build_folder()
+    digest = folder.name.removeprefix("native-")
+    _log.info("building the compiled kernels into %s (once per machine)", folder)
+    if sys.stderr.isatty() and not any(folder.glob("*.so")):  # a terminal waits: say why
+        print(
+            "kakeya-lab: compiling its kernels for this CPU (once, about a minute)", file=sys.stderr
+        )
+    try:
+        module = load(
+            name=f"kakeya_native_{digest}",
+            sources=[str(path) for path in _copied_sources(folder)],
+            extra_cflags=[*FLAGS, "-fopenmp"],
+            build_directory=str(folder),
+            verbose=False,
+        )
+    except Exception as exc:  # a compiler error, a missing header: run without it
+        return None, f"the build failed: {type(exc).__name__}: {str(exc).strip()[-500:]}"
+    return module, ""
+
+
+def build_folder() -> Path:
+    """The folder this machine's build of the current sources lives in (created), named
+    after a digest of the sources, the torch version, the CPU and the flags."""
     from kakeya_lab.models.store import store_home
 
+    identity = cpu_identity()
     digest = hashlib.sha256(
         "\n".join(
             [
@@ -60,22 +88,21 @@ def _build() -> tuple[Any, str]:
     ).hexdigest()[:16]
     folder = store_home() / "kernels" / "build" / f"native-{digest}"
     folder.mkdir(parents=True, exist_ok=True)
-    _log.info("building the compiled kernels into %s (once per machine)", folder)
-    if sys.stderr.isatty() and not any(folder.glob("*.so")):  # a terminal waits: say why
-        print(
-            "kakeya-lab: compiling its kernels for this CPU (once, about a minute)", file=sys.stderr
-        )
-    try:
-        module = load(
-            name=f"kakeya_native_{digest}",
-            sources=[str(source) for source in SOURCES],
-            extra_cflags=[*FLAGS, "-fopenmp"],
-            build_directory=str(folder),
-            verbose=False,
-        )
-    except Exception as exc:  # a compiler error, a missing header: run without it
-        return None, f"the build failed: {type(exc).__name__}: {str(exc).strip()[-500:]}"
-    return module, ""
+    return folder
+
+
+def _copied_sources(folder: Path) -> list[Path]:
+    """The ``.cpp`` sources as copies in ``folder/src`` (with the headers they include),
+    written once: the folder's name is their digest, so a copy there is always current."""
+    src = folder / "src"
+    src.mkdir(exist_ok=True)
+    for source in [*SOURCES, *HEADERS]:
+        target = src / source.name
+        if not target.exists():  # written whole or not at all (processes may race here)
+            tmp = src / f".{source.name}.{os.getpid()}.{threading.get_ident()}"
+            tmp.write_bytes(source.read_bytes())
+            tmp.replace(target)
+    return [src / source.name for source in SOURCES]
 
 
 def compiled() -> Any | None:
