@@ -6,8 +6,8 @@ the module; ``kernels.h`` declares what they share) is compiled into one Python 
 with PyTorch's extension builder (a C++ compiler and ninja) the first time a process asks
 for it on a CPU with AVX-512F, AVX-512DQ and FMA (what the flags let the compiler use),
 in under a minute (a terminal is told why it waits), into the model store
-(``$KAKEYA_LAB_HOME/kernels/build/``, one folder per sources, torch version, CPU and
-flags), and loaded from there afterwards. The build reads copies of the sources kept in
+(``$KAKEYA_LAB_HOME/kernels/build/``, one folder per sources, torch version and
+installation, CPU and flags), and loaded from there afterwards. The build reads copies of the sources kept in
 that folder, so checkouts at other paths (a second clone, a git worktree) with the same
 sources share the build rather than rebuilding it for each other (the builder's ninja file
 names the sources' paths). Where it cannot be built (no AVX-512, no compiler or
@@ -72,7 +72,8 @@ def _build() -> tuple[Any, str]:
 
 def build_folder() -> Path:
     """The folder this machine's build of the current sources lives in (created), named
-    after a digest of the sources, the torch version, the CPU and the flags."""
+    after a digest of the sources, the torch version and installation, the CPU and the
+    flags."""
     from kakeya_lab.models.store import store_home
 
     identity = cpu_identity()
@@ -81,6 +82,9 @@ def build_folder() -> Path:
             [
                 *(f"{source.name}\n{source.read_text()}" for source in [*SOURCES, *HEADERS]),
                 torch.__version__,
+                # this environment's torch, whose headers the build includes by path: two
+                # environments sharing the store would otherwise rebuild it for each other
+                str(Path(torch.__file__).parent),
                 identity["cpu"],
                 " ".join(FLAGS),
             ]
