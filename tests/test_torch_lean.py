@@ -23,9 +23,9 @@ from kakeya_lab.bench.speculative_settings import SpeculativeSettings
 from kakeya_lab.data import domain_conversations
 from kakeya_lab.linear import kernel_switched, set_linear_kernel
 from kakeya_lab.models import DEFAULT_MODEL, tiny_random_model
+from kakeya_lab.native.build import instruction_set
 from kakeya_lab.proposers import DraftModelProposer
 from kakeya_lab.reference import oracle_logits
-from kakeya_lab.results import cpu_identity
 
 TOL = 1e-4  # what tests/test_oracle.py holds transformers' forward to
 
@@ -37,7 +37,7 @@ def test_lean_forward_gives_the_oracle_logits_past_eviction(architecture, mode, 
     model = loaded.model
     lean = LeanForward.of(model)  # what a verifier with lean=True runs
     # the compiled step operations run wherever they build (native/step.py)
-    assert (lean.native is not None) == ("avx512f" in cpu_identity()["cpu_flags"])
+    assert (lean.native is not None) == (instruction_set() is not None)
     config = SinkWindowConfig(sink=3, window=17, positions=mode)
     ids = [random.Random(2).randrange(loaded.model.config.vocab_size) for _ in range(120)]
     want = oracle_logits(model, ids, config)
@@ -82,8 +82,8 @@ def test_split_lean_steps_run_whole_layers_compiled_and_match_the_oracle(
     One-token steps past eviction give the oracle's logits (the same kernel's), as the same
     steps with the layers one by one do; the two differ only in their one-row products (the
     compiled few-row product against MKL's)."""
-    if "avx512f" not in cpu_identity()["cpu_flags"]:
-        pytest.skip("the compiled kernels need AVX-512")
+    if instruction_set() is None:
+        pytest.skip("the compiled kernels need AVX-512 or AVX2 with FMA")
     model = default_model.model
     lean = LeanForward.of(model)
     assert lean.native is not None
@@ -117,8 +117,8 @@ def test_split_lean_steps_run_whole_layers_compiled_and_match_the_oracle(
 def test_a_hooked_layer_keeps_its_operations_one_by_one(default_model, text_ids):
     """A forward hook on a layer's down projection sees every lean step on ``split``: that
     layer runs its operations one by one (calling the module), the others stay compiled."""
-    if "avx512f" not in cpu_identity()["cpu_flags"]:
-        pytest.skip("the compiled kernels need AVX-512")
+    if instruction_set() is None:
+        pytest.skip("the compiled kernels need AVX-512 or AVX2 with FMA")
     model = default_model.model
     lean = LeanForward.of(model)
     seen: list[int] = []
@@ -362,8 +362,8 @@ def test_a_compiled_layer_follows_a_replaced_output_weight(text_ids, record_tole
     """On ``split`` with two threads, an output projection whose weight was replaced after
     the lean forward was built (not a stacked one: the forward stays current) keeps its
     layer's operations one by one, so the logits are the new weight's."""
-    if "avx512f" not in cpu_identity()["cpu_flags"]:
-        pytest.skip("the compiled kernels need AVX-512")
+    if instruction_set() is None:
+        pytest.skip("the compiled kernels need AVX-512 or AVX2 with FMA")
     model = copy.deepcopy(tiny_random_model("llama", seed=1).model)
     config = SinkWindowConfig(sink=2, window=14)
     ids = text_ids[:30]

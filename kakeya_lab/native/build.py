@@ -4,14 +4,14 @@ Every ``*.cpp`` beside this file (``rows.cpp``: the few-row product; ``step.cpp`
 step's small operations; ``int4.cpp``: the ``int4-vnni`` product and layer; ``bindings.cpp``:
 the module; ``kernels.h`` declares what they share) is compiled into one Python module
 with PyTorch's extension builder (a C++ compiler and ninja) the first time a process asks
-for it on a CPU with AVX-512F, AVX-512DQ and FMA (what the flags let the compiler use),
-in under a minute (a terminal is told why it waits), into the model store
+for it, for the widest vectors the CPU has (:data:`INSTRUCTION_SETS`: AVX-512F and DQ with
+FMA, else AVX2 with FMA; ``simd.h`` writes the kernels for either), in under a minute (a terminal is told why it waits), into the model store
 (``$KAKEYA_LAB_HOME/kernels/build/``, one folder per sources, torch version and
 installation, CPU and flags), and loaded from there afterwards. The build reads copies of the sources kept in
 that folder, so checkouts at other paths (a second clone, a git worktree) with the same
 sources share the build rather than rebuilding it for each other (the builder's ninja file
-names the sources' paths). Where it cannot be built (no AVX-512, no compiler or
-ninja, a failed build) :func:`compiled` returns None and :func:`why_unavailable` says why;
+names the sources' paths). Where it cannot be built (neither instruction set, no compiler
+or ninja, a failed build) :func:`compiled` returns None and :func:`why_unavailable` says why;
 every caller then runs PyTorch's operations instead (the same numbers to float rounding).
 """
 
@@ -32,19 +32,36 @@ from kakeya_lab.results import cpu_identity
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # part of the build's identity
-FLAGS = ["-O3", "-mavx512f", "-mavx512dq", "-mfma"]
-CPU_FLAGS = ("avx512f", "avx512dq", "fma")  # what FLAGS let the compiler assume
+# name -> (the compiler's flags, the CPU flags they let it assume), the widest first
+INSTRUCTION_SETS: dict[str, tuple[list[str], tuple[str, ...]]] = {
+    "avx512": (["-mavx512f", "-mavx512dq", "-mfma"], ("avx512f", "avx512dq", "fma")),
+    "avx2": (["-mavx2", "-mfma"], ("avx2", "fma")),
+}
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _loaded: tuple[Any, str] | None = None  # (module or None, why not) once tried
 
 
+def instruction_set() -> str | None:
+    """The widest of :data:`INSTRUCTION_SETS` this CPU has (the one the build uses), or None."""
+    flags = set(cpu_identity()["cpu_flags"])
+    for name, (_, needs) in INSTRUCTION_SETS.items():
+        if flags.issuperset(needs):
+            return name
+    return None
+
+
+def flags() -> list[str]:
+    """The compiler's flags for this CPU's build (:func:`instruction_set`)."""
+    name = instruction_set()
+    return ["-O3", *(INSTRUCTION_SETS[name][0] if name else [])]
+
+
 def _build() -> tuple[Any, str]:
-    identity = cpu_identity()
-    missing_flags = [flag for flag in CPU_FLAGS if flag not in identity["cpu_flags"]]
-    if missing_flags:
-        return None, f"the CPU lacks {', '.join(missing_flags)}"
+    if instruction_set() is None:
+        wanted = " or ".join("+".join(needs) for _, needs in INSTRUCTION_SETS.values())
+        return None, f"the CPU lacks {wanted}"
     missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
     if missing:
         return None, f"no {' or '.join(missing)} on PATH"
@@ -61,7 +78,7 @@ def _build() -> tuple[Any, str]:
         module = load(
             name=f"kakeya_native_{digest}",
             sources=[str(path) for path in _copied_sources(folder)],
-            extra_cflags=[*FLAGS, "-fopenmp"],
+            extra_cflags=[*flags(), "-fopenmp"],
             build_directory=str(folder),
             verbose=False,
         )
@@ -86,7 +103,7 @@ def build_folder() -> Path:
                 # environments sharing the store would otherwise rebuild it for each other
                 str(Path(torch.__file__).parent),
                 identity["cpu"],
-                " ".join(FLAGS),
+                " ".join(flags()),
             ]
         ).encode()
     ).hexdigest()[:16]

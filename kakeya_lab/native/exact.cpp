@@ -8,7 +8,7 @@
 // finds q, d (and m) and keeps them only when they give back every weight exactly. q * d has
 // at most 19 significant bits, so it is exact in float32, and the 4-bit form's w rounds once,
 // in the add, the same whether the multiply and the add are fused or not. Each weight row's
-// 16-lane vectors are therefore rows.cpp's, and each output is summed as rows.cpp sums it (16
+// vectors are therefore rows.cpp's, and each output is summed as rows.cpp sums it (a vector's
 // lanes, input order, one fused multiply-add per vector, then the lanes), bit for bit.
 //
 // Layout, by the codes' dtype. 4-bit: codes [out, in / 2] uint8, per group 16 bytes, byte b
@@ -16,7 +16,9 @@
 // float32, each group's d and m. 8-bit: codes [out, in] int8; so [out, in / 32, 1], each
 // group's d. The unpacking is what a one-token step's time goes to: two weight rows at a time
 // (one accumulator chain each, so the fused multiply-adds overlap), each group unpacked once
-// for up to 8 input rows, the output rows split over PyTorch's threads.
+// for up to 8 input rows (4 with AVX2's 16 registers), the output rows split over PyTorch's
+// threads. With AVX-512 a group's 16 weight values are a table its codes index; AVX2 has no
+// 16-entry lookup, and converts each code (q * d + m, the same fused operation).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -24,8 +26,12 @@
 #include <vector>
 
 #include "kernels.h"
+#include "simd.h"
 
 namespace {
+
+using simd::LANES;
+using simd::vec;
 
 constexpr int64_t GROUP = 32;
 // weight-row blocks prefetched ahead: with the hardware prefetcher alone the default model's
@@ -33,11 +39,17 @@ constexpr int64_t GROUP = 32;
 // nearly twice as long); 4 to 32 blocks measured alike
 constexpr int64_t AHEAD = 4;
 
-// one group's two weight vectors (inputs 32 g .. 32 g + 31) of weight row j
+// the vectors of a group (32 inputs) that one unpacking gives: AVX-512's two (the whole
+// group), or AVX2's two of four (inputs 16 h .. 16 h + 15: the low nibbles, then the high)
+constexpr int PARTS = GROUP / (2 * LANES);
+
+// part h of group g of weight row j: its two weight vectors
 template <bool FOUR>
 inline void weights(const void* codes, const float* so, int64_t in, int64_t j, int64_t g,
-                    __m512& w0, __m512& w1) {
+                    int h, vec& w0, vec& w1) {
   const int64_t groups = in / GROUP;
+#if defined(__AVX512F__)
+  (void)h;  // PARTS == 1
   if constexpr (FOUR) {
     const auto* c = static_cast<const uint8_t*>(codes) + j * (in / 2) + 16 * g;
     const float* p = so + (j * groups + g) * 2;
@@ -59,37 +71,67 @@ inline void weights(const void* codes, const float* so, int64_t in, int64_t j, i
     w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d);
     w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d);
   }
+#else
+  if constexpr (FOUR) {
+    const auto* c = static_cast<const uint8_t*>(codes) + j * (in / 2) + 16 * g;
+    const float* p = so + (j * groups + g) * 2;
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+    const __m128i q = _mm_and_si128(h == 0 ? bytes : _mm_srli_epi16(bytes, 4), _mm_set1_epi8(15));
+    const __m256 d = _mm256_set1_ps(p[0]), m = _mm256_set1_ps(p[1]);
+    w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), d, m);
+    w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))), d, m);
+  } else {
+    const auto* c = static_cast<const int8_t*>(codes) + j * in + GROUP * g + 16 * h;
+    const __m256 d = _mm256_set1_ps(so[j * groups + g]);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+    w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+    w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), d);
+  }
+#endif
 }
 
 // y[r, j + a] for R weight rows j.. and N input rows
 template <bool FOUR, int N, int R>
 inline void block_product(const float* x, const void* codes, const float* so, float* y,
                           int64_t in, int64_t out, int64_t j) {
-  __m512 acc[R][N];
+  vec acc[R][N];
   for (int a = 0; a < R; ++a)
-    for (int r = 0; r < N; ++r) acc[a][r] = _mm512_setzero_ps();
+    for (int r = 0; r < N; ++r) acc[a][r] = simd::zero();
   for (int64_t g = 0; g < in / GROUP; ++g) {
-    __m512 w0[R], w1[R];
-    for (int a = 0; a < R; ++a) weights<FOUR>(codes, so, in, j + a, g, w0[a], w1[a]);
-    for (int r = 0; r < N; ++r) {
-      const __m512 x0 = _mm512_loadu_ps(x + r * in + GROUP * g);
-      const __m512 x1 = _mm512_loadu_ps(x + r * in + GROUP * g + 16);
-      for (int a = 0; a < R; ++a) acc[a][r] = _mm512_fmadd_ps(w0[a], x0, acc[a][r]);
-      for (int a = 0; a < R; ++a) acc[a][r] = _mm512_fmadd_ps(w1[a], x1, acc[a][r]);
+    for (int h = 0; h < PARTS; ++h) {
+      vec w0[R], w1[R];
+      for (int a = 0; a < R; ++a) weights<FOUR>(codes, so, in, j + a, g, h, w0[a], w1[a]);
+      for (int r = 0; r < N; ++r) {
+        const float* xg = x + r * in + GROUP * g + 2 * LANES * h;
+        const vec x0 = simd::load(xg), x1 = simd::load(xg + LANES);
+        for (int a = 0; a < R; ++a) acc[a][r] = simd::fmadd(w0[a], x0, acc[a][r]);
+        for (int a = 0; a < R; ++a) acc[a][r] = simd::fmadd(w1[a], x1, acc[a][r]);
+      }
     }
   }
   for (int a = 0; a < R; ++a)
-    for (int r = 0; r < N; ++r) y[r * out + j + a] = _mm512_reduce_add_ps(acc[a][r]);
+    for (int r = 0; r < N; ++r) y[r * out + j + a] = simd::sum(acc[a][r]);
+}
+
+// input rows at a time: as many as keep R x CHUNK accumulators in the registers
+constexpr int CHUNK = simd::REGISTERS == 32 ? 8 : 4;
+
+// block j's outputs for N input rows, CHUNK input rows at a time over the block's codes
+// while they are still in L1
+template <bool FOUR, int N, int R>
+inline void chunks(const float* x, const void* codes, const float* so, float* y, int64_t in,
+                   int64_t out, int64_t j) {
+  block_product<FOUR, (N <= CHUNK ? N : CHUNK), R>(x, codes, so, y, in, out, j);
+  if constexpr (N > CHUNK)
+    chunks<FOUR, N - CHUNK, R>(x + CHUNK * in, codes, so, y + CHUNK * out, in, out, j);
 }
 
 // y for weight rows j0..j1 and all N input rows: R weight rows at a time, each group's weights
-// unpacked once for up to 8 input rows (more input rows run as the first 8, then the rest, each
-// block's codes still in L1), the codes AHEAD blocks on prefetched meanwhile
+// unpacked once for up to CHUNK input rows, the codes AHEAD blocks on prefetched meanwhile
 template <bool FOUR, int N>
 void rows_run(const float* x, const void* codes, const float* so, float* y, int64_t in,
               int64_t out) {
-  constexpr int R = 2;  // 2 R weight vectors and R x 8 accumulators within 32 registers
-  constexpr int FIRST = N <= 8 ? N : 8;
+  constexpr int R = 2;  // 2 R weight vectors and R x CHUNK accumulators within the registers
   const int64_t code_bytes = FOUR ? in / 2 : in, so_bytes = (in / GROUP) * (FOUR ? 2 : 1) * 4;
   at::parallel_for(0, out, 64, [&](int64_t j0, int64_t j1) {
     int64_t j = j0;
@@ -100,15 +142,9 @@ void rows_run(const float* x, const void* codes, const float* so, float* y, int6
         for (int64_t b = 0; b < R * code_bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
         for (int64_t b = 0; b < R * so_bytes; b += 64) _mm_prefetch(s + b, _MM_HINT_T0);
       }
-      block_product<FOUR, FIRST, R>(x, codes, so, y, in, out, j);
-      if constexpr (N > 8)
-        block_product<FOUR, N - 8, R>(x + 8 * in, codes, so, y + 8 * out, in, out, j);
+      chunks<FOUR, N, R>(x, codes, so, y, in, out, j);
     }
-    for (; j < j1; ++j) {
-      block_product<FOUR, FIRST, 1>(x, codes, so, y, in, out, j);
-      if constexpr (N > 8)
-        block_product<FOUR, N - 8, 1>(x + 8 * in, codes, so, y + 8 * out, in, out, j);
-    }
+    for (; j < j1; ++j) chunks<FOUR, N, 1>(x, codes, so, y, in, out, j);
   });
 }
 

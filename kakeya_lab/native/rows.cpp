@@ -1,8 +1,10 @@
-// out[r, j] = sum_k rows[r, k] * weight[j, k] for a few rows (1 to 16), float32, AVX-512.
+// out[r, j] = sum_k rows[r, k] * weight[j, k] for a few rows (1 to 16), float32, in the
+// vectors of simd.h (AVX-512's 16 lanes, or AVX2's 8).
 //
 // Each weight row is read once for all the input rows: R weight rows at a time are
-// multiplied by every input row (up to 8 at a time), 16 inputs per step, into R x N vector
-// accumulators, then each accumulator is summed. The output rows are split over PyTorch's threads
+// multiplied by every input row (up to 8 at a time with AVX-512's 32 registers, 4 with AVX2's
+// 16), a vector of inputs per step, into R x N vector accumulators, then each accumulator is
+// summed. The output rows are split over PyTorch's threads
 // (at::parallel_for), so a one-token step streams the weights on every core, and a block of a
 // few tokens costs little more than one. Built with step.cpp by kakeya_lab/native/build.py.
 //
@@ -20,8 +22,12 @@
 #include <immintrin.h>
 
 #include "kernels.h"
+#include "simd.h"
 
 namespace {
+
+using simd::LANES;
+using simd::vec;
 
 constexpr int64_t AHEAD = 2;  // blocks prefetched ahead; 1 to 8 measured the same, 0 slower
 
@@ -30,48 +36,54 @@ constexpr int64_t AHEAD = 2;  // blocks prefetched ahead; 1 to 8 measured the sa
 template <int N, int R>
 inline void block_product(const float* x, const float* w, float* y, int64_t in, int64_t out,
                           int64_t j, const float* next) {
-  __m512 acc[R][N];
+  vec acc[R][N];
   for (int a = 0; a < R; ++a)
-    for (int r = 0; r < N; ++r) acc[a][r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < in; k += 16) {
-    __m512 wv[R];  // the weights in registers, each input row loaded as it is used
-    for (int a = 0; a < R; ++a) wv[a] = _mm512_loadu_ps(w + (j + a) * in + k);
-    if (next != nullptr)
+    for (int r = 0; r < N; ++r) acc[a][r] = simd::zero();
+  for (int64_t k = 0; k < in; k += LANES) {
+    vec wv[R];  // the weights in registers, each input row loaded as it is used
+    for (int a = 0; a < R; ++a) wv[a] = simd::load(w + (j + a) * in + k);
+    if (next != nullptr && (LANES == 16 || k % 16 == 0))  // a cache line of each
       for (int a = 0; a < R; ++a)
         _mm_prefetch(reinterpret_cast<const char*>(next + a * in + k), _MM_HINT_T1);
     for (int r = 0; r < N; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * in + k);
-      for (int a = 0; a < R; ++a) acc[a][r] = _mm512_fmadd_ps(wv[a], xv, acc[a][r]);
+      const vec xv = simd::load(x + r * in + k);
+      for (int a = 0; a < R; ++a) acc[a][r] = simd::fmadd(wv[a], xv, acc[a][r]);
     }
   }
   for (int a = 0; a < R; ++a)
-    for (int r = 0; r < N; ++r) y[r * out + j + a] = _mm512_reduce_add_ps(acc[a][r]);
+    for (int r = 0; r < N; ++r) y[r * out + j + a] = simd::sum(acc[a][r]);
 }
 
-// the output rows j0..j1 of N input rows: R weight rows at a time; more than 8 input rows run
-// as the first 8, then the rest, over each block of weight rows while it is still in L1 (16
-// rows' accumulators at once would spill the registers)
+// input rows at a time: as many as keep R x CHUNK accumulators in the registers
+constexpr int CHUNK = simd::REGISTERS == 32 ? 8 : 4;
+
+// block j's outputs for N input rows, CHUNK input rows at a time over the block of weight
+// rows while it is still in L1
+template <int N, int R>
+inline void chunks(const float* x, const float* w, float* y, int64_t in, int64_t out,
+                   int64_t j, const float* next) {
+  block_product<(N <= CHUNK ? N : CHUNK), R>(x, w, y, in, out, j, next);
+  if constexpr (N > CHUNK)
+    chunks<N - CHUNK, R>(x + CHUNK * in, w, y + CHUNK * out, in, out, j, nullptr);
+}
+
+// the output rows j0..j1 of N input rows: R weight rows at a time
 template <int N, int R>
 void rows_block(const float* x, const float* w, float* y, int64_t in, int64_t out,
                 int64_t j0, int64_t j1) {
-  constexpr int FIRST = N <= 8 ? N : 8;
   int64_t j = j0;
   for (; j + R <= j1; j += R) {
     // a hint (no fault past the end); one stream needs none
     const float* next = R == 1 ? nullptr : w + (j + AHEAD * R) * in;
-    block_product<FIRST, R>(x, w, y, in, out, j, next);
-    if constexpr (N > 8) block_product<N - 8, R>(x + 8 * in, w, y + 8 * out, in, out, j, nullptr);
+    chunks<N, R>(x, w, y, in, out, j, next);
   }
-  for (; j < j1; ++j) {  // the weight rows left over, one at a time
-    block_product<FIRST, 1>(x, w, y, in, out, j, nullptr);
-    if constexpr (N > 8) block_product<N - 8, 1>(x + 8 * in, w, y + 8 * out, in, out, j, nullptr);
-  }
+  for (; j < j1; ++j) chunks<N, 1>(x, w, y, in, out, j, nullptr);  // the rest, one at a time
 }
 
 template <int N>
 void rows_run(const float* x, const float* w, float* y, int64_t in, int64_t out) {
-  // R x min(N, 8) accumulators within the 32 vector registers
-  constexpr int R = N <= 2 ? 1 : (N <= 4 ? 4 : 2);
+  // R x min(N, CHUNK) accumulators within the vector registers
+  constexpr int R = N <= 2 ? 1 : (N <= 4 && CHUNK == 8 ? 4 : 2);
   at::parallel_for(0, out, 64, [&](int64_t j0, int64_t j1) {
     rows_block<N, R>(x, w, y, in, out, j0, j1);
   });

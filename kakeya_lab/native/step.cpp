@@ -1,5 +1,5 @@
 // The small operations of a decoder layer's step, each one pass in place of several PyTorch
-// operations (float32, AVX-512): the RMSNorm, the rotary embedding of the q and k heads and
+// operations (float32, in simd.h's vectors): the RMSNorm, the rotary embedding of the q and k heads and
 // the attention of a few queries over a cache's keys. In a one-token step these run between the
 // weight products thirty times a token, where dispatching PyTorch's many small operations
 // costs more than their arithmetic. Built with rows.cpp by kakeya_lab/native/build.py (see
@@ -9,11 +9,16 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
+#include "simd.h"
 
+using simd::LANES;
+using simd::vec;
 using torch::Tensor;
 
 namespace {
@@ -38,16 +43,16 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   for (int64_t r = 0; r < n; ++r) {
     const float* xr = x.data_ptr<float>() + r * width;
     float* yr = y.data_ptr<float>() + r * width;
-    __m512 squares = _mm512_setzero_ps();
-    for (int64_t k = 0; k < width; k += 16) {
-      const __m512 v = _mm512_loadu_ps(xr + k);
-      squares = _mm512_fmadd_ps(v, v, squares);
+    vec squares = simd::zero();
+    for (int64_t k = 0; k < width; k += LANES) {
+      const vec v = simd::load(xr + k);
+      squares = simd::fmadd(v, v, squares);
     }
-    const float mean = _mm512_reduce_add_ps(squares) / static_cast<float>(width);
-    const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(mean + static_cast<float>(eps)));
-    for (int64_t k = 0; k < width; k += 16) {
-      const __m512 normed = _mm512_mul_ps(_mm512_loadu_ps(xr + k), scale);
-      _mm512_storeu_ps(yr + k, _mm512_mul_ps(_mm512_loadu_ps(w + k), normed));
+    const float mean = simd::sum(squares) / static_cast<float>(width);
+    const vec scale = simd::set1(1.0f / std::sqrt(mean + static_cast<float>(eps)));
+    for (int64_t k = 0; k < width; k += LANES) {
+      const vec normed = simd::mul(simd::load(xr + k), scale);
+      simd::store(yr + k, simd::mul(simd::load(w + k), normed));
     }
   }
   return y;
@@ -79,61 +84,42 @@ void rotate_(Tensor rows, const Tensor& cos, const Tensor& sin, int64_t heads) {
   }
 }
 
-// e^x for 16 floats, to a few ulps: x = n ln2 + t with |t| <= ln2 / 2, e^t by its Taylor
-// series to t^7 (truncated: a relative error below 1e-8), times 2^n. Below -87 (where e^x is
-// no longer a normal float, and for -inf: a masked column) it gives 0.
-inline __m512 exp16(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 t = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, high bits
-  t = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), t);  // and the rest
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
-}
-
-// a[0:16 * VECS] = sum over c < width of w[c] * v[c * 16 * VECS ...], skipping the columns
-// whose weight is 0 (masked, or too small to count: their slots may hold anything, even
-// NaN). Two columns at a time into two sets of accumulators, which stay in registers (VECS
-// is known) and halve the chain of dependent additions.
+// a[0:LANES * VECS] = sum over c < width of w[c] * v[c * LANES * VECS ...], skipping the
+// columns whose weight is 0 (masked, or too small to count: their slots may hold anything,
+// even NaN). Two columns at a time into two sets of accumulators where the registers hold
+// both (VECS is known), which halves the chain of dependent additions; one set otherwise.
 template <int VECS>
 void weigh_values_(const float* w, const float* v, int64_t width, float* a) {
-  constexpr int64_t D = 16 * VECS;
-  __m512 even[VECS], odd[VECS];
-  for (int k = 0; k < VECS; ++k) even[k] = odd[k] = _mm512_setzero_ps();
-  const auto add = [&](__m512* into, int64_t c) {
-    const __m512 wc = _mm512_set1_ps(w[c]);
+  constexpr int64_t D = LANES * VECS;
+  constexpr bool PAIRS = 2 * VECS + 2 <= simd::REGISTERS;
+  vec even[VECS], odd[VECS];
+  for (int k = 0; k < VECS; ++k) even[k] = odd[k] = simd::zero();
+  const auto add = [&](vec* into, int64_t c) {
+    const vec wc = simd::set1(w[c]);
     for (int k = 0; k < VECS; ++k)
-      into[k] = _mm512_fmadd_ps(wc, _mm512_loadu_ps(v + c * D + 16 * k), into[k]);
+      into[k] = simd::fmadd(wc, simd::load(v + c * D + LANES * k), into[k]);
   };
   int64_t c = 0;
   for (; c + 2 <= width; c += 2) {
     if (w[c] != 0.0f) add(even, c);
-    if (w[c + 1] != 0.0f) add(odd, c + 1);
+    if (w[c + 1] != 0.0f) add(PAIRS ? odd : even, c + 1);
   }
   if (c < width && w[c] != 0.0f) add(even, c);
-  for (int k = 0; k < VECS; ++k) _mm512_storeu_ps(a + 16 * k, _mm512_add_ps(even[k], odd[k]));
+  for (int k = 0; k < VECS; ++k)
+    simd::store(a + LANES * k, PAIRS ? simd::add(even[k], odd[k]) : even[k]);
 }
 
+constexpr int MAX_VECS = 128 / LANES;  // attend checks d <= 128
+
+template <int... V>
+constexpr auto weigh_table(std::integer_sequence<int, V...>) {
+  return std::array<void (*)(const float*, const float*, int64_t, float*), sizeof...(V)>{
+      weigh_values_<V + 1>...};
+}
+constexpr auto WEIGH = weigh_table(std::make_integer_sequence<int, MAX_VECS>{});
+
 void weigh_values(int64_t vecs, const float* w, const float* v, int64_t width, float* a) {
-  switch (vecs) {
-    case 1: return weigh_values_<1>(w, v, width, a);
-    case 2: return weigh_values_<2>(w, v, width, a);
-    case 3: return weigh_values_<3>(w, v, width, a);
-    case 4: return weigh_values_<4>(w, v, width, a);
-    case 5: return weigh_values_<5>(w, v, width, a);
-    case 6: return weigh_values_<6>(w, v, width, a);
-    case 7: return weigh_values_<7>(w, v, width, a);
-    default: return weigh_values_<8>(w, v, width, a);  // attend checks d <= 128
-  }
+  WEIGH[vecs - 1](w, v, width, a);
 }
 
 namespace {
@@ -155,7 +141,7 @@ struct Job {
 
 // Every job's attention, its units in one parallel region (see attend).
 void attend_jobs(std::vector<Job>& jobs, int64_t heads, int64_t kv, int64_t d, float s) {
-  const int64_t group = heads / kv, vecs = d / 16;
+  const int64_t group = heads / kv, vecs = d / LANES;
   const int64_t threads = at::get_num_threads();
   int64_t units = 0, work = 0;
   for (Job& job : jobs) {
@@ -206,10 +192,10 @@ void attend_jobs(std::vector<Job>& jobs, int64_t heads, int64_t kv, int64_t d, f
             score[c] = -INFINITY;
             continue;
           }
-          __m512 dot = _mm512_setzero_ps();
-          for (int64_t k = 0; k < d; k += 16)
-            dot = _mm512_fmadd_ps(_mm512_loadu_ps(qh + k), _mm512_loadu_ps(kh + c * d + k), dot);
-          score[c] = _mm512_reduce_add_ps(dot) * s;
+          vec dot = simd::zero();
+          for (int64_t k = 0; k < d; k += LANES)
+            dot = simd::fmadd(simd::load(qh + k), simd::load(kh + c * d + k), dot);
+          score[c] = simd::sum(dot) * s;
           best = std::max(best, score[c]);
         }
         float* a = acc.data() + slot * d;
@@ -219,22 +205,20 @@ void attend_jobs(std::vector<Job>& jobs, int64_t heads, int64_t kv, int64_t d, f
           std::fill(a, a + d, 0.0f);
           continue;
         }
-        const __m512 shift = _mm512_set1_ps(best);
-        __m512 sum = _mm512_setzero_ps();
+        const vec shift = simd::set1(best);
+        vec sum = simd::zero();
         int64_t c = 0;
-        for (; c + 16 <= width; c += 16) {
-          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(score.data() + c), shift));
-          _mm512_storeu_ps(score.data() + c, e);
-          sum = _mm512_add_ps(sum, e);
+        for (; c + LANES <= width; c += LANES) {
+          const vec e = simd::exp(simd::sub(simd::load(score.data() + c), shift));
+          simd::store(score.data() + c, e);
+          sum = simd::add(sum, e);
         }
-        if (c < width) {
-          const __mmask16 tail = static_cast<__mmask16>((1u << (width - c)) - 1);
-          const __m512 e =
-              exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, score.data() + c), shift));
-          _mm512_mask_storeu_ps(score.data() + c, tail, e);
-          sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+        if (c < width) {  // the last few: the other lanes' exponentials are not added
+          const vec e = simd::exp(simd::sub(simd::load_first(score.data() + c, width - c), shift));
+          simd::store_first(score.data() + c, e, width - c);
+          sum = simd::add(sum, simd::load_first(score.data() + c, width - c));
         }
-        total[slot] = _mm512_reduce_add_ps(sum);
+        total[slot] = simd::sum(sum);
         weigh_values(vecs, score.data(), vh, width, a);
       }
     }
@@ -250,21 +234,20 @@ void attend_jobs(std::vector<Job>& jobs, int64_t heads, int64_t kv, int64_t d, f
           best = std::max(best, top[(first + t) * group + j]);
         TORCH_CHECK(best > -INFINITY, "attend: query ", r, " sees no column");
         float sum = 0.0f;
-        __m512 o[8];
-        for (int64_t k = 0; k < vecs; ++k) o[k] = _mm512_setzero_ps();
+        vec o[MAX_VECS];
+        for (int64_t k = 0; k < vecs; ++k) o[k] = simd::zero();
         for (int64_t t = 0; t < job.spans; ++t) {
           const int64_t slot = (first + t) * group + j;
           if (total[slot] == 0.0f) continue;
           const float w = std::exp(top[slot] - best);
           sum += w * total[slot];
-          const __m512 wv = _mm512_set1_ps(w);
+          const vec wv = simd::set1(w);
           for (int64_t k = 0; k < vecs; ++k)
-            o[k] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(acc.data() + slot * d + 16 * k), o[k]);
+            o[k] = simd::fmadd(wv, simd::load(acc.data() + slot * d + LANES * k), o[k]);
         }
-        const __m512 inv = _mm512_set1_ps(1.0f / sum);
+        const vec inv = simd::set1(1.0f / sum);
         float* dst = job.out + r * heads * d + h * d;
-        for (int64_t k = 0; k < vecs; ++k)
-          _mm512_storeu_ps(dst + 16 * k, _mm512_mul_ps(o[k], inv));
+        for (int64_t k = 0; k < vecs; ++k) simd::store(dst + LANES * k, simd::mul(o[k], inv));
       }
     }
   }
