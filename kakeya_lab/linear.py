@@ -25,7 +25,7 @@ the rows by every slice in one batched product (``torch.bmm``), whose batches ru
 parallel; one row as ``slice @ row`` (a streaming matrix-vector product, each output one
 contiguous weight row against the input), more as ``rows @ slice.T``. A layer whose output
 width the thread count does not divide runs ``aten``. Where the compiled few-row product
-(:mod:`kakeya_lab.native.rows`: AVX-512, built once per machine) is available, ``split``
+(:mod:`kakeya_lab.native.rows`: AVX-512 or AVX2, built once per machine) is available, ``split``
 runs 1 to 16 float32 rows on it instead: it reads each weight row once for all the rows, so
 a block of a few tokens costs little more than one (the output rows still split over the
 threads), one row reads the weights faster than MKL's matrix-vector product, it rounds at
@@ -89,7 +89,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 QUANTISED = ("int8", "int4", "int4-vnni")  # the kernels that multiply by a quantised copy
 # bumped whenever a kernel's implementation changes, so "auto" choices cached on disk from
 # timings of the earlier implementation are measured again (part of their key)
-KERNEL_REVISION = 9
+KERNEL_REVISION = 10
 INT4_GROUP = 32  # inputs per int4 scale and offset (the kernel takes 32, 64, 128 or 256)
 
 

@@ -16,8 +16,8 @@
 // float32, each group's d and m. 8-bit: codes [out, in] int8; so [out, in / 32, 1], each
 // group's d. The unpacking is what a one-token step's time goes to: two weight rows at a time
 // (one accumulator chain each, so the fused multiply-adds overlap), each group unpacked once
-// for up to 8 input rows (4 with AVX2's 16 registers), the output rows split over PyTorch's
-// threads. With AVX-512 a group's 16 weight values are a table its codes index; AVX2 has no
+// for up to 8 input rows (with AVX2's 16 registers: 4, or 8 one weight row at a time), the
+// output rows split over PyTorch's threads. With AVX-512 a group's 16 weight values are a table its codes index; AVX2 has no
 // 16-entry lookup, and converts each code (q * d + m, the same fused operation).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -113,17 +113,19 @@ inline void block_product(const float* x, const void* codes, const float* so, fl
     for (int r = 0; r < N; ++r) y[r * out + j + a] = simd::sum(acc[a][r]);
 }
 
-// input rows at a time: as many as keep R x CHUNK accumulators in the registers
-constexpr int CHUNK = simd::REGISTERS == 32 ? 8 : 4;
+// input rows at a time for R weight rows: as many as keep R x CHUNK accumulators and the 2 R
+// weight vectors in the registers (AVX2's 16 hold 8 rows' for one weight row, 4 for two)
+template <int R>
+constexpr int CHUNK = simd::REGISTERS == 32 || R == 1 ? 8 : 4;
 
 // block j's outputs for N input rows, CHUNK input rows at a time over the block's codes
-// while they are still in L1
+// while they are still in L1 (each pass unpacks them again)
 template <bool FOUR, int N, int R>
 inline void chunks(const float* x, const void* codes, const float* so, float* y, int64_t in,
                    int64_t out, int64_t j) {
-  block_product<FOUR, (N <= CHUNK ? N : CHUNK), R>(x, codes, so, y, in, out, j);
-  if constexpr (N > CHUNK)
-    chunks<FOUR, N - CHUNK, R>(x + CHUNK * in, codes, so, y + CHUNK * out, in, out, j);
+  constexpr int C = CHUNK<R>;
+  block_product<FOUR, (N <= C ? N : C), R>(x, codes, so, y, in, out, j);
+  if constexpr (N > C) chunks<FOUR, N - C, R>(x + C * in, codes, so, y + C * out, in, out, j);
 }
 
 // y for weight rows j0..j1 and all N input rows: R weight rows at a time, each group's weights
@@ -131,7 +133,9 @@ inline void chunks(const float* x, const void* codes, const float* so, float* y,
 template <bool FOUR, int N>
 void rows_run(const float* x, const void* codes, const float* so, float* y, int64_t in,
               int64_t out) {
-  constexpr int R = 2;  // 2 R weight vectors and R x CHUNK accumulators within the registers
+  // two weight rows at a time (two chains of dependent multiply-adds for one input row), but
+  // one with AVX2 above 4 input rows: then 8 input rows share each unpacking, not 4
+  constexpr int R = simd::REGISTERS == 16 && N > 4 ? 1 : 2;
   const int64_t code_bytes = FOUR ? in / 2 : in, so_bytes = (in / GROUP) * (FOUR ? 2 : 1) * 4;
   at::parallel_for(0, out, 64, [&](int64_t j0, int64_t j1) {
     int64_t j = j0;

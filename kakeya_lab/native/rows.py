@@ -5,13 +5,14 @@ batch of a few sessions' steps 2 to 16 rows. MKL's products read the weights at 
 bandwidth only for one row (``split``'s ``slice @ row``); for two rows ``split``'s batched
 product takes about twice as long as for one, and a block of 9 (a draft of 8 and the token
 before it) about three times. ``rows.cpp`` reads each weight row once for all the rows
-(AVX-512, the output rows split over PyTorch's threads; one or two rows as one stream of
-weight rows per thread, more with the next weight rows prefetched while a block computes,
-more than 8 as two passes over each block of weight rows while it is in L1): on this kind
+(AVX-512, or AVX2 with FMA where the CPU lacks AVX-512; the output rows split over
+PyTorch's threads; one or two rows as one stream of weight rows per thread, more with the
+next weight rows prefetched while a block computes, more than 8 (4 with AVX2's registers)
+as passes over each block of weight rows while it is in L1): on this kind
 of machine (2 cores, Zen 4), over the default model's weights, one row reads them in about
 1.1 times a plain read of their bytes (MKL's matrix-vector product: about 1.3 times), 2 to 8
 rows cost about what one does, 12 rows 1.5 times, 16 rows 1.9 times. It sums each
-output in 16 lanes, at least as close to the exact sum as MKL's, in the same order whatever
+output in a vector's lanes (16, or AVX2's 8), at least as close to the exact sum as MKL's, in the same order whatever
 the number of rows, so a row's output does not depend on the rows that come with it (a
 session batched with others computes what it computes alone). ``split`` runs it for 1 to
 :data:`MAX_ROWS` rows; more rows run on its batched product (beyond 16 the kernel, whose
