@@ -17,8 +17,9 @@
 // group's d. The unpacking is what a one-token step's time goes to: two weight rows at a time
 // (one accumulator chain each, so the fused multiply-adds overlap), each group unpacked once
 // for up to 8 input rows (with AVX2's 16 registers: 4, or 8 one weight row at a time), the
-// output rows split over PyTorch's threads. With AVX-512 a group's 16 weight values are a table its codes index; AVX2 has no
-// 16-entry lookup, and converts each code (q * d + m, the same fused operation).
+// output rows split over PyTorch's threads. With AVX-512 a group's 16 weight values are a
+// table its codes index; AVX2 has no 16-entry lookup, and converts each code (q * d + m, the
+// same fused operation).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

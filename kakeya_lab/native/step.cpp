@@ -1,9 +1,9 @@
 // The small operations of a decoder layer's step, each one pass in place of several PyTorch
-// operations (float32, in simd.h's vectors): the RMSNorm, the rotary embedding of the q and k heads and
-// the attention of a few queries over a cache's keys. In a one-token step these run between the
-// weight products thirty times a token, where dispatching PyTorch's many small operations
-// costs more than their arithmetic. Built with rows.cpp by kakeya_lab/native/build.py (see
-// kakeya_lab/native/step.py); each checks the shapes it assumes.
+// operations (float32, in simd.h's vectors): the RMSNorm, the rotary embedding of the q and k
+// heads and the attention of a few queries over a cache's keys. In a one-token step these run
+// between the weight products thirty times a token, where dispatching PyTorch's many small
+// operations costs more than their arithmetic. Built with rows.cpp by
+// kakeya_lab/native/build.py (see kakeya_lab/native/step.py); each checks the shapes it assumes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
