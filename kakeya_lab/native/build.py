@@ -1,18 +1,20 @@
 """The compiled kernels' one module: :func:`compiled`.
 
 Every ``*.cpp`` beside this file (``rows.cpp``: the few-row product; ``step.cpp``: a layer
-step's small operations; ``int4.cpp``: the ``int4-vnni`` product and layer; ``bindings.cpp``:
-the module; ``kernels.h`` declares what they share) is compiled into one Python module
-with PyTorch's extension builder (a C++ compiler and ninja) the first time a process asks
-for it, for the widest vectors the CPU has (:data:`INSTRUCTION_SETS`: AVX-512F and DQ with
-FMA, else AVX2 with FMA; ``simd.h`` writes the kernels for either), in under a minute (a terminal is told why it waits), into the model store
+step's small operations; ``int4.cpp``: the ``int4-vnni`` product and layer;
+``bindings.cpp``: the module; ``kernels.h`` declares what they share) is compiled into one
+Python module with PyTorch's extension builder (a C++ compiler and ninja) the first time a
+process asks for it, for the widest vectors the CPU has (:data:`INSTRUCTION_SETS`: AVX-512F
+and DQ with FMA, else AVX2 with FMA; ``simd.h`` writes the kernels for either), in one to a
+few minutes (a terminal is told why it waits), into the model store
 (``$KAKEYA_LAB_HOME/kernels/build/``, one folder per sources, torch version and
-installation, CPU and flags), and loaded from there afterwards. The build reads copies of the sources kept in
-that folder, so checkouts at other paths (a second clone, a git worktree) with the same
-sources share the build rather than rebuilding it for each other (the builder's ninja file
-names the sources' paths). Where it cannot be built (neither instruction set, no compiler
-or ninja, a failed build) :func:`compiled` returns None and :func:`why_unavailable` says why;
-every caller then runs PyTorch's operations instead (the same numbers to float rounding).
+installation, CPU and flags), and loaded from there afterwards. The build reads copies of
+the sources kept in that folder, so checkouts at other paths (a second clone, a git
+worktree) with the same sources share the build rather than rebuilding it for each other
+(the builder's ninja file names the sources' paths). Where it cannot be built (neither
+instruction set, no compiler or ninja, a failed build) :func:`compiled` returns None and
+:func:`why_unavailable` says why; every caller then runs PyTorch's operations instead (the
+same numbers to float rounding).
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def _build() -> tuple[Any, str]:
     _log.info("building the compiled kernels into %s (once per machine)", folder)
     if sys.stderr.isatty() and not any(folder.glob("*.so")):  # a terminal waits: say why
         print(
-            "kakeya-lab: compiling its kernels for this CPU (once, about a minute)", file=sys.stderr
+            "kakeya-lab: compiling its kernels for this CPU (once, a minute or a few)",
+            file=sys.stderr,
         )
     try:
         module = load(
