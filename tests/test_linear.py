@@ -185,12 +185,12 @@ def test_split_is_the_linear_product_with_one_slice_of_outputs_per_thread():
 
 
 def test_the_compiled_few_row_product_is_the_linear_product():
-    """On a CPU with AVX-512 or AVX2 and FMA (this machine kind) the few-row product builds, and for 1 to
-    16 rows it is ``rows @ weight.T`` to float32 rounding, for output widths that its blocks
-    of weight rows do not divide; a row's output is the same to the bit whatever rows come
-    with it (a session batched with others computes what it computes alone); ``split`` runs
-    it for 1 to 16 rows (and its PyTorch products for more rows or other widths), to the
-    same numbers."""
+    """On a CPU with AVX-512, or AVX2 and FMA (this machine kind), the few-row product
+    builds, and for 1 to 16 rows it is ``rows @ weight.T`` to float32 rounding, for output
+    widths that its blocks of weight rows do not divide; a row's output is the same to the
+    bit whatever rows come with it (a session batched with others computes what it computes
+    alone); ``split`` runs it for 1 to 16 rows (and its PyTorch products for more rows or
+    other widths), to the same numbers."""
     if instruction_set() is None:
         pytest.skip("the compiled product needs AVX-512 or AVX2 with FMA")
     assert compiled() is not None, why_unavailable()
