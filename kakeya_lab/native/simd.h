@@ -35,7 +35,7 @@ inline vec load_first(const float* p, int64_t n) {
 inline void store_first(float* p, vec v, int64_t n) {
   _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), v);
 }
-// 2^n for integer-valued n (any float: scalef scales by 2^floor(n))
+// p * 2^n for integer-valued n (scalef scales by 2^floor(n), any n)
 inline vec times_two_to(vec p, vec n) { return _mm512_scalef_ps(p, n); }
 inline vec round_nearest(vec x) {
   return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
