@@ -33,6 +33,7 @@ def test_the_plan_takes_the_cheapest_larger_size_beyond_a_margin():
 
 
 @pytest.mark.parametrize("mode", ["global", "rolling"])
+@pytest.mark.slow
 def test_padded_blocks_give_the_oracle_rows_and_the_unpadded_cache(
     tiny_model, mode, record_tolerance
 ):

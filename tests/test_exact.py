@@ -139,6 +139,7 @@ def test_an_exact_layer_is_splits_layer_to_the_bit_and_falls_back_where_it_must(
 
 
 @pytest.mark.parametrize("mode", ["global", "rolling"])
+@pytest.mark.slow
 def test_exact_lean_steps_give_splits_logits_to_the_bit_past_eviction(
     default_model, text_ids, mode
 ):
@@ -227,6 +228,7 @@ def test_autos_measurement_keeps_only_the_exact_forms_held_before_it(tmp_path):
     assert not any(exact.is_packed(layer.weight) for layer in linears[1:])
 
 
+@pytest.mark.slow
 def test_a_batch_of_sessions_on_exact_gives_splits_logits_to_the_bit(default_model, text_ids):
     """Three default-model sessions at different fill levels and position modes, one past
     eviction, stepping together in batched forwards (rows of several caches in one

@@ -53,6 +53,7 @@ def _two_turns(model, text_ids, proposer) -> tuple[list[list[int]], int]:
     return replies, accepted
 
 
+@pytest.mark.slow
 def test_a_proposer_from_a_users_file_works_everywhere(echo, default_model, text_ids):
     assert proposer_kind("echo").model_free
     assert "echo[:WIDTH]" in usage()

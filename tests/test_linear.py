@@ -125,8 +125,8 @@ def test_loading_with_an_unknown_kernel_fails_before_loading():
         load_model(DEFAULT_MODEL, backend="mlx", linear="onednn", progress=False)
 
 
-# rolling is the slower half (33 s): the full suite runs it, the fast loop global only
-@pytest.mark.parametrize("mode", ["global", pytest.param("rolling", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", ["global", "rolling"])
+@pytest.mark.slow
 def test_onednn_verifier_gives_the_oracle_logits_past_eviction(
     onednn_model, default_model, text_ids, mode, record_tolerance
 ):
@@ -289,6 +289,7 @@ def test_split_verifier_gives_the_oracle_logits_past_eviction(
     check_close(f"smollm2/{mode}/split oracle vs aten oracle", want, aten, TOL, record_tolerance)
 
 
+@pytest.mark.slow
 def test_onednn_greedy_speculative_decoding_equals_plain_past_eviction(onednn_model):
     """Plain decoding and the speculative arms share the loaded model, so both run oneDNN's
     kernel; the arms must emit exactly the plain stream."""
@@ -296,6 +297,7 @@ def test_onednn_greedy_speculative_decoding_equals_plain_past_eviction(onednn_mo
     assert greedy_streams_identical(run.turns)
 
 
+@pytest.mark.slow
 def test_a_draft_model_loaded_by_name_runs_the_verifiers_kernel(onednn_model):
     config = SinkWindowConfig(sink=4, window=60)
     proposer = make_proposer(
@@ -377,6 +379,7 @@ def test_int8_leaves_layers_the_kernel_cannot_tile_and_is_reversible_on_a_model(
         assert torch.equal(model(ids).logits, want)
 
 
+@pytest.mark.slow
 def test_an_int8_draft_model_keeps_speculative_decoding_lossless_past_eviction(default_model):
     """The int8 copy changes the draft's numbers, not the verifier's: the stream equals plain
     decoding, and a draft that is the verifier up to int8 rounding has most drafts accepted,

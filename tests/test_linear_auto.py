@@ -61,6 +61,7 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(model, tmp_path):
     assert model.linear_auto_choice.few == first.few and model.linear_auto_choice.many == first.many
 
 
+@pytest.mark.slow
 def test_a_file_of_another_cpu_or_a_broken_file_is_measured_again(model, tmp_path):
     set_auto_kernel(model, cache_dir=tmp_path)
     (path,) = _files(tmp_path)
@@ -110,6 +111,7 @@ def test_the_cached_choice_decides_each_row_count(model, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["global", "rolling"])
+@pytest.mark.slow
 def test_auto_gives_the_oracle_logits_past_eviction(model, tmp_path, mode, record_tolerance):
     set_auto_kernel(model, cache_dir=tmp_path)
     config = SinkWindowConfig(sink=3, window=17, positions=mode)

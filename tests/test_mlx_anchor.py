@@ -13,6 +13,7 @@ from kakeya_lab.bench.rotating_anchor import run_rotating_anchor  # noqa: E402
 from kakeya_lab.models import tiny_random_model  # noqa: E402
 
 
+@pytest.mark.slow
 def test_rotating_cache_departs_from_greedy_past_the_window_ours_does_not(tmp_path):
     loaded = tiny_random_model("llama", seed=0, num_layers=4)
     loaded.model.save_pretrained(tmp_path, safe_serialization=True)

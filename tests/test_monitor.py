@@ -32,6 +32,7 @@ def _kv_points(monitor: RunMonitor) -> int:
     return len(x)
 
 
+@pytest.mark.slow
 def test_the_run_monitor_follows_a_running_long_run_to_its_end(tmp_path, tiny_model):
     run_dir = tmp_path / "run"
     run_dir.mkdir()

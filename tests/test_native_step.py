@@ -267,6 +267,7 @@ def test_the_step_kernels_take_float32_cpu_rows_of_widths_in_sixteens():
     assert step_kernels(torch.float32, torch.device("meta"), 576, 64) is None
 
 
+@pytest.mark.slow
 def test_the_default_models_lean_steps_through_them_are_pytorchs_past_eviction(
     default_model, text_ids, record_tolerance
 ):

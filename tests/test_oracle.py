@@ -50,17 +50,10 @@ def _paths_match_oracle(name, model, ids, config, want, record_tolerance, **opti
     assert steps is None or (steps > len(ids) // 8) == lean
 
 
-# The fast loop keeps the global-mode case on the real model through the default (lean)
-# forward; rolling, and transformers' forward, run in the full suite.
-@pytest.mark.parametrize(
-    ("mode", "forward"),
-    [
-        ("global", "lean"),
-        pytest.param("rolling", "lean", marks=pytest.mark.slow),
-        pytest.param("global", "transformers", marks=pytest.mark.slow),
-        pytest.param("rolling", "transformers", marks=pytest.mark.slow),
-    ],
-)
+# The fast loop's real-model oracle case is tests/test_torch_lean.py's default-model test.
+@pytest.mark.parametrize("forward", ["lean", "transformers"])
+@pytest.mark.parametrize("mode", ["global", "rolling"])
+@pytest.mark.slow
 def test_paths_match_oracle_past_the_window(
     default_model, text_ids, mode, forward, record_tolerance
 ):
@@ -73,7 +66,7 @@ def test_paths_match_oracle_past_the_window(
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.slow), "qwen3"])
 def test_every_backend_matches_the_oracle_past_the_window(
     backend, tiny_backends, tiny_on, arch, mode, record_tolerance
 ):
@@ -88,6 +81,7 @@ def test_every_backend_matches_the_oracle_past_the_window(
         _paths_match_oracle(name, model, ids, config, want, record_tolerance, lean=lean)
 
 
+@pytest.mark.slow
 def test_rolling_oracle_equals_dense_before_the_cache_fills(default_model, text_ids):
     """The two oracles agree up to the budget and really differ past it."""
     config = SinkWindowConfig(sink=4, window=28, positions="rolling")

@@ -110,6 +110,7 @@ def test_every_kind_declares_a_well_formed_example():
             assert [name for name, _ in leaves] == [kind.name]
 
 
+@pytest.mark.slow
 def test_a_kind_registered_outside_the_package_works_like_a_builtin(
     repeat_tail, default_model, text_ids, plain_replies
 ):

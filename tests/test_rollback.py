@@ -14,6 +14,7 @@ TOL = 1e-4
 
 
 @pytest.mark.parametrize("mode", [pytest.param("global", marks=pytest.mark.slow), "rolling"])
+@pytest.mark.slow
 def test_random_interleavings_match_oracle_and_replay(tiny_model, mode, record_tolerance):
     """Every forward of a random append/forward_block/commit/rollback sequence is checked:
     global mode against the dense masked forward, rolling mode against the single-token

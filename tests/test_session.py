@@ -186,6 +186,7 @@ def test_chunking_invariance(tiny_model):
         assert (last - ref).abs().max().item() <= 1e-4
 
 
+@pytest.mark.slow
 def test_model_generate_with_our_cache_matches_verifier_greedy(default_model, text_ids):
     model = default_model.model
     config = SinkWindowConfig(sink=4, window=44)
@@ -231,6 +232,7 @@ def test_chat_template_deltas_concatenate_to_the_whole_conversation(default_mode
     assert tok.decode(ids, skip_special_tokens=False) == text
 
 
+@pytest.mark.slow
 def test_chat_with_generated_replies_in_a_session(default_model):
     tok = default_model.tokenizer
     store = SessionStore(default_model.model, SinkWindowConfig(sink=4, window=60))
@@ -245,6 +247,7 @@ def test_chat_with_generated_replies_in_a_session(default_model):
     assert v.history_len > 60 and v.cache_len == 64
 
 
+@pytest.mark.slow
 def test_probe_is_a_rolled_back_side_question_past_eviction(default_model, text_ids):
     config = SinkWindowConfig(sink=4, window=60)
     store = SessionStore(default_model.model, config)

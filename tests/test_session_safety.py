@@ -92,6 +92,7 @@ STOPS = [
 
 
 @pytest.mark.parametrize(("kind", "how"), STOPS)
+@pytest.mark.slow
 def test_stop_commits_exactly_the_delivered_tokens(default_model, prompt, kind, how):
     store = _store(default_model)
     sid = store.create()
@@ -125,6 +126,7 @@ def test_stop_commits_exactly_the_delivered_tokens(default_model, prompt, kind, 
 
 
 @pytest.mark.parametrize("stop_at", [SpeculativeStep, HistoryTruncated])
+@pytest.mark.slow
 def test_stop_at_a_non_token_event_keeps_only_delivered_tokens(default_model, text_ids, stop_at):
     store = _store(default_model)
     sid = store.create()
@@ -247,6 +249,7 @@ def test_append_is_all_or_nothing_under_keyboard_interrupt(default_model, prompt
 
 
 @pytest.mark.parametrize("interrupts", ["once", "repeatedly"])
+@pytest.mark.slow
 def test_interrupt_inside_a_speculative_step_keeps_delivered_tokens(
     default_model, prompt, interrupts
 ):

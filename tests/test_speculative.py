@@ -77,26 +77,15 @@ def plain_runs(default_model, text_ids):
 
 
 def _lossless_cases():
-    """Every (mode, proposer, draft length); the fast loop keeps global mode at length 4
-    and one rolling case, the rest are marked slow."""
+    """Every (mode, proposer, draft length)."""
     for mode in ("global", "rolling"):
         for kind in PROPOSERS:
             for draft_length in (1, 4, 8):
-                fast = (mode == "global" and draft_length == 4) or (mode, kind, draft_length) == (
-                    "rolling",
-                    "ngram",
-                    4,
-                )
-                yield pytest.param(
-                    mode,
-                    kind,
-                    draft_length,
-                    marks=() if fast else pytest.mark.slow,
-                    id=f"{draft_length}-{kind}-{mode}",
-                )
+                yield pytest.param(mode, kind, draft_length, id=f"{draft_length}-{kind}-{mode}")
 
 
 @pytest.mark.parametrize(("mode", "kind", "draft_length"), list(_lossless_cases()))
+@pytest.mark.slow
 def test_greedy_is_lossless(plain_runs, default_model, tiny_model, mode, kind, draft_length):
     config, prompt, want = plain_runs[mode]
     proposer = _proposer(kind, default_model, tiny_model, config)
@@ -292,10 +281,12 @@ def _first_two_tokens_test(accept, samples=20000):
     return chisquare(obs.numpy(), exp.numpy()).pvalue
 
 
+@pytest.mark.slow
 def test_rejection_sampling_preserves_the_distribution():
     assert _first_two_tokens_test(accept_sampled) > 1e-3
 
 
+@pytest.mark.slow
 def test_the_distribution_check_catches_a_wrong_residual():
     assert _first_two_tokens_test(_broken_accept) < 1e-6
 
@@ -367,6 +358,7 @@ def test_ngram_proposer_looks_up_the_latest_match():
     assert p.propose([5, 6, 5], 2).tokens == [6, 5]
 
 
+@pytest.mark.slow
 def test_adaptive_draft_length_stays_lossless(plain_runs, default_model):
     config, prompt, want = plain_runs["global"]
     got, steps, _, _ = _spec(
@@ -409,6 +401,7 @@ def test_leviathan_speedup_at_its_known_points():
     assert leviathan_speedup(0.0, draft_length=3, draft_cost_ratio=0.1) == pytest.approx(1 / 1.3)
 
 
+@pytest.mark.slow
 def test_benchmark_records_name_draft_length_acceptance_and_cost(default_model):
     from kakeya_lab.bench.speculative import leviathan_speedup, run_speculative
     from kakeya_lab.bench.speculative_settings import SpeculativeSettings

@@ -117,6 +117,7 @@ BATCHER_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GNU OpenMP on Linux")
+@pytest.mark.slow
 def test_sessions_stepping_through_the_batcher_leave_one_pool_computing():
     """Three session threads prefill on their own (each then holds an OpenMP pool), then
     step through one StepBatcher: while they are still alive, only the batcher's worker and

@@ -59,6 +59,7 @@ class Tracked:
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+@pytest.mark.slow
 def test_a_batch_of_sessions_gives_each_its_oracle_logits(architecture, record_tolerance):
     """Five sessions (both position modes, three budgets), prompts from 5 to 70 tokens so
     some are past eviction before the first batch; 90 rounds where a random subset steps

@@ -73,6 +73,7 @@ def test_lean_forward_of_the_default_model_gives_the_oracle_logits(
 
 
 @pytest.mark.parametrize("mode", ["global", "rolling"])
+@pytest.mark.slow
 def test_split_lean_steps_run_whole_layers_compiled_and_match_the_oracle(
     default_model, text_ids, mode, record_tolerance
 ):

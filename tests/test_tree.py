@@ -66,6 +66,7 @@ def _tree_against_oracle(model, v: Verifier, tree: DraftTree) -> float:
 
 # ------------------------------------------------------------ (a) + (b): mechanics
 @pytest.mark.parametrize("mode", ["global", "rolling"])
+@pytest.mark.slow
 def test_tree_rows_and_non_prefix_commits_match_the_oracle(
     tiny_model, tiny_on, backend, mode, record_tolerance
 ):
@@ -127,6 +128,7 @@ def test_a_deep_tree_over_an_empty_history_matches_the_oracle(tiny_model, tiny_o
 
 
 @pytest.mark.parametrize("mode", ["global", pytest.param("rolling", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_tree_rows_match_the_oracle_on_the_default_model(default_model, text_ids, mode):
     """The default SmolLM2 past eviction: a branching tree's rows, then a non-prefix commit."""
     model = default_model.model
@@ -213,6 +215,7 @@ def _tree_cases():
 
 
 @pytest.mark.parametrize(("mode", "spec"), list(_tree_cases()))
+@pytest.mark.slow
 def test_greedy_tree_speculation_equals_plain_decoding(
     default_model, code_prompt, plain_code_runs, mode, spec
 ):
@@ -425,10 +428,12 @@ def _first_two_tokens_over_a_tree(accept, samples=20000):
     return chisquare(obs.numpy(), exp.numpy()).pvalue
 
 
+@pytest.mark.slow
 def test_rejection_sampling_over_trees_preserves_the_distribution():
     assert _first_two_tokens_over_a_tree(accept_sampled_tree) > 1e-3
 
 
+@pytest.mark.slow
 def test_the_tree_distribution_check_catches_a_wrong_elimination():
     assert _first_two_tokens_over_a_tree(_broken_tree_accept) < 1e-6
 
@@ -527,6 +532,7 @@ def test_mlx_bad_trees_and_paths_lose_nothing(tiny_on):
     assert v.history_token_ids == [1, 2, 3, 5, 6, 7]
 
 
+@pytest.mark.slow
 def test_tree_sessions_match_plain_across_turns(default_model):
     """Through the session runtime, over several chat turns past the window, with the
     suffix tree sharing replies across the turns' index."""

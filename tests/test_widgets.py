@@ -80,6 +80,7 @@ def test_speculative_tokens_are_tagged_and_the_stream_is_the_plain_one(tiny_mode
         assert set(a.token_kinds) == {"verifier"}
 
 
+@pytest.mark.slow
 def test_the_panel_offers_the_registry_draft_model_and_it_decodes_losslessly(
     default_model, tiny_model
 ):
