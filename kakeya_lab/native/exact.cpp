@@ -20,7 +20,7 @@
 // output rows split over PyTorch's threads. With AVX-512 a group's 16 weight values are a
 // table its codes index; AVX2 has no 16-entry lookup, and converts each code (q * d + m, the
 // same fused operation).
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

@@ -21,7 +21,7 @@
 //   scales [out / 64][in / 32][4][2][16] bfloat16: each block's 16 scales, then 16 offsets.
 // Built with the other kernels by kakeya_lab/native/build.py; only called on CPUs with
 // AVX-512 BW and VNNI (the functions below are compiled for them alone).
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

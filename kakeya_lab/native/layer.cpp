@@ -9,7 +9,7 @@
 // biases) are whatever product the caller gives: float32 weights on the few-row product, or
 // read from their exact integer forms to the same bits (float_layer; exact.cpp), or packed
 // int4 weights on integer dot products (int4_layer, int4.cpp).
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <vector>
 

@@ -17,7 +17,7 @@
 // prefetched into L2 while a block computes, since the hardware prefetcher then falls behind
 // (8 rows cost 1.6x as much without it). Every R sums each output in the same order, so a
 // row's output does not depend on how many rows came with it.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

@@ -4,7 +4,7 @@
 // between the weight products thirty times a token, where dispatching PyTorch's many small
 // operations costs more than their arithmetic. Built with rows.cpp by
 // kakeya_lab/native/build.py (see kakeya_lab/native/step.py); each checks the shapes it assumes.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
