@@ -26,9 +26,9 @@ parallel; one row as ``slice @ row`` (a streaming matrix-vector product, each ou
 contiguous weight row against the input), more as ``rows @ slice.T``. A layer whose output
 width the thread count does not divide runs ``aten``. Where the compiled few-row product
 (:mod:`kakeya_lab.native.rows`: AVX-512 or AVX2, built once per machine) is available,
-``split`` runs 1 to 16 float32 rows on it instead: it reads each weight row once for all the rows, so
-a block of a few tokens costs little more than one (the output rows still split over the
-threads), one row reads the weights faster than MKL's matrix-vector product, it rounds at
+``split`` runs 1 to 16 float32 rows on it instead: it reads each weight row once for all the
+rows, so a block of a few tokens costs little more than one (the output rows still split over
+the threads), one row reads the weights faster than MKL's matrix-vector product, it rounds at
 least as closely as MKL, and a row's output does not depend on the rows that come with it.
 
 ``exact`` computes ``split``'s numbers, to the bit, from fewer bytes. The store's models are

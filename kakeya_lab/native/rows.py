@@ -13,10 +13,10 @@ of machine (2 cores, Zen 4), over the default model's weights, one row reads the
 1.1 times a plain read of their bytes (MKL's matrix-vector product: about 1.3 times), 2 to 8
 rows cost about what one does, 12 rows 1.5 times, 16 rows 1.9 times. It sums each
 output in a vector's lanes (16, or AVX2's 8), at least as close to the exact sum as MKL's,
-in the same order whatever the number of rows, so a row's output does not depend on the rows that come with it (a
-session batched with others computes what it computes alone). ``split`` runs it for 1 to
-:data:`MAX_ROWS` rows; more rows run on its batched product (beyond 16 the kernel, whose
-accumulators no longer fit the registers, is the slower).
+in the same order whatever the number of rows, so a row's output does not depend on the rows
+that come with it (a session batched with others computes what it computes alone).
+``split`` runs it for 1 to :data:`MAX_ROWS` rows; more rows run on its batched product
+(beyond 16 the kernel, whose accumulators no longer fit the registers, is the slower).
 
 It is compiled with the other kernels of this folder (:mod:`kakeya_lab.native.build`);
 where they cannot be built :func:`rows_product` returns None and the ``split`` kernel runs
