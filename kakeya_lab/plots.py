@@ -239,10 +239,11 @@ def speedup_figure(summary: pd.DataFrame) -> go.Figure:
 
 
 def cost_model_figure(cost) -> go.Figure:
-    """Left: the verifier block cost ``v(n)`` as measured (every repeat) and as fitted.
-    Right: each arm's speedup predicted by the cost model (geometric acceptance, and the
-    fitted costs of the steps it took) against the measured speedup; on the diagonal the
-    model explains the run. ``cost`` is a :class:`~kakeya_lab.bench.speculative_cost.RunCostModel`."""
+    """Left: the verifier block cost ``v(n)`` as measured (every repeat), the medians the
+    cost model uses, and the least-squares line through them. Right: each arm's speedup
+    predicted by the cost model (geometric acceptance, and the measured costs of the steps
+    it took) against the measured speedup; on the diagonal the model explains the run.
+    ``cost`` is a :class:`~kakeya_lab.bench.speculative_cost.RunCostModel`."""
     fig = make_subplots(
         rows=1,
         cols=2,
@@ -257,11 +258,17 @@ def cost_model_figure(cost) -> go.Figure:
         col=1,
     )
     fig.add_trace(
+        go.Scatter(x=sizes, y=[cost.block(n) * 1e3 for n in sizes], mode="lines", name="median"),
+        row=1,
+        col=1,
+    )
+    fig.add_trace(
         go.Scatter(
             x=sizes,
-            y=[cost.block(n) * 1e3 for n in sizes],
+            y=[cost.block.line(n) * 1e3 for n in sizes],
             mode="lines",
-            name=f"fit {cost.block.fixed_s * 1e3:.1f} + {cost.block.per_token_s * 1e3:.2f}·n ms",
+            line={"dash": "dot"},
+            name=f"line {cost.block.fixed_s * 1e3:.1f} + {cost.block.per_token_s * 1e3:.2f}·n ms",
         ),
         row=1,
         col=1,

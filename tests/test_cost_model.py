@@ -70,12 +70,58 @@ def test_the_schedule_follows_acceptance():
     schedule = CostAwareDraftLength(model, max_draft_length=8)
     for _ in range(30):  # every draft accepted
         schedule.update(schedule.draft_length, schedule.draft_length)
-    assert schedule.acceptance > 0.9 and schedule.draft_length == 8
+    assert min(schedule.node_acceptance) > 0.9 and schedule.draft_length == 8
     for _ in range(60):  # every draft rejected at once
         schedule.update(schedule.draft_length, 0)
-    assert schedule.acceptance < 0.1 and schedule.draft_length == 1  # never below 1
+    assert schedule.node_acceptance[0] < 0.1 and schedule.draft_length == 1  # never below 1
     with pytest.raises(ValueError, match="decay"):
         CostAwareDraftLength(model, 4, decay=0.0)
+    with pytest.raises(ValueError, match="max_draft_length"):
+        CostAwareDraftLength(model, 0)
+    with pytest.raises(ValueError, match="cannot accept 3 of 2"):
+        schedule.update(2, 3)
+
+
+# Medians of a verifier block of 1..9 tokens on the 2-core Zen 3 (ms): its products share each
+# weight's unpacking between up to 8 rows, so a 9th row costs a step, not a slope.
+ZEN3_BLOCK_MS = {1: 18.5, 2: 22.5, 3: 24.0, 4: 29.2, 5: 37.2, 6: 39.8, 7: 44.0, 8: 44.0, 9: 60.3}
+
+
+def test_the_block_cost_is_the_measured_staircase_and_the_line_beyond_it():
+    cost = fit_block_cost({n: [ms / 1e3, ms / 1e3 + 0.5] for n, ms in ZEN3_BLOCK_MS.items()})
+    for n, ms in ZEN3_BLOCK_MS.items():  # the median of each size
+        assert cost(n) == pytest.approx(ms / 1e3 + 0.25)
+    assert cost(12) == pytest.approx(cost.line(12)) and cost(0) == pytest.approx(cost.line(0))
+    gappy = BlockCost(0.0, 0.0, measured=((1, 0.01), (4, 0.04)))
+    assert gappy(2) == pytest.approx(0.02) and gappy(3) == pytest.approx(0.03)
+    with pytest.raises(ValueError, match="ascending"):
+        BlockCost(0.0, 0.0, measured=((4, 0.04), (1, 0.01)))
+
+
+def test_the_chain_schedule_finds_the_step_in_the_block_cost():
+    # Drafts that land whole or fail at once (a suffix match's), 4 steps in 5 landing:
+    # every draft position is accepted 80% of the time, so k drafts bring 1 + 0.8 k
+    # tokens. On the measured staircase 7 drafts (8 rows) pay best; the line through the
+    # same medians hides the step at 9 rows and would take 8.
+    timings = {n: [ms / 1e3] for n, ms in ZEN3_BLOCK_MS.items()}
+    staircase = CostModel(fit_block_cost(timings), draft_token_s=0.0)
+    line = CostModel(BlockCost(staircase.block.fixed_s, staircase.block.per_token_s), 0.0)
+
+    def settle(model: CostModel) -> CostAwareDraftLength:
+        schedule = CostAwareDraftLength(model, max_draft_length=8)
+        for step in range(200):
+            k = schedule.draft_length
+            schedule.update(k, 0 if step % 5 == 4 else k)
+        return schedule
+
+    on_staircase, on_line = settle(staircase), settle(line)
+    assert on_staircase.draft_length == 7
+    assert on_line.draft_length == 8
+    assert on_staircase.node_acceptance[0] == pytest.approx(0.8, abs=0.05)
+    # the rates it compared, from the measured block costs
+    assert on_staircase.expected_tokens(7) / staircase.step_s(7) > max(
+        on_staircase.expected_tokens(k) / staircase.step_s(k) for k in (1, 2, 3, 4, 5, 6, 8)
+    )
 
 
 def test_measured_block_cost_leaves_the_verifier_unchanged(tiny_model, text_ids):

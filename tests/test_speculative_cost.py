@@ -5,6 +5,7 @@ checked against the formulas computed by hand."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pandas as pd
 import pytest
@@ -66,7 +67,8 @@ def test_a_run_carries_its_fitted_cost_model(default_model):
     assert cost is not None and cost.context_tokens > 0
     assert sorted(cost.timings) == [1, 2, 3, 4]  # 1 .. longest draft + 1
     assert all(len(ts) == 2 * 3 and min(ts) > 0 for ts in cost.timings.values())  # before + after
-    assert all(cost.block(n) > 0 for n in cost.timings)
+    # the block cost of a measured size is the median of its timings
+    assert all(cost.block(n) == statistics.median(ts) for n, ts in cost.timings.items())
     assert list(cost.arms.columns) == ARM_COLUMNS
     assert list(cost.arms["arm"]) == ["ngram@2", "ngram@3"]
     summary = run.summary.set_index("arm")
@@ -85,9 +87,11 @@ def test_a_run_carries_its_fitted_cost_model(default_model):
     assert record["fixed_s"] == cost.block.fixed_s and len(record["arms"]) == 2
     assert set(record["timings"]) == {"1", "2", "3", "4"}
     text = cost.describe()
-    assert "v(n) =" in text and "ngram@2" in text and "ngram@3" in text
+    medians = ", ".join(f"{n}: {statistics.median(ts) * 1e3:.1f}" for n, ts in cost.timings.items())
+    assert medians in text and "ngram@2" in text and "ngram@3" in text
     fig = cost_model_figure(cost)
-    assert [t.name for t in fig.data][-1] == "y = x" and len(fig.data) == 5
+    assert [t.name for t in fig.data][1:2] == ["median"] and len(fig.data) == 6
+    assert [t.name for t in fig.data][-1] == "y = x"
     assert (
         run_speculative(
             default_model,

@@ -156,11 +156,13 @@ def wide_table(long: pd.DataFrame) -> pd.DataFrame:
 
 
 def cost_models(table: SpecTable) -> pd.DataFrame:
-    """Each domain run's fitted verifier block cost ``v(n) = fixed + per_token · n``."""
+    """Each domain run's verifier block cost: the median of each block size (``median_ms``,
+    size → ms) and the least-squares line ``v(n) = fixed + per_token · n``."""
     return pd.DataFrame(
         [
             {
                 "domain": d,
+                "median_ms": {n: round(t * 1e3, 2) for n, t in run.cost.block.measured},
                 "fixed_ms": run.cost.block.fixed_s * 1e3,
                 "per_token_ms": run.cost.block.per_token_s * 1e3,
                 "context_tokens": run.cost.context_tokens,

@@ -124,8 +124,8 @@ def run_speculative(
     ``settings.cost_aware`` adds one arm per proposer, ``NAME@costK`` with ``K =
     max(draft_lengths)``, whose draft length (chains) or node budget (trees) is chosen
     per step by :class:`~kakeya_lab.cost_model.CostAwareDraftLength` /
-    :class:`~kakeya_lab.cost_model.CostAwareTreeSize` from the block cost fitted to the
-    timings taken before the arms run, at most ``K``.
+    :class:`~kakeya_lab.cost_model.CostAwareTreeSize` from the block cost measured
+    before the arms run (:func:`~kakeya_lab.cost_model.fit_block_cost`), at most ``K``.
 
     ``settings.pad_blocks`` adds ``NAME@padK`` beside every chain arm ``NAME@K``: the same
     proposer, with every verifier block scored at the cheapest measured size at least as

@@ -1,24 +1,24 @@
 """The cost model of one speculative benchmark run: this machine's verifier block cost
-``v(n) = fixed_s + per_token_s · n`` measured in each run (before and after its arms,
-fitted together), each arm's drafting cost, and
-the speedups the model predicts beside the measured ones.
+``v(n)`` measured in each run (before and after its arms; the median of each block size,
+and the least-squares line ``fixed_s + per_token_s · n`` through them), each arm's
+drafting cost, and the speedups the model predicts beside the measured ones.
 
 Per speculative arm (``k`` its draft length, ``a`` its measured per-token acceptance
 probability, ``d`` its proposer seconds per drafted token):
 
-* ``draft_cost_ratio`` ``c = d / v(1)`` — Leviathan's ``c`` against the *fitted* one-token
-  step (the summary's ``draft_cost_ratio`` divides by plain decoding's measured seconds
-  per token instead);
+* ``draft_cost_ratio`` ``c = d / v(1)`` — Leviathan's ``c`` against the verifier's
+  one-token block (the summary's ``draft_cost_ratio`` divides by plain decoding's
+  measured seconds per token instead);
 * ``predicted_speedup`` — :meth:`kakeya_lab.cost_model.CostModel.speedup`:
   ``E[tokens](a, k) / (v(k + 1) + k · d)`` over ``1 / v(1)``, the geometric acceptance
-  model with the fitted block cost;
-* ``step_cost_speedup`` — the fitted costs applied to the steps the arm actually took:
+  model with the measured block cost;
+* ``step_cost_speedup`` — the measured costs applied to the steps the arm actually took:
   ``tokens · v(1) / Σ_steps (v(proposed + 1) + proposer_s)``; it needs no acceptance
   model, so where it matches the measured speedup the block cost explains the timing
   and a gap to ``predicted_speedup`` is the acceptance model's.
 
-Both predictions leave out what the fit does not time (sampling, bookkeeping, the
-decoder's own Python), so they are read beside the measured ``speedup``.
+Both predictions leave out what the block timings do not hold (sampling, bookkeeping,
+the decoder's own Python), so they are read beside the measured ``speedup``.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ ARM_COLUMNS = [
 
 @dataclass(frozen=True)
 class RunCostModel:
-    """The fitted block cost, the timings it was fitted to, the context length they were
-    measured after, and one row per speculative arm (columns :data:`ARM_COLUMNS`)."""
+    """The block cost (medians and line), the timings it was made from, the context length
+    they were measured after, and one row per speculative arm (columns
+    :data:`ARM_COLUMNS`)."""
 
     block: BlockCost
     timings: dict[int, list[float]]
@@ -70,13 +71,13 @@ class RunCostModel:
         }
 
     def describe(self) -> str:
-        """The fitted model in a few lines (what the benchmark prints)."""
-        v1 = self.block(1)
+        """The cost model in a few lines (what the benchmark prints)."""
+        medians = ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in self.block.measured)
         lines = [
-            f"verifier block cost v(n) = {self.block.fixed_s * 1e3:.2f} ms + "
-            f"{self.block.per_token_s * 1e3:.2f} ms × n  (v(1) = {v1 * 1e3:.2f} ms; "
-            f"fitted to block sizes {min(self.timings)}..{max(self.timings)} after "
-            f"{self.context_tokens} context tokens)"
+            f"verifier block cost v(n), median ms by block size after {self.context_tokens} "
+            f"context tokens: {medians}",
+            f"  least-squares line: {self.block.fixed_s * 1e3:.2f} ms + "
+            f"{self.block.per_token_s * 1e3:.2f} ms × n",
         ]
         for r in self.arms.itertuples():
             lines.append(
