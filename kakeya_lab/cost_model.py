@@ -180,7 +180,11 @@ class _CostAwareSchedule:
     the estimate of rank ``i - 1`` by ``prior_weight`` pseudo-trials (rank 0 towards
     ``prior``). A rank never verified yet thus inherits the estimate of the rank before it,
     so the size grows one node at a time while the deepest verified rank still pays for
-    itself, and shrinks when deep nodes stop being accepted. ``draft_length`` is the size
+    itself, and shrinks when deep nodes stop being accepted. Evidence ages with every
+    verified step, including a rank's evidence from before the size shrank below it: a
+    rank left unverified drifts back towards the rank before it, so a size cut by a bad
+    patch (a chain's drafts failing early in a new passage) is tried again later instead
+    of staying cut for good. ``draft_length`` is the size
     ``N`` in ``1..size`` with the most ``(1 + sum(p_i for i < N)) / model.step_s(N)``
     (at least 1: a step without drafts would teach the estimate nothing)."""
 
@@ -241,10 +245,12 @@ class _CostAwareSchedule:
         return best
 
     def _record(self, nodes: int, accepted: Sequence[int]) -> int:
-        hit = set(accepted)
-        for i in range(nodes):
-            self._trials[i] = self.decay * self._trials[i] + 1.0
-            self._hits[i] = self.decay * self._hits[i] + (1.0 if i in hit else 0.0)
+        if nodes:  # every rank's evidence ages by a step, verified in it or not
+            hit = set(accepted)
+            for i in range(self.size):
+                verified = i < nodes
+                self._trials[i] = self.decay * self._trials[i] + verified
+                self._hits[i] = self.decay * self._hits[i] + (verified and i in hit)
         self.draft_length = self._choose()
         return self.draft_length
 

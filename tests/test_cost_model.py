@@ -124,6 +124,27 @@ def test_the_chain_schedule_finds_the_step_in_the_block_cost():
     )
 
 
+def test_a_draft_length_cut_by_a_bad_patch_grows_back():
+    # The chain of the test above settles at 7 drafts; a patch where every draft fails at
+    # once cuts it to 1, and when drafts land again it must find 7 again, although the
+    # deeper positions were last seen failing.
+    timings = {n: [ms / 1e3] for n, ms in ZEN3_BLOCK_MS.items()}
+    schedule = CostAwareDraftLength(CostModel(fit_block_cost(timings), 0.0), max_draft_length=8)
+
+    def run(steps: int, lands) -> list[int]:
+        lengths = []
+        for step in range(steps):
+            k = schedule.draft_length
+            schedule.update(k, k if lands(step) else 0)
+            lengths.append(schedule.draft_length)
+        return lengths
+
+    assert run(200, lambda step: step % 5 != 4)[-1] == 7
+    assert run(60, lambda step: False)[-1] == 1
+    regrown = run(200, lambda step: step % 5 != 4)
+    assert regrown[-1] == 7 and set(regrown[-50:]) <= {6, 7}
+
+
 def test_measured_block_cost_leaves_the_verifier_unchanged(tiny_model, text_ids):
     v = Verifier(tiny_model.model, SinkWindowConfig(sink=2, window=14))
     v.append(text_ids[:40])
