@@ -153,12 +153,6 @@ class CostModel:
         """Expected speedup over plain decoding (``draft_length = 0``)."""
         return self.tokens_per_s(acceptance, draft_length) / self.tokens_per_s(acceptance, 0)
 
-    def best_draft_length(self, acceptance: float, max_draft_length: int) -> int:
-        """The ``k`` in ``0..max_draft_length`` with the most expected tokens per second."""
-        return max(
-            range(max_draft_length + 1), key=lambda k: (self.tokens_per_s(acceptance, k), -k)
-        )
-
     @property
     def draft_cost_ratio(self) -> float:
         """Leviathan's ``c``: a drafted token's cost over one plain decoding step."""
@@ -184,9 +178,11 @@ class _CostAwareSchedule:
     verified step, including a rank's evidence from before the size shrank below it: a
     rank left unverified drifts back towards the rank before it, so a size cut by a bad
     patch (a chain's drafts failing early in a new passage) is tried again later instead
-    of staying cut for good. ``draft_length`` is the size
-    ``N`` in ``1..size`` with the most ``(1 + sum(p_i for i < N)) / model.step_s(N)``
-    (at least 1: a step without drafts would teach the estimate nothing)."""
+    of staying cut for good.
+
+    ``draft_length`` is the size ``N`` in ``1..size`` with the most
+    ``(1 + sum(p_i for i < N)) / model.step_s(N)`` (at least 1: a step without drafts
+    would teach the estimate nothing)."""
 
     def __init__(
         self,
