@@ -15,6 +15,7 @@ import pytest
 import torch
 from oracle_cases import blocks_with_rollback, token_by_token
 from test_linear import torch_threads as threads
+from test_tree import _tree_against_oracle as tree_against_oracle
 
 from kakeya_lab import SinkWindowConfig, Verifier
 from kakeya_lab.backends.torch_batch import BatchForward, BatchStep
@@ -25,6 +26,8 @@ from kakeya_lab.models import tiny_random_model
 from kakeya_lab.native import exact
 from kakeya_lab.native.build import compiled, instruction_set
 from kakeya_lab.native.rows import MAX_ROWS, rows_product
+from kakeya_lab.reference import oracle_logits
+from kakeya_lab.tree import DraftTree
 
 pytestmark = pytest.mark.skipif(
     instruction_set() is None, reason="the compiled kernels need AVX-512 or AVX2 with FMA"
@@ -168,6 +171,36 @@ def test_exact_lean_steps_give_splits_logits_to_the_bit_past_eviction(
     assert torch.equal(got, want) and torch.equal(got_blocks, want_blocks)
     head = exact.packed(model.get_output_embeddings().weight)
     assert head is not None and head[0].dtype == torch.int8
+
+
+@pytest.mark.parametrize("mode", ["global", "rolling"])
+@pytest.mark.slow
+def test_exact_lean_trees_match_the_oracle_past_eviction(
+    default_model, text_ids, mode, record_tolerance
+):
+    """A draft tree on ``exact`` runs the lean forward (in global positions as compiled
+    layers) under the tree's ancestor mask, at its nodes' depths: past eviction every node's row is the oracle's
+    next-token logits after the history and the node's path, and after a non-prefix
+    commit the next block's rows are the oracle's too."""
+    model = default_model.model
+    lean = LeanForward.of(model)
+    config = SinkWindowConfig(sink=4, window=20, positions=mode)
+    tree = DraftTree(text_ids[70:76] + [11, 12], [-1, 0, 1, 2, 3, 4, -1, 6])
+    with threads(2), kernel_switched(model, "exact"):
+        v = Verifier(model, config)
+        v.append(text_ids[:70])
+        steps, calls = v.backend.lean_steps, lean.compiled_layer_calls
+        worst = tree_against_oracle(model, v, tree)
+        assert v.backend.lean_steps == steps + 1
+        # rolling positions past eviction attend to re-rotated sink copies: no whole-layer call
+        assert (lean.compiled_layer_calls > calls) == (mode == "global")
+        v.commit_path([6, 7])
+        probe = text_ids[80:83]
+        got = v.forward_block(probe)
+        want = oracle_logits(model, v.history_token_ids + probe, config)[-3:]
+    worst = max(worst, (got - want).abs().max().item())
+    record_tolerance(f"smollm2 exact lean tree/{mode}", worst)
+    assert v.history_token_ids[-2:] == [11, 12] and worst <= 1e-4
 
 
 def test_a_compiled_layer_reads_a_weight_changed_in_place_from_its_new_exact_form():

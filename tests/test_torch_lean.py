@@ -271,8 +271,9 @@ def test_models_the_lean_forward_cannot_run_keep_transformers_forward(tiny_model
 def test_which_verifiers_run_the_lean_forward(tiny_model, text_ids, record_tolerance):
     """By default every verifier of a full-precision model runs it (and counts its steps);
     a quantised model's verifier only when asked (its lean forward packs fused copies);
-    ``lean=False`` never; a hidden-state trace, a tree or a padded block take transformers'
-    forward; a kernel changed after the verifier was built is picked up (repacked)."""
+    ``lean=False`` never; a hidden-state trace or a padded block take transformers'
+    forward, a draft tree the lean one; a kernel changed after the verifier was built is
+    picked up (repacked)."""
     from kakeya_lab import Verifier
     from kakeya_lab.linear import set_linear_kernel
     from kakeya_lab.tree import DraftTree
@@ -291,9 +292,9 @@ def test_which_verifiers_run_the_lean_forward(tiny_model, text_ids, record_toler
     v.trace = None
     v.forward_tree(DraftTree(tokens=(ids[21], ids[22]), parents=(-1, -1)))
     v.commit_path([0])
-    assert v.backend.lean_steps == 0
+    assert v.backend.lean_steps == 1
     rows = torch.stack([v.append([t]) for t in ids[22:]])
-    assert v.backend.lean_steps == len(ids) - 22
+    assert v.backend.lean_steps == 1 + len(ids) - 22
     check_close(
         "tiny llama default verifier/mixed forwards", rows, want[22:], TOL, record_tolerance
     )

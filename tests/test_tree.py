@@ -92,6 +92,8 @@ def test_tree_rows_and_non_prefix_commits_match_the_oracle(
             v.append([rng.randrange(vocab) for _ in range(rng.randint(1, 4))])
     assert v.history_len > 5 * config.budget, "the run must wrap the window many times"
     assert non_prefix >= 10
+    if backend == "torch":  # every tree (at most 12 nodes) ran the lean forward
+        assert v.backend.lean_steps >= 30
     record_tolerance(f"tiny-qwen3/{backend}/{mode}/tree rows and non-prefix commits", worst)
     assert worst <= 1e-4
     fresh = Verifier(tiny_on("qwen3", backend), config)
@@ -107,24 +109,29 @@ def test_tree_rows_and_non_prefix_commits_match_the_oracle(
 def test_a_deep_tree_over_an_empty_history_matches_the_oracle(tiny_model, tiny_on, backend, mode):
     """The block holds the sinks itself and is far deeper than sink + window, so in
     rolling mode its deep nodes need rotated copies of sink *block* columns, each query
-    seeing only the copies of its own ancestors."""
+    seeing only the copies of its own ancestors. On torch through both forwards: the lean
+    one (the default; its counter shows it ran) and transformers' (``lean=False``)."""
     model = tiny_model.model
     config = SinkWindowConfig(sink=2, window=4, positions=mode)
-    rng = random.Random(1)
-    worst = 0.0
-    for _ in range(4):
-        v = Verifier(tiny_on("qwen3", backend), config)
-        n = 14
-        parents = [-1, 0, 0] + [
-            i - 1 if rng.random() < 0.7 else rng.randrange(1, i) for i in range(3, n)
-        ]
-        tokens = rng.sample(range(v.vocab_size), n)  # distinct: no repeated siblings
-        tree = DraftTree(tokens, parents)
-        assert tree.depth > config.sink + config.window
-        worst = max(worst, _tree_against_oracle(model, v, tree))
-        v.commit_path(tree.path(n - 1))
-        worst = max(worst, _tree_against_oracle(model, v, _random_tree(rng, v.vocab_size, 8)))
-    assert worst <= 1e-4
+    for lean in (None, False) if backend == "torch" else (None,):
+        rng = random.Random(1)
+        worst = 0.0
+        for _ in range(4):
+            v = Verifier(tiny_on("qwen3", backend), config, lean=lean)
+            n = 14
+            parents = [-1, 0, 0] + [
+                i - 1 if rng.random() < 0.7 else rng.randrange(1, i) for i in range(3, n)
+            ]
+            tokens = rng.sample(range(v.vocab_size), n)  # distinct: no repeated siblings
+            tree = DraftTree(tokens, parents)
+            assert tree.depth > config.sink + config.window
+            worst = max(worst, _tree_against_oracle(model, v, tree))
+            v.commit_path(tree.path(n - 1))
+            tree = _random_tree(rng, v.vocab_size, 8)
+            worst = max(worst, _tree_against_oracle(model, v, tree))
+            if backend == "torch":
+                assert v.backend.lean_steps == (2 if lean is None else 0)
+        assert worst <= 1e-4
 
 
 @pytest.mark.parametrize("mode", ["global", pytest.param("rolling", marks=pytest.mark.slow)])

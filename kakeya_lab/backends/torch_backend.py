@@ -85,12 +85,12 @@ def wants_lean(model: PreTrainedModel, lean: bool | None) -> bool:
 
 class TorchBackend(CacheBackend):
     """A transformers causal LM over a :class:`SinkWindowCache` (``auto_commit=False``).
-    Chain blocks of up to :data:`~kakeya_lab.backends.torch_lean.MAX_TOKENS` tokens that
-    need no hidden states run through the model's
+    Chain blocks and draft trees of up to :data:`~kakeya_lab.backends.torch_lean.MAX_TOKENS`
+    tokens that need no hidden states run through the model's
     :class:`~kakeya_lab.backends.torch_lean.LeanForward` when :func:`wants_lean`
-    (``lean_forward``; None otherwise; ``lean_steps`` counts the forwards it ran); trees,
-    hidden-state traces, padded blocks and longer chunks run transformers' forward, the
-    reference."""
+    (``lean_forward``; None otherwise; ``lean_steps`` counts the forwards it ran);
+    hidden-state traces, padded blocks and longer chunks or trees run transformers'
+    forward, the reference."""
 
     name = "torch"
     hidden_states = True
@@ -134,9 +134,10 @@ class TorchBackend(CacheBackend):
         lean = self.lean_forward
         if lean is not None and not lean.current():  # the kernel changed: decide, pack again
             lean = self.lean_forward = self._lean_forward()
-        if lean is not None and tree is None and not hidden and not pad and n <= MAX_TOKENS:
+        if lean is not None and not hidden and not pad and n <= MAX_TOKENS:
             try:
-                logits = lean(self.cache, ids, all_rows=all_rows)
+                with self.cache.tree_forward(tree) if tree is not None else nullcontext():
+                    logits = lean(self.cache, ids, all_rows=all_rows)
                 self.lean_steps += 1
                 return Forward(logits, None)
             except BaseException:

@@ -31,8 +31,9 @@ float rounding: the tests hold it to the dense oracle at 1e-4 (float32), as tran
 forward is held. With a quantised kernel the q/k/v
 and the gate/up projections are fused into one packed copy each (the draft models' case),
 which the torch backend only builds when asked (``lean=True``). The backend runs every
-verifier's short chain blocks through it by default
-(:class:`~kakeya_lab.backends.torch_backend.TorchBackend`); trees, hidden-state traces and
+verifier's short chain blocks and draft trees through it by default
+(:class:`~kakeya_lab.backends.torch_backend.TorchBackend`; a tree's nodes at their depths'
+positions under its ancestor mask, both from the cache's plan); hidden-state traces and
 long chunks keep transformers' forward, the reference. Supported: Llama, Qwen2 and Qwen3
 layer stacks with plain (or this package's) linear layers and no sliding-window layers
 (:meth:`LeanForward.supports`); anything else keeps transformers' forward.
@@ -657,9 +658,9 @@ class LeanForward:
         if not 1 <= n <= MAX_TOKENS:
             raise ValueError(f"LeanForward takes 1 to {MAX_TOKENS} tokens, got {n}")
         self.forwards += 1
-        start = cache.next_position
         x = self.embed(token_ids)
-        cos, sin = self.rope(x, range(start, start + n))
+        # consecutive positions, or each node's depth inside a draft tree's forward
+        cos, sin = self.rope(x, cache.plan.block_positions(n).tolist())
         mask, seen = step_mask(cache.get_mask_sizes(n, 0)[1], n)
         for i in range(len(self.layers)):
             x = self.layer(i, x, cos, sin, [cache], [0, n], [mask], [seen])
