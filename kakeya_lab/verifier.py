@@ -126,12 +126,13 @@ class Verifier:
     plus copies of the last up to that size and drops the copies, so its logits, the cache
     and the hidden trace are those of the ``n`` tokens (up to float rounding of the other
     matrix shape). ``lean`` chooses the forward of one-token steps, short chain blocks
-    and small draft trees on the torch backend: :class:`~kakeya_lab.backends.torch_lean.LeanForward`, the same
-    layers as one straight sequence of tensor operations (the dense oracle's logits as
-    tightly as transformers' forward), used when it supports the model; ``None`` (the
-    default) uses it unless the model runs a quantised kernel, ``True`` also then (a draft
-    model's cache), ``False`` never (transformers' forward, the reference, which
-    hidden-state traces and long chunks or trees always run). Other backends have one forward.
+    and small draft trees on the torch backend:
+    :class:`~kakeya_lab.backends.torch_lean.LeanForward`, the same layers as one straight
+    sequence of tensor operations (the dense oracle's logits as tightly as transformers'
+    forward), used when it supports the model; ``None`` (the default) uses it unless the
+    model runs a quantised kernel, ``True`` also then (a draft model's cache), ``False``
+    never (transformers' forward, the reference, which hidden-state traces and long
+    chunks or trees always run). Other backends have one forward.
     """
 
     def __init__(

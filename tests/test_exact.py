@@ -179,9 +179,9 @@ def test_exact_lean_trees_match_the_oracle_past_eviction(
     default_model, text_ids, mode, record_tolerance
 ):
     """A draft tree on ``exact`` runs the lean forward (in global positions as compiled
-    layers) under the tree's ancestor mask, at its nodes' depths: past eviction every node's row is the oracle's
-    next-token logits after the history and the node's path, and after a non-prefix
-    commit the next block's rows are the oracle's too."""
+    layers) under the tree's ancestor mask, at its nodes' depths: past eviction every
+    node's row is the oracle's next-token logits after the history and the node's path,
+    and after a non-prefix commit the next block's rows are the oracle's too."""
     model = default_model.model
     lean = LeanForward.of(model)
     config = SinkWindowConfig(sink=4, window=20, positions=mode)
