@@ -10,6 +10,16 @@ quote (``index``: which one, when the quote holds several; default the only one)
 significant digits). ``key`` is a dotted path into a JSON file, or into a CSV file read as
 a list of rows (``"23.cache_len"``).
 
+A figure derived from several values is claimed with ``reduce`` (:data:`REDUCTIONS`). In a
+JSON file ``key`` then names a list of numbers. In a CSV file ``key`` is a column, ``where``
+(``{arm: "suffix@8", proposed: ">0"}``) selects the rows (a value equal to the cell, or
+compared with ``>``, ``>=``, ``<``, ``<=``, ``!=``), and the reduction runs over them:
+``median``, ``mean``, ``sum``, ``min``, ``max`` of the column, ``count`` of the rows, or
+``fraction``: the share of the selected rows that also match ``matching``. ``{quote: "44 of
+56", file: steps_code.csv, key: accepted, reduce: count, where: {arm: "suffix@8", proposed:
+8, accepted: 8}, index: 0}`` says that 44 steps of ``suffix@8`` proposed 8 drafts and had
+all 8 accepted.
+
 :func:`check_evidence` also checks that every ``evidence/...`` path either document names
 exists, that every evidence folder is named in ``docs/results.md``, that evidence files
 stay small, that every ``###`` section of ``docs/results.md`` names an evidence folder
@@ -34,6 +44,14 @@ DOCUMENTS = (RESULTS, README)
 HEADLINE = "Headline results"
 _NUMBER = re.compile(r"[-−]?\d[\d,]*(?:\.\d+)?(?:[eE][-−]?\d+)?")
 _EVIDENCE_PATH = re.compile(r"evidence/[A-Za-z0-9_.\-/]*[A-Za-z0-9_/]")
+REDUCTIONS = ("median", "mean", "sum", "min", "max", "count", "fraction")
+_COMPARISONS = {
+    ">=": float.__ge__,
+    "<=": float.__le__,
+    "!=": float.__ne__,
+    ">": float.__gt__,
+    "<": float.__lt__,
+}
 
 
 @dataclass(frozen=True)
@@ -47,6 +65,9 @@ class Claim:
     scale: float = 1.0
     index: int | None = None
     doc: str = RESULTS
+    reduce: str | None = None
+    where: dict[str, str] | None = None
+    matching: dict[str, str] | None = None
 
 
 def parse_numbers(quote: str) -> list[tuple[float, int]]:
@@ -99,6 +120,77 @@ def value_at(doc: Any, key: str) -> Any:
     return node
 
 
+def _matches(row: dict[str, str], where: dict[str, str]) -> bool:
+    """Whether a CSV row meets every condition of ``where`` (module docstring)."""
+    for column, wanted in where.items():
+        if column not in row:
+            raise KeyError(f"no column {column!r}")
+        cell = row[column]
+        for op, compare in _COMPARISONS.items():
+            if wanted.startswith(op):
+                if not compare(float(cell), float(wanted[len(op) :])):
+                    return False
+                break
+        else:
+            if cell != wanted and not _same_number(cell, wanted):
+                return False
+    return True
+
+
+def _same_number(a: str, b: str) -> bool:
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return False
+
+
+def reduced_value(claim: Claim, loaded: Any) -> float:
+    """The figure ``claim.reduce`` derives from ``loaded``, the claim's file as read
+    (module docstring); a ValueError when nothing is selected."""
+    if not claim.file.endswith(".csv"):
+        if claim.where is not None or claim.matching is not None:
+            raise ValueError("where and matching select CSV rows; this is not a CSV file")
+        values = value_at(loaded, claim.key)
+        if not isinstance(values, list):
+            raise ValueError(f"{claim.key} is not a list, so there is nothing to reduce")
+        return _reduce(claim.reduce, [float(v) for v in values], claim.key)
+    selected = [r for r in loaded if _matches(r, claim.where or {})]
+    if claim.reduce == "count":
+        return float(len(selected))
+    if claim.reduce == "fraction":
+        if not selected:
+            raise ValueError(f"no row of {claim.file} matches {claim.where}")
+        return sum(_matches(r, claim.matching or {}) for r in selected) / len(selected)
+    return _reduce(claim.reduce, [float(r[claim.key]) for r in selected], str(claim.where))
+
+
+def _reduce(reduce: str | None, values: list[float], what: str) -> float:
+    if reduce == "count":
+        return float(len(values))
+    if not values:
+        raise ValueError(f"nothing to reduce: no values at {what}")
+    values = sorted(values)
+    if reduce == "median":
+        mid = len(values) // 2
+        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    if reduce == "mean":
+        return sum(values) / len(values)
+    if reduce == "sum":
+        return sum(values)
+    if reduce == "fraction":
+        raise ValueError("fraction selects CSV rows; this is not a CSV file")
+    return values[0] if reduce == "min" else values[-1]
+
+
+def _conditions(entry: dict, name: str, at: str) -> dict[str, str] | None:
+    value = entry.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"{at}: {name} must map columns to values")
+    return {str(k): str(v) for k, v in value.items()}
+
+
 def load_claims(folder: str | Path) -> list[Claim]:
     """The claims of ``folder/claims.yaml`` (ValueError for a malformed entry)."""
     import yaml
@@ -111,9 +203,17 @@ def load_claims(folder: str | Path) -> list[Claim]:
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict) or not {"quote", "file", "key"} <= set(entry):
             raise ValueError(f"{folder}/claims.yaml entry {i} needs quote, file and key")
+        at = f"{folder}/claims.yaml entry {i}"
         doc = str(entry.get("doc", RESULTS))
         if doc not in DOCUMENTS:
-            raise ValueError(f"{folder}/claims.yaml entry {i}: doc must be one of {DOCUMENTS}")
+            raise ValueError(f"{at}: doc must be one of {DOCUMENTS}")
+        reduce = entry.get("reduce")
+        if reduce is not None and reduce not in REDUCTIONS:
+            raise ValueError(f"{at}: reduce must be one of {REDUCTIONS}")
+        if reduce is None and ("where" in entry or "matching" in entry):
+            raise ValueError(f"{at}: where and matching need reduce")
+        if (reduce == "fraction") != ("matching" in entry):
+            raise ValueError(f"{at}: matching goes with reduce: fraction, and only there")
         claims.append(
             Claim(
                 folder,
@@ -123,6 +223,9 @@ def load_claims(folder: str | Path) -> list[Claim]:
                 float(entry.get("scale", 1)),
                 entry.get("index"),
                 doc,
+                reduce,
+                _conditions(entry, "where", at),
+                _conditions(entry, "matching", at),
             )
         )
     return claims
@@ -136,7 +239,8 @@ def check_claim(claim: Claim, text: str) -> str | None:
         return f"{where}: the quote is not in {claim.doc}"
     try:
         number, decimals = quoted_number(claim)
-        raw = value_at(_load(claim.folder / claim.file), claim.key)
+        loaded = _load(claim.folder / claim.file)
+        raw = value_at(loaded, claim.key) if claim.reduce is None else reduced_value(claim, loaded)
         value = float(raw) * claim.scale
     except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
         return f"{where}: {claim.file}:{claim.key}: {type(exc).__name__}: {exc}"

@@ -60,6 +60,7 @@ RESULTS = """# Results
 ### Speed (evidence: `evidence/speed/`)
 
 The ratio was **1.03×** over 1,000 turns, at 11,796,480 bytes; drift −20.9%.
+Median ratio 1.01 over 3 turns, 1 above 1.02 (33%); timings median 2.0 s.
 
 ### Not backed
 
@@ -87,9 +88,16 @@ def _repo(tmp_path, claims: str, results: str = RESULTS, readme: str = README) -
     folder = tmp_path / "evidence" / "speed"
     folder.mkdir(parents=True)
     (folder / "metrics.json").write_text(
-        json.dumps({"r": {"ratio": 1.0312}, "rows": [{"bytes": 11796480}], "drift": -0.2094})
+        json.dumps(
+            {
+                "r": {"ratio": 1.0312},
+                "rows": [{"bytes": 11796480}],
+                "drift": -0.2094,
+                "timings": [1.0, 2.0, 10.0],
+            }
+        )
     )
-    (folder / "turns.csv").write_text("turn,ratio\n0,1.0\n1,1.0299\n")
+    (folder / "turns.csv").write_text("turn,ratio\n0,1.0\n1,1.0299\n2,1.0131\n")
     (folder / "claims.yaml").write_text(claims)
     return tmp_path
 
@@ -101,6 +109,13 @@ GOOD = """\
 - {quote: "drift −20.9%", file: metrics.json, key: drift, scale: 100}
 - {quote: "1.03×** over 1,000", file: metrics.json, key: r.ratio, index: 0}
 - {quote: "ratio 1.03×", file: metrics.json, key: r.ratio, doc: README.md}
+- {quote: "Median ratio 1.01 over 3", file: turns.csv, key: ratio, reduce: median, index: 0}
+- {quote: "Median ratio 1.01 over 3", file: turns.csv, key: ratio, reduce: count, index: 1}
+- {quote: "1 above 1.02", file: turns.csv, key: ratio, reduce: count, where: {ratio: ">1.02"},
+   index: 0}
+- {quote: "1.02 (33%)", file: turns.csv, key: ratio, reduce: fraction, matching: {ratio: ">1.02"},
+   scale: 100, index: 1}
+- {quote: "timings median 2.0 s", file: metrics.json, key: timings, reduce: median}
 """
 
 
@@ -139,6 +154,41 @@ def test_the_checker_accepts_true_claims_and_reports_unbacked_sections(tmp_path,
             '- {quote: "1.03×", file: metrics.json, key: r.ratio, doc: NOTES.md}',
             "doc must be one of",
         ),
+        # figures derived from several values: wrong ones, and malformed derivations
+        (
+            '- {quote: "1 above 1.02", file: turns.csv, key: ratio, reduce: count, '
+            'where: {ratio: ">=1.0"}, index: 0}',
+            "does not round to",
+        ),
+        (
+            '- {quote: "ratio 1.01", file: turns.csv, key: ratio, reduce: median, '
+            "where: {turn: 1}}",
+            "does not round to",
+        ),
+        ('- {quote: "median 2.0 s", file: metrics.json, key: timings, reduce: mean}', "round to"),
+        ('- {quote: "median 2.0 s", file: metrics.json, key: timings, reduce: mode}', "one of"),
+        ('- {quote: "ratio 1.01", file: turns.csv, key: ratio, where: {turn: 1}}', "need reduce"),
+        (
+            '- {quote: "ratio 1.01", file: turns.csv, key: ratio, reduce: median, '
+            "matching: {turn: 1}}",
+            "matching goes with reduce: fraction",
+        ),
+        (
+            '- {quote: "ratio 1.01", file: turns.csv, key: ratio, reduce: median, '
+            "where: {turn: 7}}",
+            "nothing to reduce",
+        ),
+        (
+            '- {quote: "ratio 1.01", file: turns.csv, key: ratio, reduce: median, '
+            "where: {speed: 1}}",
+            "no column 'speed'",
+        ),
+        (
+            '- {quote: "median 2.0 s", file: metrics.json, key: timings, reduce: median, '
+            "where: {turn: 1}}",
+            "select CSV rows",
+        ),
+        ('- {quote: "median 2.0 s", file: metrics.json, key: drift, reduce: max}', "not a list"),
         # a headline row whose figure no README claim quotes
         ('- {quote: "**1.03×**", file: metrics.json, key: r.ratio}', "quotes no claimed figure"),
     ],
