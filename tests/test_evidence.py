@@ -189,6 +189,10 @@ def test_the_checker_accepts_true_claims_and_reports_unbacked_sections(tmp_path,
             "select CSV rows",
         ),
         ('- {quote: "median 2.0 s", file: metrics.json, key: drift, reduce: max}', "not a list"),
+        (
+            '- {quote: "ratio 1.01", file: turns.csv, key: ratio, reduce: median, where: turn}',
+            "where must map columns to values",
+        ),
         # a headline row whose figure no README claim quotes
         ('- {quote: "**1.03×**", file: metrics.json, key: r.ratio}', "quotes no claimed figure"),
     ],
