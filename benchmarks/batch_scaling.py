@@ -156,10 +156,16 @@ def in_process_level(loaded, config: SinkWindowConfig, n: int, tokens: int, batc
         store.close(sid)
         return t0, stamps[0] if stamps else None, stamps, len(stamps)
 
+    # the model's batched forward counts every level's forwards: this level's are the difference
+    f = store.batcher.forward if store.batcher is not None else None
+    rows0, forwards0 = (f.rows, f.forwards) if f is not None else (0, 0)
     summary = in_threads(n, one)
-    if store.batcher is not None:
-        f = store.batcher.forward
-        summary["mean_rows_per_forward"] = f.rows / f.forwards if f.forwards else None
+    if f is not None and store.batcher is not None:
+        forwards = f.forwards - forwards0
+        summary["mean_rows_per_forward"] = (f.rows - rows0) / forwards if forwards else None
+        # the typical step's rows: the mean also counts the prompts' prefill rows
+        batches = store.batcher.batches  # this store's batches (its most recent 1,000)
+        summary["median_rows_per_forward"] = float(np.median(batches)) if batches else None
     return summary
 
 
@@ -252,12 +258,13 @@ def report(name: str, runs: dict[str, dict[str, dict]]) -> dict:
     met = targets(runs["batched"], solo)
     print(f"\n{name}: solo ({solo_mode}, {solo_key}) {solo['tokens_per_s']:.2f} tokens/s, "
           f"p95 per token {solo['per_token_p95_s'] * 1e3:.0f} ms")  # fmt: skip
+    # rows: the median rows of a batched forward
     print(f"{'mode':8} {'n':>7} {'tok/s':>8} {'x solo':>7} {'p50 ms':>7} {'p95 ms':>7} "
           f"{'p95 x':>6} {'ttft ms':>8} {'rows':>5}")  # fmt: skip
     for mode, levels in runs.items():
         for n, r in levels.items():
             ttft = r.get("ttft_p50_s")
-            rows = r.get("mean_rows_per_forward")
+            rows = r.get("median_rows_per_forward")
             print(
                 f"{mode:8} {n:>7} {r['tokens_per_s']:8.2f} {r['aggregate_vs_solo']:7.2f} "
                 f"{r['per_token_p50_s'] * 1e3:7.0f} {r['per_token_p95_s'] * 1e3:7.0f} "
