@@ -177,8 +177,6 @@ def _reduce(reduce: str | None, values: list[float], what: str) -> float:
         return sum(values) / len(values)
     if reduce == "sum":
         return sum(values)
-    if reduce == "fraction":
-        raise ValueError("fraction selects CSV rows; this is not a CSV file")
     return values[0] if reduce == "min" else values[-1]
 
 
