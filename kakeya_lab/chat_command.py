@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         help="tokens drafted per verifier forward (speculative decoding)",
     )
-    add_linear(p)
+    add_linear(p, default="auto")
     add_draft_options(p)
     p.set_defaults(func=run_chat)
     return p
@@ -71,6 +71,7 @@ def run_chat(args: argparse.Namespace) -> int:
     config = cache_config(args)
 
     from kakeya_lab.chat import ChatTemplate  # the heavy imports, once every argument is fine
+    from kakeya_lab.linear import kernel_description
     from kakeya_lab.models import load_model
     from kakeya_lab.proposers import make_proposer
     from kakeya_lab.sampling import SamplingConfig
@@ -85,6 +86,7 @@ def run_chat(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, linear=args.linear)
     tok = loaded.tokenizer
     store = SessionStore(loaded.model, config, capacity=1)
+    store.warm_up()  # the first turn's tok/s is then the steady one
     sid = store.create()
     chat = ChatTemplate(tok, system=args.system)
     try:
@@ -101,7 +103,8 @@ def run_chat(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     print(
         f"{loaded.description.name}: sink {config.sink}, window {config.window}, "
-        f"{config.positions} positions, proposer {args.proposer}. /info, /quit.",
+        f"{config.positions} positions, linear {kernel_description(loaded.model)}, "
+        f"proposer {args.proposer}. /info, /quit.",
         file=sys.stderr,
     )
     while True:

@@ -137,19 +137,22 @@ def add_cache(p: argparse.ArgumentParser, *, window: int, positions: bool = True
         p.add_argument("--positions", choices=list(POSITIONS), default="global")
 
 
-def add_linear(p: argparse.ArgumentParser) -> None:
-    """``--linear aten|onednn|split|exact|auto``: the torch verifier's linear-layer kernel."""
+def add_linear(p: argparse.ArgumentParser, *, default: str = "aten") -> None:
+    """``--linear aten|onednn|split|exact|auto``: the torch verifier's linear-layer kernel.
+    ``default`` is the torch backend's; on another backend, which has its own kernels, an
+    unset ``--linear`` means ``aten`` (none of them) (:func:`check_linear` resolves it)."""
     p.add_argument(
         "--linear",
         choices=list(VERIFIER_KERNELS),
-        default="aten",
+        default=None,
         help="the torch model's linear-layer kernel: aten (PyTorch's default), onednn "
         "(oneDNN's; on CPU a block of a few draft tokens costs little more than one token), "
         "split (each product's output rows split over the threads), exact (split's numbers, "
         "each weight read from its exact 4- or 8-bit form where it has one, as a dequantised "
         "GGUF's) or auto (the fastest of them on this machine for each row count, measured "
-        "once and cached)",
+        f"once and cached); default {default}",
     )
+    p.set_defaults(linear_default=default)
 
 
 def add_proposer_modules(p: argparse.ArgumentParser) -> None:
@@ -315,6 +318,14 @@ def check_proposer(spec: str | None) -> None:
                 )
 
 
+def linear_of(args: argparse.Namespace) -> str:
+    """``--linear`` as given, else the command's default on the torch backend and ``aten``
+    (no torch kernel) on another."""
+    if args.linear is not None:
+        return str(args.linear)
+    return args.linear_default if getattr(args, "backend", None) in (None, "torch") else "aten"
+
+
 def check_linear(args: argparse.Namespace) -> None:
     """``--linear``, a draft model's kernel and ``--draft-window`` against ``--backend`` and
     ``--proposer`` (a bad spec is left to :func:`check_proposer`)."""
@@ -322,6 +333,7 @@ def check_linear(args: argparse.Namespace) -> None:
     from kakeya_lab.proposers.registry import check_proposer_spec, proposer_kind
 
     backend = getattr(args, "backend", None)
+    args.linear = linear_of(args)
     if backend not in (None, "torch") and args.linear != "aten":
         raise UserError(
             f"--linear {args.linear} is a torch kernel; the {backend} backend has its own"

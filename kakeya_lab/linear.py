@@ -88,8 +88,9 @@ from kakeya_lab.native.rows import rows_product
 _DTYPES = (torch.float32, torch.bfloat16)
 QUANTISED = ("int8", "int4", "int4-vnni")  # the kernels that multiply by a quantised copy
 # bumped whenever a kernel's implementation changes, so "auto" choices cached on disk from
-# timings of the earlier implementation are measured again (part of their key)
-KERNEL_REVISION = 10
+# timings of the earlier implementation (or of an earlier rule for choosing) are measured
+# again (part of their key)
+KERNEL_REVISION = 11
 INT4_GROUP = 32  # inputs per int4 scale and offset (the kernel takes 32, 64, 128 or 256)
 
 
@@ -533,6 +534,14 @@ def linear_kernel_of(model: nn.Module) -> str:
     kinds = {type(m) for m in model.modules()}
     order = ("int4-vnni", "int4", "int8", "auto", "onednn", "exact", "split")
     return next((k for k in order if _CLASSES[k] in kinds), "aten")
+
+
+def kernel_description(model: nn.Module) -> str:
+    """:func:`linear_kernel_of` ``model``, and for ``auto`` its choice by row count, e.g.
+    ``auto (exact for 1-16 rows, aten beyond)``: what a command says it runs."""
+    kernel = linear_kernel_of(model)
+    choice = model.__dict__.get("linear_auto_choice")
+    return f"{kernel} ({choice.summary()})" if kernel == "auto" and choice is not None else kernel
 
 
 @contextmanager

@@ -6,8 +6,9 @@ oneDNN wins both. :func:`auto_choice` times every full-precision kernel (``aten`
 ``exact`` where the compiled kernels build and, when this PyTorch has it, ``onednn``) over all
 of a model's linear layers, for 1 to
 :data:`~kakeya_lab.linear.FEW_ROWS` rows (one-token steps and verification blocks) and for a
-prefill chunk of :data:`PREFILL_ROWS` rows (what more rows run), interleaved, best of
-:data:`REPEATS`; about ten seconds for a 135M model. The choice is cached on disk as JSON under
+prefill chunk of :data:`PREFILL_ROWS` rows (what more rows run; among the kernels that keep
+no state per row count, :data:`PER_SHAPE_STATE`), interleaved, best of :data:`REPEATS`; about
+ten seconds for a 135M model. The choice is cached on disk as JSON under
 the model store (``$KAKEYA_LAB_HOME/kernels/``), one file per key: the model's identity
 (its weights' sha256 when loaded from the store), dtype, the CPU's model name and flags,
 the torch version and its thread count, and the kernels' revision. A second call with the
@@ -41,6 +42,12 @@ from kakeya_lab.native.build import compiled
 from kakeya_lab.results import cpu_identity
 
 PREFILL_ROWS = 64  # the row count timed for "more than FEW_ROWS rows"
+# Kernels that keep state for every row count they meet: oneDNN caches a primitive per shape
+# (measured: 58 MB of heap for 100 new row counts of one 1536 x 576 weight, up to its cache's
+# 1,024 entries). One-token steps and blocks meet FEW_ROWS row counts; prefills meet a new
+# one with every prompt length, which in a server is a climb of hundreds of MB. So they are
+# not chosen for more than FEW_ROWS rows (where the kernels measured within a few percent).
+PER_SHAPE_STATE = ("onednn",)
 REPEATS = 3  # passes over the layers per kernel and row count (the best is kept)
 measurements = 0  # choices measured in this process (how a test sees a cache hit)
 
@@ -71,6 +78,20 @@ class AutoChoice:
         return (
             "linear=auto (" + ("cached" if self.cached else "measured") + "): " + ", ".join(parts)
         )
+
+    def summary(self) -> str:
+        """Which kernel runs which row counts, e.g. ``exact for 1-16 rows, aten beyond``."""
+        runs: list[tuple[str, int, int]] = []
+        for rows, kernel in enumerate(self.few, 1):
+            if runs and runs[-1][0] == kernel:
+                runs[-1] = (kernel, runs[-1][1], rows)
+            else:
+                runs.append((kernel, rows, rows))
+        parts = [
+            f"{k} for {a} row{'s' if a > 1 else ''}" if a == b else f"{k} for {a}-{b} rows"
+            for k, a, b in runs
+        ]
+        return ", ".join(parts) + f", {self.many} beyond"
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -175,6 +196,8 @@ def _measure(model: nn.Module, key: dict[str, Any]) -> AutoChoice:
         if id(layer.weight) not in packed_before:
             exact.forget(layer.weight)
     best = {label: min(kernels, key=lambda k: ms[k][label]) for label in _labels()}
+    stateless = [k for k in kernels if k not in PER_SHAPE_STATE] or list(kernels)
+    best["prefill"] = min(stateless, key=lambda k: ms[k]["prefill"])
     measurements += 1
     return AutoChoice(tuple(best[str(r)] for r in range(1, FEW_ROWS + 1)), best["prefill"], ms, key)
 

@@ -227,3 +227,27 @@ def test_a_bare_command_group_says_what_to_give_in_one_line(group, capsys):
     assert main(group) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "give a command:" in lines[0] and "--help" in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["serve"], "auto"),
+        (["chat"], "auto"),
+        (["serve", "--backend", "mlx"], "aten"),  # MLX has its own kernels: none of torch's
+        (["serve", "--linear", "aten"], "aten"),
+        (["long-run", "out"], "aten"),  # a run's kernel is a setting its identity records
+    ],
+)
+def test_an_unset_linear_is_the_commands_default_for_its_backend(argv, want):
+    """``serve`` and ``chat`` run the fastest kernel measured here (``auto``) unless told
+    otherwise; a long run keeps ``aten`` (resuming an older run must not change its kernel)."""
+    from kakeya_lab.bench.long_run.command import build_parser as long_run_parser
+    from kakeya_lab.chat_command import build_parser as chat_parser
+    from kakeya_lab.cli_args import check_linear
+    from kakeya_lab.serve.command import build_parser as serve_parser
+
+    parsers = {"serve": serve_parser, "chat": chat_parser, "long-run": long_run_parser}
+    args = parsers[argv[0]]().parse_args(argv[1:])
+    check_linear(args)
+    assert args.linear == want

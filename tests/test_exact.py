@@ -299,3 +299,29 @@ def test_a_batch_of_sessions_on_exact_gives_splits_logits_to_the_bit(default_mod
     got = run("exact")
     assert lean.compiled_layer_calls > before
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_a_stores_warm_up_packs_what_its_steps_read_and_leaves_nothing_open():
+    """``SessionStore.warm_up`` (run by ``serve`` before its ready line and by ``chat``): one
+    throwaway step packs every exact form the lean step reads (the stacked projections), so
+    the first session's step packs nothing; no session is opened and no K/V is kept."""
+    from kakeya_lab.session import SessionStore
+
+    model = tiny_random_model("llama", seed=3, intermediate_size=128).model
+    with torch.no_grad():
+        for i, layer in enumerate(m for m in model.modules() if isinstance(m, torch.nn.Linear)):
+            layer.weight.copy_(q4_weight(*layer.weight.shape, seed=50 + i))
+    set_linear_kernel(model, "exact")
+    lean = LeanForward.of(model)
+    store = SessionStore(model, SinkWindowConfig(sink=2, window=14), capacity=1)
+    operands = [w for layer in lean.compiled_layers if layer for w in layer.operands]
+    assert operands and not any(exact.is_packed(w) for w in operands)
+    with threads(2):
+        store.warm_up()
+        assert all(exact.is_packed(w) for w in operands)
+        assert len(store) == 0 and store.kv_live_bytes() == 0
+        packed = len(exact._packed)
+        sid = store.create()
+        store.append(sid, [1, 2, 3])
+        assert len(list(store.generate(sid, 3))) > 0
+    assert len(exact._packed) == packed  # the first session's steps packed nothing new

@@ -54,6 +54,10 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(model, tmp_path):
     assert saved["key"]["cpu"] and saved["key"]["threads"] == torch.get_num_threads()
     assert len(first.few) == FEW_ROWS and set(first.ms) == set(full_precision_kernels())
     assert "1: " in first.describe() and "prefill: " in first.describe()
+    # more rows (prefills, a new row count with every prompt length): the fastest kernel
+    # that keeps no state per row count
+    stateless = [k for k in first.ms if k not in linear_auto.PER_SHAPE_STATE]
+    assert first.many == min(stateless, key=lambda k: first.ms[k]["prefill"])
 
     set_linear_kernel(model, "aten")
     set_auto_kernel(model, cache_dir=tmp_path)  # the second call reads the file

@@ -87,6 +87,22 @@ def _code(call) -> tuple[grpc.StatusCode, str]:
 # ------------------------------------------------------------------------- gRPC
 
 
+def test_a_fresh_servers_first_reply_runs_warm_kernels_and_moves_no_memory(main_server):
+    """The server runs the fastest kernel measured here by default and says so; it has run
+    one step before its ready line, so the kernels' packed weights (``exact``'s integer
+    forms, over 100 MB for this model) already exist: the first client's reply leaves the
+    footprint where the ready line left it (runs first in this module, on a fresh server)."""
+    assert "linear auto (" in main_server.ready
+    before = main_server.footprint()
+    assert before["sessions"] == before["kv"] == 0
+    with main_server.client() as client:
+        sid = client.create()
+        client.append_ids(sid, [504, 1573, 40061, 761, 288])
+        assert len(client.generate(sid, 4).token_ids) == 4
+        client.close_session(sid)
+    main_server.assert_back_to(before)
+
+
 def test_grpc_multi_turn_equals_in_process_greedy(main_server, default_model, oracle):
     tok = default_model.tokenizer
     questions = ["What is the capital of France?", "And of Italy?", "Name a river there."]

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_model(p)
     add_backend(p, "torch")
-    add_linear(p)
+    add_linear(p, default="auto")
     add_cache(p, window=1020)
     p.add_argument("--capacity", type=int, default=8, help="open sessions at most")
     p.add_argument(

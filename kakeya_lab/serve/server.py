@@ -21,10 +21,12 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
 import uvicorn
 
 from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.backends.thread_pool import release_thread_pool
+from kakeya_lab.linear import kernel_description
 from kakeya_lab.serve.admission import Admission
 from kakeya_lab.serve.api_keys import ApiKeys
 from kakeya_lab.serve.grpc_service import start_grpc_server
@@ -116,6 +118,11 @@ def build_served(loaded, cache: SinkWindowConfig, options: ServeOptions) -> Serv
     )
 
 
+def kernel_line(model) -> str:
+    """``linear KERNEL; `` for the ready line (a torch model); empty on another backend."""
+    return f"linear {kernel_description(model)}; " if isinstance(model, torch.nn.Module) else ""
+
+
 def run_server(
     loaded, cache: SinkWindowConfig, options: ServeOptions, *, prog: str = "kakeya-lab serve"
 ) -> int:
@@ -128,6 +135,7 @@ def run_server(
         )
     keys = ApiKeys(options.api_keys)
     served = build_served(loaded, cache, options)
+    served.store.warm_up()  # the first client waits for nothing, the footprint is steady
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -177,6 +185,7 @@ def run_server(
         f"cache sink {cache.sink} window {cache.window} ({budget} tokens, {cache.positions} positions); "
         f"capacity {options.capacity} ({options.admission}); "
         f"batched steps {'on' if served.store.batcher is not None else 'off'}; "
+        f"{kernel_line(loaded.model)}"
         f"proposers: model-free{''.join(', ' + d for d in served.proposers.loaded())}; "
         f"{'API key required' if keys.required else 'no API key (loopback only)'}; "
         f"gRPC {options.host}:{grpc_port}; HTTP http://{options.host}:{http_port}/v1",

@@ -222,6 +222,25 @@ class SessionStore:
         finally:
             self._free(dropped)
 
+    def warm_up(self) -> None:
+        """One throwaway step on a verifier like a session's (no session opened, nothing
+        counted): the model's kernels pack what they read and make their per-shape state now
+        rather than in the first session's first step (``exact``'s integer forms of the
+        weights: a few seconds and over 100 MB for a 135M model), so that step's latency and
+        the memory seen from then on are the steady ones."""
+        verifier = Verifier(
+            self.model,
+            self.config,
+            prefill_chunk=self.prefill_chunk,
+            block_padding=self.block_padding,
+        )
+        try:
+            verifier.append([0, 0])
+            verifier.forward_block([0])
+            verifier.rollback()
+        finally:
+            verifier.release()
+
     def close(self, session_id: str) -> None:
         """Close a session and free its cache. Unknown or already closed ids raise.
 

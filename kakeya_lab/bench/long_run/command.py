@@ -35,6 +35,7 @@ from kakeya_lab.cli_args import (
     check_out_dir,
     check_positive,
     check_proposer,
+    linear_of,
     run_parser,
 )
 
@@ -298,7 +299,7 @@ def settings_from_args(
     values = {
         "model": args.model,
         "backend": args.backend or "torch",
-        "linear": args.linear,
+        "linear": linear_of(args),
         "sink": args.sink,
         "window": args.window,
         "positions": args.positions,
