@@ -9,7 +9,7 @@ of a model's linear layers, for 1 to
 prefill chunk of :data:`PREFILL_ROWS` rows (what more rows run; among the kernels that keep
 no state per row count, :data:`PER_SHAPE_STATE`), interleaved, best of :data:`REPEATS`; about
 ten seconds for a 135M model. The choice is cached on disk as JSON under
-the model store (``$KAKEYA_LAB_HOME/kernels/``), one file per key: the model's identity
+the model store (``$KAKEYA_LAB_HOME/kernels/``, or ``$KAKEYA_LAB_KERNELS``), one file per key: the model's identity
 (its weights' sha256 when loaded from the store), dtype, the CPU's model name and flags,
 the torch version and its thread count, and the kernels' revision. A second call with the
 same key reads the file (no measurement), so the choice is deterministic given the file; a
@@ -93,6 +93,19 @@ class AutoChoice:
         ]
         return ", ".join(parts) + f", {self.many} beyond"
 
+    def table(self) -> tuple[list[str], list[list[str]]]:
+        """``(header, rows)``: per row count (``1``..``16``, ``prefill``) each kernel's ms per
+        pass over the layers, the chosen one marked ``*``."""
+        kernels = list(self.ms)
+        rows = []
+        for label in _labels():
+            chosen = self.many if label == "prefill" else self.few[int(label) - 1]
+            rows.append(
+                [label]
+                + [f"{self.ms[k][label]:.1f}" + (" *" if k == chosen else "") for k in kernels]
+            )
+        return ["rows", *(f"{k} ms" for k in kernels)], rows
+
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("cached")
@@ -131,9 +144,22 @@ def choice_key(model: nn.Module, identity: str | None = None) -> dict[str, Any]:
 
 
 def default_cache_dir() -> Path:
+    """Where choices are cached: ``$KAKEYA_LAB_KERNELS`` if set and non-empty, else
+    ``<store>/kernels``. Read on every call."""
+    env = os.environ.get("KAKEYA_LAB_KERNELS")
+    if env:
+        return Path(env).expanduser()
     from kakeya_lab.models.store import store_home
 
     return store_home() / "kernels"
+
+
+def cache_file(
+    model: nn.Module, *, identity: str | None = None, cache_dir: Path | None = None
+) -> Path:
+    """The file :func:`auto_choice` reads and writes for ``model`` on this machine."""
+    key = choice_key(model, identity)
+    return _cache_file(key, cache_dir or default_cache_dir())
 
 
 def _cache_file(key: dict[str, Any], cache_dir: Path) -> Path:
@@ -203,15 +229,20 @@ def _measure(model: nn.Module, key: dict[str, Any]) -> AutoChoice:
 
 
 def auto_choice(
-    model: nn.Module, *, identity: str | None = None, cache_dir: Path | None = None
+    model: nn.Module,
+    *,
+    identity: str | None = None,
+    cache_dir: Path | None = None,
+    measure: bool = False,
 ) -> AutoChoice:
     """The fastest kernel of ``model``'s linear layers per row count on this machine, read
     from the cache when it holds one for this key, else measured (a few seconds) and
     written there (module docstring). ``identity`` names the weights (e.g. their sha256);
-    ``cache_dir`` defaults to ``$KAKEYA_LAB_HOME/kernels``."""
+    ``cache_dir`` defaults to :func:`default_cache_dir`; ``measure`` measures again even
+    when the cache holds a choice, and replaces it (a choice measured on a busy machine)."""
     key = choice_key(model, identity)
     path = _cache_file(key, cache_dir or default_cache_dir())
-    choice = _read(path, key)
+    choice = None if measure else _read(path, key)
     if choice is not None:
         return choice
     choice = _measure(model, key)

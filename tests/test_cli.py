@@ -146,6 +146,11 @@ MISUSES = [
     ),
     ("chat unknown kernel", ["chat", "--linear", "fast"], "invalid choice: 'fast'"),
     (
+        "models kernels unknown model",
+        ["models", "kernels", "no-such-model"],
+        "NAME 'no-such-model' is not a registry model",
+    ),
+    (
         "chat draft kernel unknown model",
         [*CHAT, "--proposer", "draft:no-such-model:int4"],
         "'no-such-model' is not a registry model",

@@ -185,3 +185,32 @@ def test_split_is_a_candidate_only_with_threads_to_split_over():
         assert "split" in full_precision_kernels()
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+def test_models_kernels_shows_the_choice_measures_it_once_and_again_on_request(
+    tmp_path, monkeypatch, capsys
+):
+    """``kakeya-lab models kernels``: every kernel's time per row count with auto's choice
+    marked, measured into ``$KAKEYA_LAB_KERNELS`` when absent, read back the next time,
+    measured again with ``--measure`` (a name that is no model: tests/test_cli.py)."""
+    from kakeya_lab.cli import main
+
+    monkeypatch.setenv("KAKEYA_LAB_KERNELS", str(tmp_path))
+    before = linear_auto.measurements
+    assert main(["models", "kernels"]) == 0
+    first = capsys.readouterr().out
+    (path,) = _files(tmp_path)
+    saved = json.loads(path.read_text())
+    assert "measured now, cached in" in first and str(path) in first
+    lines = first.splitlines()
+    table = lines[lines.index(next(x for x in lines if x.startswith("rows"))) + 2 :][:17]
+    assert [row.split()[0] for row in table] == [*map(str, range(1, FEW_ROWS + 1)), "prefill"]
+    for row, chosen in zip(table, [*saved["few"], saved["many"]]):  # the marked time: auto's
+        marked = row.split("*")[0].split()[-1]
+        assert row.count("*") == 1 and marked == f"{saved['ms'][chosen][row.split()[0]]:.1f}", row
+    assert main(["models", "kernels"]) == 0
+    assert "read from" in capsys.readouterr().out
+    assert linear_auto.measurements == before + 1
+    assert main(["models", "kernels", "--measure"]) == 0
+    assert "measured now" in capsys.readouterr().out and linear_auto.measurements == before + 2

@@ -1,4 +1,5 @@
-"""``kakeya-lab models``: the local model store (list, pull, verify)."""
+"""``kakeya-lab models``: the local model store (list, pull, verify) and the kernels
+``--linear auto`` chose for a model on this machine (kernels)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,41 @@ def cmd_models_verify(args: argparse.Namespace) -> int:
     return status
 
 
+def cmd_models_kernels(args: argparse.Namespace) -> int:
+    """``kakeya-lab models kernels [NAME] [--measure]``: the kernel ``--linear auto`` runs for
+    each row count on this machine, with every kernel's measured time: read from its cache
+    file, measured (and cached) if there is none, measured again with ``--measure``."""
+    from kakeya_lab.cli_args import check_model
+    from kakeya_lab.models.registry import DEFAULT_MODEL
+
+    args.name = args.name or DEFAULT_MODEL
+    check_model(args.name, flag="NAME")
+    import torch
+
+    from kakeya_lab.linear_auto import auto_choice, cache_file
+    from kakeya_lab.models import load_model
+
+    loaded = load_model(args.name, progress=False)
+    identity = loaded.description.weight_sha256
+    if args.measure:
+        print(f"{args.name}: measuring every kernel (about ten seconds)...", file=sys.stderr)
+    choice = auto_choice(loaded.model, identity=identity, measure=args.measure)
+    header, rows = choice.table()
+    key = choice.key
+    print(
+        f"{args.name} on {key['cpu']} ({key['threads']} torch threads, torch {key['torch']}): "
+        f"ms per pass over the linear layers, * = what --linear auto runs"
+    )
+    print(table(rows, header))
+    print(
+        f"\n{'read from' if choice.cached else 'measured now, cached in'} "
+        f"{cache_file(loaded.model, identity=identity)}"
+        f"\n(--measure to measure again; OMP_NUM_THREADS or torch's threads "
+        f"({torch.get_num_threads()} here) is part of the key)"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kakeya-lab models`` parser: ``list``, ``pull`` and ``verify``."""
     models = Parser(prog=f"{PROG} models", description="Manage the local model store.")
@@ -129,6 +165,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_verify.add_argument("names", nargs="*", metavar="NAME", help="registry name or folder")
     p_verify.set_defaults(func=cmd_models_verify)
+
+    p_kernels = sub.add_parser(
+        "kernels",
+        help="which linear kernel --linear auto runs for each row count on this machine",
+        description="Load a model and show, for 1 to 16 rows and a prefill, every "
+        "full-precision kernel's measured time and the one --linear auto runs (the fastest; "
+        "for a prefill the fastest that keeps no per-shape state). Read from the cache "
+        "($KAKEYA_LAB_HOME/kernels, or $KAKEYA_LAB_KERNELS), measured and cached if absent.",
+    )
+    p_kernels.add_argument(
+        "name", nargs="?", metavar="NAME", help="registry name or folder (the default model)"
+    )
+    p_kernels.add_argument(
+        "--measure",
+        action="store_true",
+        help="measure again and replace the cached choice (e.g. one measured on a busy machine)",
+    )
+    p_kernels.set_defaults(func=cmd_models_kernels)
     return models
 
 
