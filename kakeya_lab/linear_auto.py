@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -199,6 +200,12 @@ def _one_pass(layers: list[nn.Linear], inputs: dict[int, torch.Tensor], kernel: 
 def _measure(model: nn.Module, key: dict[str, Any]) -> AutoChoice:
     """Time every kernel over ``model``'s linear layers for each row count (interleaved)."""
     global measurements
+    if sys.stderr.isatty():  # a terminal waits: say why
+        print(
+            "kakeya-lab: timing the linear kernels for this model on this CPU "
+            "(once, then cached; about ten seconds for a 135M model)",
+            file=sys.stderr,
+        )
     layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
     weight = next(model.parameters())
     kernels = full_precision_kernels()

@@ -113,8 +113,6 @@ def cmd_models_kernels(args: argparse.Namespace) -> int:
 
     loaded = load_model(args.name, progress=False)
     identity = loaded.description.weight_sha256
-    if args.measure:
-        print(f"{args.name}: measuring every kernel (about ten seconds)...", file=sys.stderr)
     choice = auto_choice(loaded.model, identity=identity, measure=args.measure)
     header, rows = choice.table()
     key = choice.key
