@@ -18,7 +18,8 @@ are met: at 8 sessions, batched aggregate >= 4x the solo rate and p95 per-token 
         --out evidence/batch_scaling/batch_scaling.json
 
 ``--no-server`` measures in process only. ``OMP_NUM_THREADS`` sets the torch threads of
-this process and of the servers it starts; ``--linear`` their kernel (``split`` needs two
+this process and of the servers it starts; ``--linear`` their kernel (default ``auto``, as
+the server's; ``split`` needs two
 threads). The JSON records the CPU, the load average before and after, and every figure.
 """
 
@@ -39,6 +40,7 @@ import torch
 
 from kakeya_lab.backends.config import SinkWindowConfig
 from kakeya_lab.backends.thread_pool import release_thread_pool
+from kakeya_lab.cli_args import VERIFIER_KERNELS
 from kakeya_lab.models import DEFAULT_MODEL, load_model
 from kakeya_lab.results import hardware
 from kakeya_lab.session import SessionStore, Token
@@ -287,9 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-server", action="store_true", help="in process only")
     parser.add_argument(
         "--linear",
-        default="aten",
-        choices=["aten", "onednn", "split", "auto"],
-        help="the linear layers' kernel, in process and in the servers",
+        default="auto",
+        choices=list(VERIFIER_KERNELS),
+        help="the linear layers' kernel, in process and in the servers (default auto, the "
+        "server's own default: the fastest measured on this machine for each row count)",
     )
     parser.add_argument("--out", type=Path, default=None, help="write the results here (JSON)")
     args = parser.parse_args(argv)
