@@ -19,8 +19,7 @@ are met: at 8 sessions, batched aggregate >= 4x the solo rate and p95 per-token 
 
 ``--no-server`` measures in process only. ``OMP_NUM_THREADS`` sets the torch threads of
 this process and of the servers it starts; ``--linear`` their kernel (default ``auto``, as
-the server's; ``split`` needs two
-threads). The JSON records the CPU, the load average before and after, and every figure.
+the server's; ``split`` needs two threads). The JSON records the CPU, the load average before and after, and every figure.
 """
 
 from __future__ import annotations
