@@ -1,20 +1,19 @@
 """``linear="auto"``: the fastest full-precision kernel of this machine, per row count.
 
-Which CPU kernel multiplies a few rows fastest depends on the CPU (and its load): on one
-machine PyTorch's default (``aten``) wins one-token steps and oneDNN blocks, on another
-oneDNN wins both. :func:`auto_choice` times every full-precision kernel (``aten``, ``split``,
-``exact`` where the compiled kernels build and, when this PyTorch has it, ``onednn``) over all
-of a model's linear layers, for 1 to
-:data:`~kakeya_lab.linear.FEW_ROWS` rows (one-token steps and verification blocks) and for a
-prefill chunk of :data:`PREFILL_ROWS` rows (what more rows run; among the kernels that keep
-no state per row count, :data:`PER_SHAPE_STATE`), interleaved, best of :data:`REPEATS`; about
-ten seconds for a 135M model. The choice is cached on disk as JSON under
-the model store (``$KAKEYA_LAB_HOME/kernels/``, or ``$KAKEYA_LAB_KERNELS``), one file per key: the model's identity
-(its weights' sha256 when loaded from the store), dtype, the CPU's model name and flags,
-the torch version and its thread count, and the kernels' revision. A second call with the
-same key reads the file (no measurement), so the choice is deterministic given the file; a
-file that cannot be read or does not fit is measured again and rewritten. :class:`~kakeya_lab.linear.AutoLinear`
-layers then dispatch each call by its row count.
+Which CPU kernel multiplies a few rows fastest depends on the CPU (and its load): on one machine
+PyTorch's default (``aten``) wins one-token steps and oneDNN blocks, on another oneDNN wins
+both. :func:`auto_choice` times every full-precision kernel (``aten``, ``split``, ``exact``
+where the compiled kernels build and, when this PyTorch has it, ``onednn``) over all of a
+model's linear layers, for 1 to :data:`~kakeya_lab.linear.FEW_ROWS` rows (one-token steps and
+verification blocks) and for a prefill chunk of :data:`PREFILL_ROWS` rows (what more rows run;
+among the kernels that keep no state per row count, :data:`PER_SHAPE_STATE`), interleaved, best
+of :data:`REPEATS`; about ten seconds for a 135M model. The choice is cached on disk as JSON
+under the model store (``$KAKEYA_LAB_HOME/kernels/``, or ``$KAKEYA_LAB_KERNELS``), one file per
+key: the model's identity (its weights' sha256 when loaded from the store), dtype, the CPU's
+model name and flags, the torch version and its thread count, and the kernels' revision. A
+second call with the same key reads the file (no measurement), so the choice is deterministic
+given the file; a file that cannot be read or does not fit is measured again and rewritten.
+:class:`~kakeya_lab.linear.AutoLinear` layers then dispatch each call by its row count.
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ def cmd_models_kernels(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kakeya-lab models`` parser: ``list``, ``pull`` and ``verify``."""
+    """The ``kakeya-lab models`` parser: ``list``, ``pull``, ``verify`` and ``kernels``."""
     models = Parser(prog=f"{PROG} models", description="Manage the local model store.")
     models.set_defaults(func=lambda _args: usage(models))
     sub = models.add_subparsers(dest="models_command", metavar="COMMAND")
