@@ -154,17 +154,11 @@ def default_cache_dir() -> Path:
     return store_home() / "kernels"
 
 
-def cache_file(
-    model: nn.Module, *, identity: str | None = None, cache_dir: Path | None = None
-) -> Path:
-    """The file :func:`auto_choice` reads and writes for ``model`` on this machine."""
-    key = choice_key(model, identity)
-    return _cache_file(key, cache_dir or default_cache_dir())
-
-
-def _cache_file(key: dict[str, Any], cache_dir: Path) -> Path:
+def cache_file(key: dict[str, Any], cache_dir: Path | None = None) -> Path:
+    """The file a choice for ``key`` (:func:`choice_key`, or an :class:`AutoChoice`'s
+    ``key``) is cached in: one per key under ``cache_dir`` (:func:`default_cache_dir`)."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return cache_dir / f"linear-{digest}.json"
+    return (cache_dir or default_cache_dir()) / f"linear-{digest}.json"
 
 
 def _read(path: Path, key: dict[str, Any]) -> AutoChoice | None:
@@ -247,7 +241,7 @@ def auto_choice(
     ``cache_dir`` defaults to :func:`default_cache_dir`; ``measure`` measures again even
     when the cache holds a choice, and replaces it (a choice measured on a busy machine)."""
     key = choice_key(model, identity)
-    path = _cache_file(key, cache_dir or default_cache_dir())
+    path = cache_file(key, cache_dir)
     choice = None if measure else _read(path, key)
     if choice is not None:
         return choice

@@ -304,16 +304,32 @@ def test_a_batch_of_sessions_on_exact_gives_splits_logits_to_the_bit(default_mod
 def test_a_stores_warm_up_packs_what_its_steps_read_and_leaves_nothing_open():
     """``SessionStore.warm_up`` (run by ``serve`` before its ready line and by ``chat``): one
     throwaway step packs every exact form the lean step reads (the stacked projections), so
-    the first session's step packs nothing; no session is opened and no K/V is kept."""
-    from kakeya_lab.session import SessionStore
+    the first session's steps pack nothing; no session is opened and no K/V is kept, and
+    that session, past eviction, decodes ``split``'s greedy tokens (exact's bits are
+    split's)."""
+    from kakeya_lab.session import SessionStore, Token
 
     model = tiny_random_model("llama", seed=3, intermediate_size=128).model
     with torch.no_grad():
         for i, layer in enumerate(m for m in model.modules() if isinstance(m, torch.nn.Linear)):
             layer.weight.copy_(q4_weight(*layer.weight.shape, seed=50 + i))
+    config = SinkWindowConfig(sink=2, window=14)
+    prompt = [(7 * i + 3) % model.config.vocab_size for i in range(30)]  # past sink + window
+
+    def greedy(store: SessionStore) -> list[int]:
+        sid = store.create()
+        store.append(sid, prompt)
+        tokens = [e.id for e in store.generate(sid, 12) if isinstance(e, Token)]
+        assert store.verifier(sid).history_len > config.budget  # evicted
+        store.close(sid)
+        return tokens
+
+    with threads(2):
+        set_linear_kernel(model, "split")
+        want = greedy(SessionStore(model, config, capacity=1, eos_token_ids=[]))
     set_linear_kernel(model, "exact")
     lean = LeanForward.of(model)
-    store = SessionStore(model, SinkWindowConfig(sink=2, window=14), capacity=1)
+    store = SessionStore(model, config, capacity=1, eos_token_ids=[])
     operands = [w for layer in lean.compiled_layers if layer for w in layer.operands]
     assert operands and not any(exact.is_packed(w) for w in operands)
     with threads(2):
@@ -321,7 +337,6 @@ def test_a_stores_warm_up_packs_what_its_steps_read_and_leaves_nothing_open():
         assert all(exact.is_packed(w) for w in operands)
         assert len(store) == 0 and store.kv_live_bytes() == 0
         packed = len(exact._packed)
-        sid = store.create()
-        store.append(sid, [1, 2, 3])
-        assert len(list(store.generate(sid, 3))) > 0
+        got = greedy(store)
     assert len(exact._packed) == packed  # the first session's steps packed nothing new
+    assert got == want and len(got) == 12

@@ -214,3 +214,16 @@ def test_models_kernels_shows_the_choice_measures_it_once_and_again_on_request(
     assert linear_auto.measurements == before + 1
     assert main(["models", "kernels", "--measure"]) == 0
     assert "measured now" in capsys.readouterr().out and linear_auto.measurements == before + 2
+
+
+def test_a_choices_summary_groups_row_counts_by_kernel():
+    """What the ready line and chat's header print: runs of row counts on one kernel."""
+    few = ("exact",) * 8 + ("split",) + ("exact",) * 6 + ("onednn",)
+    ms = {k: {label: 1.0 for label in linear_auto._labels()} for k in ("exact", "split")}
+    choice = linear_auto.AutoChoice(few, "aten", ms, key={})
+    assert choice.summary() == (
+        "exact for 1-8 rows, split for 9 rows, exact for 10-15 rows, onednn for 16 rows, "
+        "aten beyond"
+    )
+    one = linear_auto.AutoChoice(("aten",) + ("exact",) * 15, "split", ms, key={})
+    assert one.summary() == "aten for 1 row, exact for 2-16 rows, split beyond"

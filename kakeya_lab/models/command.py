@@ -112,8 +112,9 @@ def cmd_models_kernels(args: argparse.Namespace) -> int:
     from kakeya_lab.models import load_model
 
     loaded = load_model(args.name, progress=False)
-    identity = loaded.description.weight_sha256
-    choice = auto_choice(loaded.model, identity=identity, measure=args.measure)
+    choice = auto_choice(
+        loaded.model, identity=loaded.description.weight_sha256, measure=args.measure
+    )
     header, rows = choice.table()
     key = choice.key
     print(
@@ -123,7 +124,7 @@ def cmd_models_kernels(args: argparse.Namespace) -> int:
     print(table(rows, header))
     print(
         f"\n{'read from' if choice.cached else 'measured now, cached in'} "
-        f"{cache_file(loaded.model, identity=identity)}"
+        f"{cache_file(choice.key)}"
         f"\n(--measure to measure again; OMP_NUM_THREADS or torch's threads "
         f"({torch.get_num_threads()} here) is part of the key)"
     )
