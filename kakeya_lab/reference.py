@@ -1,13 +1,19 @@
 """Reference oracles for the sink-window semantics (docs/design.md, "The sink-window cache").
 
-These never use :class:`~kakeya_lab.backends.torch_cache.SinkWindowCache` nor the sink-window attention
-path: they run transformers' own SDPA attention, so a test that compares an incremental
-path against them compares two independent implementations.
+These never use :class:`~kakeya_lab.backends.torch_cache.SinkWindowCache` nor the
+sink-window attention path: they run transformers' own SDPA attention (or, for
+:func:`rolling_logits`, this module's own), so a test that compares an incremental path
+against them compares two independent implementations.
 
 * :func:`dense_logits` — one dense forward over the whole sequence with the sink-window
   mask (exact for ``global`` positions, and for ``rolling`` before the cache first fills).
-* :func:`rolling_logits` — token-by-token decoding in the StreamingLLM way: the visible
-  keys are re-rotated to their index inside the cache before every step.
+* :class:`RollingReference` — token-by-token decoding in the StreamingLLM way: the visible
+  keys are re-rotated to their index inside the cache before every step (the rolling rule
+  as written; it can fork and continue a sequence).
+* :func:`rolling_logits` — the same logits from one forward over the whole sequence: the
+  sink-window mask, and each query rotated back to its index inside the cache where it
+  meets the sinks (the only keys whose distance rolling positions change). Held to
+  :class:`RollingReference` by ``tests/test_oracle.py``.
 * :func:`oracle_logits` — the oracle of a config's position mode (dense for ``global``,
   rolling for ``rolling``): what every incremental path must reproduce.
 """
@@ -15,13 +21,15 @@ path against them compares two independent implementations.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextvars import ContextVar
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.cache_utils import CacheLayerMixin
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kakeya_lab.backends.config import SinkWindowConfig
-from kakeya_lab.backends.torch_attention import rotate, visibility
+from kakeya_lab.backends.torch_attention import rotate, standard_attention, visibility
 from kakeya_lab.backends.torch_cache import cache_kwarg, rope_inv_freq
 
 
@@ -135,15 +143,82 @@ class RollingReference:
         return torch.stack(rows)
 
 
+# The attention of :func:`rolling_logits`' one forward: the config and the model's RoPE
+# frequencies of the forward running it.
+_ROLLING_ATTENTION = "kakeya_rolling_oracle"
+_rolling: ContextVar[tuple[SinkWindowConfig, torch.Tensor]] = ContextVar("kakeya_rolling")
+
+
+def _rolling_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention of a forward over positions ``0..n-1`` under the rolling rule.
+
+    Query ``p`` sees the sinks and its window (``attention_mask``). Its cache holds them at
+    indices ``0..m-1`` with itself at ``m = min(p, sink + window - 1)``: a window key keeps
+    its distance ``p - j``, a sink ``j`` is at distance ``m - j``. RoPE scores depend only on
+    distance, so the sinks' scores take the query rotated by ``m - p``.
+    """
+    config, inv_freq = _rolling.get()
+    n = query.shape[2]
+    positions = torch.arange(n, device=query.device)
+    groups = query.shape[1] // key.shape[1]
+    keys = key.repeat_interleave(groups, dim=1).float()
+    values = value.repeat_interleave(groups, dim=1).float()
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = query.float() @ keys.transpose(-1, -2) * scale
+    if config.window is not None and config.sink > 0:
+        index = positions.clamp(max=config.sink + config.window - 1)
+        moved = rotate(query, index - positions, inv_freq).float()
+        sinks = keys[:, :, : config.sink]
+        scores[..., : sinks.shape[2]] = moved @ sinks.transpose(-1, -2) * scale
+    if attention_mask is None or attention_mask.dtype != torch.bool:
+        raise RuntimeError("the rolling oracle's forward takes its boolean sink-window mask")
+    scores = scores.masked_fill(~attention_mask, float("-inf"))
+    out = scores.softmax(dim=-1) @ values
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(_ROLLING_ATTENTION, _rolling_attention)
+AttentionMaskInterface.register(_ROLLING_ATTENTION, sdpa_mask)
+
+
+@torch.inference_mode()
 def rolling_logits(
     model: PreTrainedModel, token_ids: Sequence[int] | torch.Tensor, config: SinkWindowConfig
 ) -> torch.Tensor:
-    """Next-token logits ``[n, vocab]`` by single-token decoding (:class:`RollingReference`).
+    """Next-token logits ``[n, vocab]`` of single-token decoding under ``config``
+    (:class:`RollingReference`'s, to float error), from one forward over the sequence.
 
     With ``positions="rolling"`` this is the rolling-mode oracle; with ``"global"`` it is
-    the global single-token path (equal to :func:`dense_logits` up to float error).
+    :func:`dense_logits`. The model runs this module's own attention for the forward (its
+    previous implementation is restored after it), so it must not be running other forwards
+    meanwhile.
     """
-    return RollingReference(model, config).extend(token_ids)
+    if config.positions == "global":
+        return dense_logits(model, token_ids, config)
+    device = next(model.parameters()).device
+    ids = _ids(token_ids, device)
+    n = ids.shape[1]
+    token = _rolling.set((config, rope_inv_freq(model).to(device)))
+    try:
+        with standard_attention(model, _ROLLING_ATTENTION):
+            out = model(
+                input_ids=ids,
+                attention_mask=sink_window_mask(n, config).to(device)[None, None],
+                position_ids=torch.arange(n, device=device)[None],
+                use_cache=False,
+            )
+    finally:
+        _rolling.reset(token)
+    return out.logits[0].float()
 
 
 def oracle_logits(

@@ -97,6 +97,26 @@ def test_rolling_oracle_equals_dense_before_the_cache_fills(default_model, text_
     assert (rolling[n:] - global_past[n:]).abs().max().item() > 1e-2
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("sink", "window", "n"), [(4, 28, 96), (2, 6, 40), (1, 1, 24)])
+def test_one_forward_rolling_oracle_is_token_by_token_decoding(
+    default_model, text_ids, sink, window, n
+):
+    """``rolling_logits``' one forward gives what the rolling rule as written gives, decoded
+    a token at a time (``RollingReference``), far past the budget; the model's attention is
+    its own again afterwards. The rule really differs from global positions there (the
+    sinks' distances; a tiny random model's near-uniform attention cannot tell them apart)."""
+    model = default_model.model
+    config = SinkWindowConfig(sink=sink, window=window, positions="rolling")
+    ids = text_ids[:n]
+    stepped = reference.RollingReference(model, config).extend(ids)
+    attention = model.config._attn_implementation
+    assert (reference.rolling_logits(model, ids, config) - stepped).abs().max().item() <= TOL
+    assert model.config._attn_implementation == attention
+    global_positions = reference.dense_logits(model, ids, SinkWindowConfig(sink, window))
+    assert (stepped - global_positions).abs().max().item() > 1e-2
+
+
 def test_dense_oracle_refuses_rolling_past_the_budget(tiny_model, text_ids):
     config = SinkWindowConfig(sink=2, window=6, positions="rolling")
     with pytest.raises(ValueError, match="rolling_logits"):
