@@ -13,6 +13,8 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.
 # one process on two threads (servers, kernels and the browser spend time waiting). Use
 # PYTEST_WORKERS=0 for a single process. The browser tests run afterwards on their own: a
 # widget rendered in JupyterLab beside a busy worker once took over two minutes to appear.
+# The compiled kernels are built (once per machine, about a minute on both cores) before
+# pytest starts, not by the first test that needs them while the other worker runs.
 PYTEST_WORKERS ?= 2
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile
 # The CPU build of PyTorch, pinned (a bare `torch` from PyPI is a multi-GB CUDA build).
@@ -41,6 +43,7 @@ quickstart: install
 test: install
 	$(BIN)/kakeya-lab models pull $(MODEL)
 	$(MAKE) --no-print-directory lint
+	$(BIN)/python -m kakeya_lab.native.build
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests notebooks -m "not browser" $(XDIST) $(NBVAL) $(PYTEST_ARGS)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -m browser $(PYTEST_ARGS)
 
@@ -48,6 +51,7 @@ test: install
 test-fast: install
 	$(BIN)/kakeya-lab models pull $(MODEL)
 	$(MAKE) --no-print-directory lint
+	$(BIN)/python -m kakeya_lab.native.build
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 # Style, format and types: what pre-commit runs too (.pre-commit-config.yaml).

@@ -71,6 +71,20 @@ def test_a_checkout_elsewhere_loads_the_same_build_without_rebuilding(native, tm
     assert after == built
 
 
+def test_the_build_command_names_the_build_it_finds(native):
+    """``python -m kakeya_lab.native.build`` (what ``make test`` runs before pytest) finds
+    this process's build, says where it is, and exits 0 without rebuilding it."""
+    folder = build_folder()
+    built = {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.suffix == ".so"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kakeya_lab.native.build"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"kakeya-lab: compiled kernels ({instruction_set()}) in {folder}"
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.suffix == ".so"} == built
+
+
 def test_rms_norm_is_pytorchs(native):
     torch.manual_seed(0)
     for n, width in ((1, 576), (3, 64), (8, 896)):

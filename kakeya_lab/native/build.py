@@ -142,3 +142,21 @@ def compiled() -> Any | None:
 def why_unavailable() -> str:
     """Why :func:`compiled` is None ("" when it is not, or was not tried yet)."""
     return "" if _loaded is None else _loaded[1]
+
+
+def main() -> int:
+    """``python -m kakeya_lab.native.build``: build this machine's kernels now (or find the
+    build), on every core, and say in one line where they are or why they cannot be built.
+    Exits 0 either way: without them every caller runs PyTorch's operations. ``make test``
+    runs it first, so that no test waits on the build while another process competes for
+    the cores."""
+    module = compiled()
+    if module is None:
+        print(f"kakeya-lab: compiled kernels unavailable here: {why_unavailable()}")
+    else:
+        print(f"kakeya-lab: compiled kernels ({instruction_set()}) in {build_folder()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
