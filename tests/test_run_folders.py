@@ -40,6 +40,7 @@ CI_PARAMETERS: dict[str, dict] = {
         "turns_per_bucket": 3,
     },
     "30_speculative": {
+        "plain_kernels": ["aten"],  # beside the model's own "auto"
         "proposers": ["ngram"],
         "draft_lengths": [2],
         "conversations": 1,
@@ -97,6 +98,12 @@ def test_notebook_run_folder_identifies_itself(name, results_root):
     validate_metrics(doc)
     assert doc["experiment"] == record["experiment"] and doc["run_id"] == record["run_id"]
     assert doc["model"]["name"] == "smollm2-135m-instruct" and doc["model"]["random"] is False
+    if name == "30_speculative":  # every speedup against the fastest plain decoding tried
+        rates = doc["plain_tokens_per_s"]
+        assert doc["linear"] == "auto" and sorted(rates) == ["aten", "auto"]
+        assert doc["plain_kernel"] == max(rates, key=rates.get)
+    if name == "35_spec_table":
+        assert doc["linear"] == "auto" and set(doc["plain_kernel"]) == {"code", "chitchat"}
     figures = list(run_dir.glob("*.html"))
     assert figures, f"{name} wrote no figures"
     for html in figures:

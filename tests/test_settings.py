@@ -61,6 +61,20 @@ def test_spec_table_settings_give_valid_per_set_settings():
     assert run.prompt_set == "code-dev" and run.window == table.window
 
 
+def test_the_verifiers_kernel_is_a_full_precision_one_and_mlx_loads_its_own():
+    assert SpeculativeSettings(linear="auto").model_linear() == "auto"
+    assert SpeculativeSettings(backend="mlx", linear="auto").model_linear() == "aten"
+    # a quantised verifier would be another model than the plain decoding timed beside it
+    for bad in ("int4", "fastest", ""):
+        with pytest.raises(SettingsError) as caught:
+            SpeculativeSettings(linear=bad)
+        assert caught.value.field == "linear"
+    with pytest.raises(SettingsError) as caught:  # the table checks it through its per-set runs
+        SpecTableSettings(linear="int8")
+    assert caught.value.field == "linear"
+    assert SpecTableSettings(linear="exact").speculative("code-dev").linear == "exact"
+
+
 def test_served_and_in_process_arms_are_checked_apart():
     assert LongRunSettings(arms=(), served_arms=("grpc_session",)).served_arms == ("grpc_session",)
     with pytest.raises(SettingsError, match="no arms given"):

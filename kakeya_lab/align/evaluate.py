@@ -47,9 +47,14 @@ def evaluate_by_domain(
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Summary rows (one per domain × split × arm) and step rows, each tagged with
     ``domain`` and ``split``; ``lossless`` says whether every greedy arm emitted exactly
-    the plain stream on that domain and split."""
+    the plain stream on that domain and split. No block-cost probe runs (the summary's
+    speedups are measured; its ``expected_speedup`` needs no probe)."""
     settings = SpeculativeSettings.for_cache(
-        config, draft_lengths=tuple(draft_lengths), turns=turns, max_new_tokens=max_new_tokens
+        config,
+        draft_lengths=tuple(draft_lengths),
+        turns=turns,
+        max_new_tokens=max_new_tokens,
+        measure_cost=False,
     )
     summaries, steps = [], []
     for domain in domains:

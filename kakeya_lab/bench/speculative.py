@@ -75,6 +75,17 @@ class SpeculativeRun:
     plain_kernel: str = ""  # the linear kernel of the "plain" arm: the fastest plain decoding
     plain_tokens_per_s: dict[str, float] | None = None  # plain decoding per kernel tried
 
+    def baseline(self) -> str:
+        """One line: plain decoding's tokens/s on each kernel tried, and which one, the
+        fastest, every speedup is against (empty on a backend with no torch kernels)."""
+        if not self.plain_tokens_per_s:
+            return ""
+        rates = ", ".join(f"{k} {v:.1f}" for k, v in self.plain_tokens_per_s.items())
+        return (
+            f"plain decoding, tokens/s by linear kernel: {rates}; the fastest "
+            f"({self.plain_kernel}) is the baseline of every speedup"
+        )
+
 
 @dataclass(frozen=True)
 class AssistedGeneration:

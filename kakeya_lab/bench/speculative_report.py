@@ -36,7 +36,8 @@ def save_speculative(
     figures: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``run`` into ``run_dir``: ``metrics.json`` (every arm's summary, whether greedy
-    decoding was lossless, the cost model, transformers' assisted generation ``hf``),
+    decoding was lossless, the cost model, transformers' assisted generation ``hf``; the
+    header names the kernel of the fastest plain decoding, every speedup's baseline),
     ``turns.csv``, ``steps.csv`` and ``figures``. ``model``: ``loaded.description``.
     Returns the path of ``metrics.json``."""
     out = Path(run_dir)
@@ -53,6 +54,10 @@ def save_speculative(
             "settings": settings.to_dict(),
             "temperature": settings.temperature,
             "prompt_set": settings.prompt_set,
+            "linear": settings.linear,
+            "plain_kernels": list(settings.plain_kernels),
+            "plain_kernel": run.plain_kernel,
+            "plain_tokens_per_s": run.plain_tokens_per_s,
         },
     )
     summary = run.summary.to_dict(orient="records")

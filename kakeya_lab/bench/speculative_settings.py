@@ -37,7 +37,9 @@ class SpeculativeSettings(Settings):
     (both need it) add the ``@costK`` and ``@padK`` arms. ``plain_kernels``: full-precision
     linear kernels plain decoding is also timed on, side by side with the arms (torch); every
     speedup is then against the fastest plain decoding of the run, whichever kernel that was
-    (``run.plain_kernel``).
+    (``run.plain_kernel``). ``linear``: the kernel the torch model is loaded with, so the one
+    every arm runs (:func:`~kakeya_lab.models.load_model`; the MLX backend runs its own
+    kernels and loads with ``aten``, :meth:`model_linear`).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -54,6 +56,7 @@ class SpeculativeSettings(Settings):
     sink: int = 4
     window: int | None = 252
     positions: str = "global"
+    linear: str = "aten"
     measure_cost: bool = True
     cost_repeats: int = 5
     cost_aware: bool = False
@@ -62,6 +65,12 @@ class SpeculativeSettings(Settings):
 
     def validate(self) -> None:
         """Raise :class:`~kakeya_lab.settings.SettingsError` for a setting that cannot work."""
+        if self.linear not in FULL_PRECISION + ("auto",):
+            raise SettingsError(
+                "linear",
+                f"must be a full-precision kernel or 'auto' ({', '.join(FULL_PRECISION)}, auto), "
+                f"got {self.linear!r}",
+            )
         for kernel in self.plain_kernels:
             if kernel not in FULL_PRECISION:
                 raise SettingsError(
@@ -95,6 +104,11 @@ class SpeculativeSettings(Settings):
                 "measure_cost",
                 "is needed: cost_aware and pad_blocks arms plan with the measured block cost",
             )
+
+    def model_linear(self) -> str:
+        """The ``linear`` to load the model with: ``linear`` on torch, ``aten`` (none of
+        torch's kernels) on another backend."""
+        return self.linear if self.backend == "torch" else "aten"
 
     @classmethod
     def for_cache(cls, config: SinkWindowConfig, **fields: object) -> SpeculativeSettings:
@@ -178,6 +192,7 @@ class SpecTableSettings(Settings):
         return SpeculativeSettings(
             model=self.model,
             dtype=self.dtype,
+            linear=self.linear,
             proposers=self.arms,
             draft_lengths=(),
             prompt_set=prompt_set,
