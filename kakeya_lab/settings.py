@@ -41,6 +41,27 @@ def check_int(field: str, value: object, minimum: int) -> None:
         raise SettingsError(field, f"must be >= {minimum}, got {value!r}")
 
 
+def check_kernels(linear: object, plain_kernels: tuple[object, ...]) -> None:
+    """Raise :class:`SettingsError` unless ``linear`` (the verifier's linear kernel) is a
+    full-precision kernel or ``"auto"`` and every one of ``plain_kernels`` (those plain
+    decoding is timed on) is full-precision: a quantised verifier would be another model
+    than the plain decoding timed beside it."""
+    from kakeya_lab.linear_kernels import FULL_PRECISION
+
+    if linear not in (*FULL_PRECISION, "auto"):
+        raise SettingsError(
+            "linear",
+            f"must be a full-precision kernel or 'auto' ({', '.join(FULL_PRECISION)}, auto), "
+            f"got {linear!r}",
+        )
+    for kernel in plain_kernels:
+        if kernel not in FULL_PRECISION:
+            raise SettingsError(
+                "plain_kernels",
+                f"must name full-precision kernels ({', '.join(FULL_PRECISION)}), got {kernel!r}",
+            )
+
+
 def check_positive(field: str, value: object, *, optional: bool = True) -> None:
     """Raise :class:`SettingsError` unless ``value`` is a finite number > 0 (or None when
     ``optional``)."""

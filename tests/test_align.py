@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import torch
 
-from kakeya_lab.align.evaluate import drafter_factory
+from kakeya_lab.align.evaluate import drafter_factory, evaluate_by_domain
 from kakeya_lab.align.pipeline import best_drafter, drafter_shapes, per_domain, train_config_for
 from kakeya_lab.align.rollouts import (
     CaptureOptions,
@@ -292,6 +292,35 @@ def test_training_increases_held_out_acceptance(trained, kind, margin):
         history["train_total"].dropna().iloc[-20:].mean()
         < history["train_total"].dropna().iloc[:20].mean()
     )
+
+
+def test_the_evaluation_times_plain_decoding_on_each_kernel_and_takes_the_fastest(default_model):
+    from kakeya_lab.linear import linear_kernel_of
+    from kakeya_lab.linear_auto import full_precision_kernels
+    from kakeya_lab.proposers import NgramProposer
+
+    own = linear_kernel_of(default_model.model)
+    other = next(k for k in full_precision_kernels() if k != own)
+    summary, _ = evaluate_by_domain(
+        default_model,
+        {"ngram": NgramProposer},
+        [3],
+        config=SinkWindowConfig(sink=4, window=28),
+        domains=["code"],
+        splits=["dev"],
+        conversations=1,
+        turns=1,
+        max_new_tokens=8,
+        plain_kernels=(other,),
+        progress=False,
+    )
+    rows = summary.set_index("arm")
+    plain = rows[rows.index.str.startswith("plain")]
+    assert sorted(plain.index) in (["plain", f"plain[{other}]"], ["plain", f"plain[{own}]"])
+    assert plain.loc["plain", "tokens_per_s"] == plain["tokens_per_s"].max()
+    winner = other if f"plain[{own}]" in plain.index else own
+    assert set(summary["plain_kernel"]) == {winner} and summary["lossless"].all()
+    assert rows.loc["ngram@3", "generated_tokens"] == rows.loc["plain", "generated_tokens"]
 
 
 @pytest.mark.slow  # captures real rollouts and trains drafters (about two minutes together)

@@ -61,6 +61,7 @@ CI_PARAMETERS: dict[str, dict] = {
         "steps": {"feature": 6},
         "eval_max_new_tokens": 12,
         "draft_lengths": [4],
+        "plain_kernels": ["aten"],  # beside the verifier's own "auto"
     },
     "90_report": {},
 }
@@ -102,6 +103,8 @@ def test_notebook_run_folder_identifies_itself(name, results_root):
         rates = doc["plain_tokens_per_s"]
         assert doc["linear"] == "auto" and sorted(rates) == ["aten", "auto"]
         assert doc["plain_kernel"] == max(rates, key=rates.get)
+    if name == "40_proposer_alignment":
+        assert doc["settings"]["linear"] == "auto" and doc["settings"]["plain_kernels"] == ["aten"]
     if name == "35_spec_table":
         assert doc["linear"] == "auto" and set(doc["plain_kernel"]) == {"code", "chitchat"}
     figures = list(run_dir.glob("*.html"))

@@ -43,18 +43,23 @@ def evaluate_by_domain(
     conversations: int = 4,
     turns: int = 2,
     max_new_tokens: int = 48,
+    plain_kernels: Sequence[str] = (),
     progress: bool = True,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Summary rows (one per domain × split × arm) and step rows, each tagged with
     ``domain`` and ``split``; ``lossless`` says whether every greedy arm emitted exactly
-    the plain stream on that domain and split. No block-cost probe runs (the summary's
-    speedups are measured; its ``expected_speedup`` needs no probe)."""
+    the plain stream on that domain and split. Plain decoding is also timed on each of
+    ``plain_kernels`` (full-precision kernels, torch): the fastest is ``plain`` and every
+    speedup's baseline, the others ``plain[KERNEL]`` rows, and ``plain_kernel`` names it.
+    No block-cost probe runs (the summary's speedups are measured; its
+    ``expected_speedup`` needs no probe)."""
     settings = SpeculativeSettings.for_cache(
         config,
         draft_lengths=tuple(draft_lengths),
         turns=turns,
         max_new_tokens=max_new_tokens,
         measure_cost=False,
+        plain_kernels=tuple(plain_kernels),
     )
     summaries, steps = [], []
     for domain in domains:
@@ -64,7 +69,10 @@ def evaluate_by_domain(
                 raise ValueError(f"no {split} conversations for domain {domain!r}")
             run = run_speculative(loaded, proposers, convs, settings, progress=progress)
             summary = run.summary.assign(
-                domain=domain, split=split, lossless=greedy_streams_identical(run.turns)
+                domain=domain,
+                split=split,
+                lossless=greedy_streams_identical(run.turns),
+                plain_kernel=run.plain_kernel,
             )
             summaries.append(summary)
             steps.append(run.steps.assign(domain=domain, split=split))

@@ -5,7 +5,10 @@ user turns each, replies of at most ``capture_max_new_tokens``), training (``dra
 kinds, ``steps`` per kind, ``batch_size``, ``lr``, the shapes from ``draft_vocab_size``,
 ``context_len``, ``block_size``, ``block_width``, ``lora_base``), and the online evaluation
 (``eval_conversations`` per domain and split, ``eval_turns``, ``eval_max_new_tokens``,
-``eval_draft_length``, and the best drafter's ``draft_lengths`` curve). ``train_conversations``
+``eval_draft_length``, and the best drafter's ``draft_lengths`` curve). ``linear``: the
+verifier's linear kernel (a full-precision one or ``"auto"``); ``plain_kernels``: the kernels
+the evaluation also times plain decoding on, the fastest being every speedup's baseline
+(:class:`~kakeya_lab.bench.speculative_settings.SpeculativeSettings`). ``train_conversations``
 and ``capture_turns`` may be one value or a ``{domain: value}`` dict. The run folder:
 :func:`~kakeya_lab.align.pipeline.write_alignment_results`.
 """
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kakeya_lab.data import DOMAINS
-from kakeya_lab.settings import Settings, SettingsError, check_int
+from kakeya_lab.settings import Settings, SettingsError, check_int, check_kernels
 
 KINDS = ("feature", "block", "lora")  # kakeya_lab.proposers.drafters.network.KINDS
 
@@ -49,6 +52,8 @@ class AlignmentSettings(Settings):
     eval_draft_length: int = 4
     draft_lengths: tuple[int, ...] = (1, 2, 4)
     seed: int = 0
+    linear: str = "aten"
+    plain_kernels: tuple[str, ...] = ()
 
     def validate(self) -> None:
         """Raise :class:`~kakeya_lab.settings.SettingsError` for a setting that cannot work."""
@@ -82,6 +87,7 @@ class AlignmentSettings(Settings):
             "eval_conversations", "eval_turns", "eval_max_new_tokens", "eval_draft_length",
         ):  # fmt: skip
             check_int(name, getattr(self, name), 1)
+        check_kernels(self.linear, self.plain_kernels)
         if not self.draft_lengths:
             raise SettingsError("draft_lengths", "must name at least one draft length")
         for n in self.draft_lengths:

@@ -149,7 +149,8 @@ def run_speculative(
     becomes ``plain``, the baseline of every speedup, and the others stay as
     ``plain[KERNEL]`` rows; ``run.plain_kernel`` names the winner and
     ``run.plain_tokens_per_s`` has every kernel's rate. The other arms run the model's own
-    kernel.
+    kernel. Each kernel takes one throwaway step before any arm is timed
+    (:meth:`~kakeya_lab.session.SessionStore.warm_up`).
 
     Raises ValueError for no conversations, or a proposer key with no draft length."""
     if not conversations:
@@ -192,6 +193,11 @@ def run_speculative(
         if kernel != own_kernel and kernel in runnable:  # split on one thread would be aten
             plain_arm[f"plain[{kernel}]"] = kernel
             arms[f"plain[{kernel}]"] = (None, 0, None, None)
+    # one throwaway step on each kernel before any arm is timed: no arm's first turn pays
+    # for the one-time work of its kernel (exact's integer forms, oneDNN's per-shape state)
+    for arm, kernel in plain_arm.items():
+        with kernel_switched(model, kernel) if arm != "plain" else nullcontext():
+            SessionStore(model, config, capacity=1).warm_up()
     turn_rows, step_rows = [], []
     total = sum(min(turns_per_conversation, len(c.turns[0::2])) for c in conversations) * len(arms)
     bar = tqdm(total=total, desc="speculative", unit="turn", disable=not progress)

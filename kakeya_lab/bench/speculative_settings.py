@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kakeya_lab.linear_kernels import FULL_PRECISION
-from kakeya_lab.settings import Settings, SettingsError, check_int
+from kakeya_lab.settings import Settings, SettingsError, check_int, check_kernels
 
 if TYPE_CHECKING:
     from kakeya_lab.backends.config import SinkWindowConfig
@@ -65,19 +65,7 @@ class SpeculativeSettings(Settings):
 
     def validate(self) -> None:
         """Raise :class:`~kakeya_lab.settings.SettingsError` for a setting that cannot work."""
-        if self.linear not in FULL_PRECISION + ("auto",):
-            raise SettingsError(
-                "linear",
-                f"must be a full-precision kernel or 'auto' ({', '.join(FULL_PRECISION)}, auto), "
-                f"got {self.linear!r}",
-            )
-        for kernel in self.plain_kernels:
-            if kernel not in FULL_PRECISION:
-                raise SettingsError(
-                    "plain_kernels",
-                    f"must name full-precision kernels ({', '.join(FULL_PRECISION)}), "
-                    f"got {kernel!r}",
-                )
+        check_kernels(self.linear, self.plain_kernels)
         for n in self.draft_lengths:
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise SettingsError(
