@@ -7,6 +7,7 @@ asserts a winner."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import random
 
@@ -167,6 +168,9 @@ def test_plain_decoding_on_every_kernel_the_fastest_is_the_baseline(tiny_model):
     plain = run.summary.set_index("arm")
     assert plain.loc["plain", "speedup"] == pytest.approx(1.0)
     assert plain.loc[f"plain[{other}]", "speedup"] <= 1.0
+    assert f"the fastest ({run.plain_kernel}) is the baseline" in run.baseline()
+    # a backend with no torch kernels (MLX: its plain arm's kernel is "") says nothing
+    assert dataclasses.replace(run, plain_kernel="", plain_tokens_per_s={"": 1.0}).baseline() == ""
 
 
 def test_auto_without_a_measured_choice_is_refused_before_anything_changes(model):

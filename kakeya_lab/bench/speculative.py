@@ -78,7 +78,7 @@ class SpeculativeRun:
     def baseline(self) -> str:
         """One line: plain decoding's tokens/s on each kernel tried, and which one, the
         fastest, every speedup is against (empty on a backend with no torch kernels)."""
-        if not self.plain_tokens_per_s:
+        if not (self.plain_kernel and self.plain_tokens_per_s):
             return ""
         rates = ", ".join(f"{k} {v:.1f}" for k, v in self.plain_tokens_per_s.items())
         return (
