@@ -17,10 +17,12 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
+from kakeya_lab.linear_kernels import FULL_PRECISION
+
 if TYPE_CHECKING:
     from typing import Self  # Python 3.11; annotations only, so 3.10 imports this module
 
-__all__ = ["Settings", "SettingsError", "check_int", "check_positive"]
+__all__ = ["Settings", "SettingsError", "check_int", "check_kernels", "check_positive"]
 
 
 class SettingsError(ValueError):
@@ -46,8 +48,6 @@ def check_kernels(linear: object, plain_kernels: tuple[object, ...]) -> None:
     full-precision kernel or ``"auto"`` and every one of ``plain_kernels`` (those plain
     decoding is timed on) is full-precision: a quantised verifier would be another model
     than the plain decoding timed beside it."""
-    from kakeya_lab.linear_kernels import FULL_PRECISION
-
     if linear not in (*FULL_PRECISION, "auto"):
         raise SettingsError(
             "linear",

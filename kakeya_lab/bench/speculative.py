@@ -193,8 +193,9 @@ def run_speculative(
         if kernel != own_kernel and kernel in runnable:  # split on one thread would be aten
             plain_arm[f"plain[{kernel}]"] = kernel
             arms[f"plain[{kernel}]"] = (None, 0, None, None)
-    # one throwaway step on each kernel before any arm is timed: no arm's first turn pays
-    # for the one-time work of its kernel (exact's integer forms, oneDNN's per-shape state)
+    # one throwaway step on each kernel before any arm is timed, so that no arm's first turn
+    # pays for its kernel's one-time work (packing exact's integer forms; oneDNN's state for
+    # the one- and two-row shapes the step meets; other block sizes still build theirs)
     for arm, kernel in plain_arm.items():
         with kernel_switched(model, kernel) if arm != "plain" else nullcontext():
             SessionStore(model, config, capacity=1).warm_up()
