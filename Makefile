@@ -14,7 +14,10 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.
 # PYTEST_WORKERS=0 for a single process. The browser tests run afterwards on their own: a
 # widget rendered in JupyterLab beside a busy worker once took over two minutes to appear.
 # The compiled kernels are built (once per machine, about a minute on both cores) before
-# pytest starts, not by the first test that needs them while the other worker runs.
+# pytest starts, not by the first test that needs them while the other worker runs; so is
+# the default model's `--linear auto` choice at the workers' one thread (about 30 s, once
+# per machine: `kakeya-lab models kernels`), which the `default_model` fixture and the
+# test servers run.
 PYTEST_WORKERS ?= 2
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile
 # The CPU build of PyTorch, pinned (a bare `torch` from PyPI is a multi-GB CUDA build).
@@ -44,6 +47,7 @@ test: install
 	$(BIN)/kakeya-lab models pull $(MODEL)
 	$(MAKE) --no-print-directory lint
 	$(BIN)/python -m kakeya_lab.native.build
+	OMP_NUM_THREADS=1 $(BIN)/kakeya-lab models kernels $(MODEL)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests notebooks -m "not browser" $(XDIST) $(NBVAL) $(PYTEST_ARGS)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -m browser $(PYTEST_ARGS)
 
@@ -52,6 +56,7 @@ test-fast: install
 	$(BIN)/kakeya-lab models pull $(MODEL)
 	$(MAKE) --no-print-directory lint
 	$(BIN)/python -m kakeya_lab.native.build
+	OMP_NUM_THREADS=1 $(BIN)/kakeya-lab models kernels $(MODEL)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 # Style, format and types: what pre-commit runs too (.pre-commit-config.yaml).

@@ -128,14 +128,14 @@ def test_loading_with_an_unknown_kernel_fails_before_loading():
 @pytest.mark.parametrize("mode", ["global", "rolling"])
 @pytest.mark.slow
 def test_onednn_verifier_gives_the_oracle_logits_past_eviction(
-    onednn_model, default_model, text_ids, mode, record_tolerance
+    onednn_model, aten_model, text_ids, mode, record_tolerance
 ):
     """Blocks with wrong tails, partial commits and rollbacks, and chunked appends, over a
     history that wraps a small window many times; the oracle runs the same model (the same
     kernel), and agrees with the default kernel's oracle to float32 rounding."""
     assert onednn_model.description.linear == "onednn"
-    assert default_model.description.linear == "aten"
-    assert onednn_model.description.weight_sha256 == default_model.description.weight_sha256
+    assert aten_model.description.linear == "aten"
+    assert onednn_model.description.weight_sha256 == aten_model.description.weight_sha256
     model = onednn_model.model
     config = SinkWindowConfig(sink=4, window=28, positions=mode)
     ids = text_ids[:150]
@@ -146,7 +146,7 @@ def test_onednn_verifier_gives_the_oracle_logits_past_eviction(
     rows, last, _ = chunked(model, ids, config, random.Random(4))
     check_close(f"smollm2 onednn/{mode}/chunked", rows, want, TOL, record_tolerance)
     check_close(f"smollm2 onednn/{mode}/chunked append", last, want[-1], TOL, record_tolerance)
-    aten = oracle_logits(default_model.model, ids, config)
+    aten = oracle_logits(aten_model.model, ids, config)
     check_close(f"smollm2/{mode}/onednn oracle vs aten oracle", want, aten, TOL, record_tolerance)
 
 
@@ -263,12 +263,12 @@ def test_stacked_layers_are_views_of_one_tensor_and_multiply_as_their_outputs_si
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["global", "rolling"])
 def test_split_verifier_gives_the_oracle_logits_past_eviction(
-    default_model, text_ids, mode, record_tolerance
+    aten_model, text_ids, mode, record_tolerance
 ):
     """As the oneDNN test above, on the default model's own layers switched to ``split``
     (two threads, so it does split, its lean steps' layers each one compiled call) and
     back."""
-    model = default_model.model
+    model = aten_model.model
     config = SinkWindowConfig(sink=4, window=28, positions=mode)
     ids = text_ids[:150]
     aten = oracle_logits(model, ids, config)

@@ -27,7 +27,7 @@ ARGS = dict(sink=4, window=40)
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(default_model):
+def uninterrupted(aten_model):
     settings = LongRunSettings(
         arms=("sink_window", "full_cache"),
         **ARGS,
@@ -36,7 +36,7 @@ def uninterrupted(default_model):
         probe_every=0,
         turns_per_bucket=3,
     )
-    return run_long(default_model, settings, progress=False)  # the standard turn script
+    return run_long(aten_model, settings, progress=False)  # the standard turn script
 
 
 @pytest.mark.slow  # the real default model over ten turns

@@ -72,11 +72,11 @@ def test_cli_writer_and_notebook_calls_write_the_same_files(tmp_path, tiny_model
 
 
 @pytest.mark.slow  # the real default model through the CLI, then in-process
-def test_cli_and_notebook_write_the_same_metrics_keys(tmp_path, default_model):
+def test_cli_and_notebook_write_the_same_metrics_keys(tmp_path, aten_model):
     cli_dir, nb_dir = tmp_path / "cli", tmp_path / "notebook"
     assert main(["long-run", str(cli_dir), *CLI]) == 0
     cli_doc = json.loads((cli_dir / "metrics.json").read_text())
-    nb_doc = _notebook_style(default_model, LongRunSettings(**SETTINGS), nb_dir)
+    nb_doc = _notebook_style(aten_model, LongRunSettings(**SETTINGS), nb_dir)
     assert _files(cli_dir) - {"run.json"} == _files(nb_dir)
     assert set(cli_doc) == set(nb_doc)
     assert _shape(cli_doc["metrics"]) == _shape(nb_doc["metrics"])

@@ -14,7 +14,7 @@ from kakeya_lab.data import chained_user_turns, chitchat_conversations
 
 
 @pytest.mark.slow  # the real default model over six turns, two arms
-def test_speculative_arm_replies_equal_plain_greedy_past_eviction(default_model):
+def test_speculative_arm_replies_equal_plain_greedy_past_eviction(aten_model):
     settings = LongRunSettings(
         arms=("sink_window", "speculative"),
         sink=4,
@@ -27,7 +27,7 @@ def test_speculative_arm_replies_equal_plain_greedy_past_eviction(default_model)
         turns_per_bucket=2,
     )
     turns = chained_user_turns(chitchat_conversations("dev"), 6)
-    run = run_long(default_model, settings, turns, progress=False)
+    run = run_long(aten_model, settings, turns, progress=False)
     plain = run.turns[run.turns["arm"] == "sink_window"].set_index("turn")
     spec = run.turns[run.turns["arm"] == "speculative"].set_index("turn")
     assert list(spec.index) == list(plain.index) == list(range(6))

@@ -27,11 +27,11 @@ NEAR_TIE = 2e-3  # twice the SmolLM2 torch-vs-MLX logit tolerance
 
 
 @pytest.fixture(scope="module")
-def runs(default_model):
+def runs(aten_model):
     mlx = load_model(DEFAULT_MODEL, backend="mlx", progress=False)
     turns = chained_user_turns(chitchat_conversations("dev"), TURNS)
     out = {}
-    for name, loaded in (("torch", default_model), ("mlx", mlx)):
+    for name, loaded in (("torch", aten_model), ("mlx", mlx)):
         settings = LongRunSettings(
             arms=("sink_window",),
             sink=SINK,

