@@ -1,7 +1,9 @@
 """Notebook 20 driving a real server: ``kakeya-lab serve`` started by the test on free
 loopback ports, the notebook executed through papermill (:func:`run_notebook`) with its
-``endpoint`` parameter naming the server's two addresses, the server stopped at the end.
-The served arms' token accounting is checked, not their timings (a test must not time)."""
+``endpoint`` parameter naming the server's two addresses and one in-process arm beside
+them, the server stopped at the end. The served arms' token accounting is checked, not
+their timings (a test must not time), and the run folder as ``test_run_folders`` checks
+every other notebook's."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from test_run_folders import check_figures
 
 from kakeya_lab.experiments import run_notebook
 from kakeya_lab.results import validate_metrics
@@ -23,7 +26,8 @@ pytest.importorskip("papermill")
 def test_notebook_20_drives_a_running_server_through_both_clients(serve, tmp_path):
     server = serve("--sink", "4", "--window", "40")
     params = {
-        "arms": [],
+        "arms": ["sink_window"],
+        "window": 40,
         "endpoint": f"grpc://{server.grpc_target} {server.http_base}",
         "turns": 5,
         "max_new_tokens": 6,
@@ -34,15 +38,20 @@ def test_notebook_20_drives_a_running_server_through_both_clients(serve, tmp_pat
     run_dir = run_notebook(
         NOTEBOOKS / "20_long_run.ipynb", params, results_root=tmp_path, progress=False
     )
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "completed" and record["parameters"] == params
     doc = json.loads((run_dir / "metrics.json").read_text())
     validate_metrics(doc)
+    assert doc["experiment"] == record["experiment"] and doc["run_id"] == record["run_id"]
+    assert doc["model"]["name"] == "smollm2-135m-instruct" and doc["model"]["random"] is False
+    check_figures(run_dir, tmp_path)
     assert doc["server_cache"] == {
         "sink": 4,
         "budget_tokens": 44,
         "kv_budget_bytes": 44 * 30 * 2 * 3 * 64 * 4,
     }
     summary = doc["metrics"]["arms"]
-    assert list(summary) == ["grpc_session", "http_reuse", "http_stateless"]
+    assert list(summary) == ["sink_window", "grpc_session", "http_reuse", "http_stateless"]
     turns = pd.read_csv(run_dir / "served_turns.csv")
     assert len(turns) == 15 and turns["error"].isna().all()
     by_arm = {arm: df.set_index("turn") for arm, df in turns.groupby("arm")}
@@ -60,3 +69,4 @@ def test_notebook_20_drives_a_running_server_through_both_clients(serve, tmp_pat
     assert (turns["cache_len"] <= 44).all()
     notebook = (run_dir / "notebook.ipynb").read_text()
     assert "the server's sessions never hold more than its budget of 44 entries: True" in notebook
+    assert "sink_window never holds more than sink + window = 44 entries: True" in notebook
