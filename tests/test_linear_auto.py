@@ -197,14 +197,21 @@ def test_models_kernels_shows_the_choice_measures_it_once_and_again_on_request(
 ):
     """``kakeya-lab models kernels``: every kernel's time per row count with auto's choice
     marked, measured into ``$KAKEYA_LAB_KERNELS`` when absent, read back the next time,
-    measured again with ``--measure`` (a name that is no model: tests/test_cli.py)."""
+    measured again with ``--measure`` (a name that is no model: tests/test_cli.py). On a
+    tiny random model's folder (the mechanics; ``make test`` runs it on the default model
+    before pytest, whose measurement takes half a minute)."""
     from kakeya_lab.cli import main
 
-    monkeypatch.setenv("KAKEYA_LAB_KERNELS", str(tmp_path))
+    tiny = tiny_random_model("llama", seed=1)
+    folder = tmp_path / "tiny"
+    tiny.model.save_pretrained(folder, safe_serialization=True)
+    tiny.tokenizer.save_pretrained(folder)
+    cache = tmp_path / "kernels"
+    monkeypatch.setenv("KAKEYA_LAB_KERNELS", str(cache))
     before = linear_auto.measurements
-    assert main(["models", "kernels"]) == 0
+    assert main(["models", "kernels", str(folder)]) == 0
     first = capsys.readouterr().out
-    (path,) = _files(tmp_path)
+    (path,) = _files(cache)
     saved = json.loads(path.read_text())
     assert "measured now, cached in" in first and str(path) in first
     lines = first.splitlines()
@@ -213,10 +220,10 @@ def test_models_kernels_shows_the_choice_measures_it_once_and_again_on_request(
     for row, chosen in zip(table, [*saved["few"], saved["many"]]):  # the marked time: auto's
         marked = row.split("*")[0].split()[-1]
         assert row.count("*") == 1 and marked == f"{saved['ms'][chosen][row.split()[0]]:.1f}", row
-    assert main(["models", "kernels"]) == 0
+    assert main(["models", "kernels", str(folder)]) == 0
     assert "read from" in capsys.readouterr().out
     assert linear_auto.measurements == before + 1
-    assert main(["models", "kernels", "--measure"]) == 0
+    assert main(["models", "kernels", str(folder), "--measure"]) == 0
     assert "measured now" in capsys.readouterr().out and linear_auto.measurements == before + 2
 
 
