@@ -11,8 +11,10 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.
 # worker at a time (a notebook's cells share one kernel, so they stay together), each
 # process on one BLAS/OpenMP thread: on 2 cores the suite took 21.6 min so, 36.6 min in
 # one process on two threads (servers, kernels and the browser spend time waiting). Use
-# PYTEST_WORKERS=0 for a single process. The browser tests run afterwards on their own: a
-# widget rendered in JupyterLab beside a busy worker once took over two minutes to appear.
+# PYTEST_WORKERS=0 for a single process. The browser tests run in the same pool (their file
+# on one worker): a widget rendered in JupyterLab beside a busy worker once took over two
+# minutes to appear, but every wait of theirs is for a condition, bounded at 10 minutes.
+# The longest files go first (tests/conftest.py), so no worker is left alone with one.
 # The compiled kernels are built (once per machine, about a minute on both cores) before
 # pytest starts, not by the first test that needs them while the other worker runs; so is
 # the default model's `--linear auto` choice at the workers' one thread (about 30 s, once
@@ -48,8 +50,7 @@ test: install
 	$(MAKE) --no-print-directory lint
 	$(BIN)/python -m kakeya_lab.native.build
 	OMP_NUM_THREADS=1 $(BIN)/kakeya-lab models kernels $(MODEL)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests notebooks -m "not browser" $(XDIST) $(NBVAL) $(PYTEST_ARGS)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -m browser $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests notebooks $(XDIST) $(NBVAL) $(PYTEST_ARGS)
 
 # The quick loop: lint plus every test not marked slow (no notebooks, no browser, no slow tests).
 test-fast: install
