@@ -67,6 +67,11 @@ def test_notebook_20_drives_a_running_server_through_both_clients(serve, tmp_pat
     # every session the notebook's clients opened is closed again
     assert server.metrics()["kakeya_sessions_open"] == open_before
     assert (turns["cache_len"] <= 44).all()
+    # past eviction, so the budget lines the notebook prints below are not true by default
+    grpc = by_arm["grpc_session"]
+    assert grpc["history_len"].iloc[-1] > 44 and grpc["cache_len"].iloc[-1] == 44
+    own = pd.read_csv(run_dir / "turns.csv")
+    assert own["history_len"].max() > 44 and own["cache_len"].max() == 44
     notebook = (run_dir / "notebook.ipynb").read_text()
     assert "the server's sessions never hold more than its budget of 44 entries: True" in notebook
     assert "sink_window never holds more than sink + window = 44 entries: True" in notebook
