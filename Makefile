@@ -14,14 +14,16 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.
 # PYTEST_WORKERS=0 for a single process. The browser tests run in the same pool (their file
 # on one worker): a widget rendered in JupyterLab beside a busy worker once took over two
 # minutes to appear, but every wait of theirs is for a condition, bounded at 10 minutes.
-# The longest files go first (tests/conftest.py), so no worker is left alone with one.
+# The longest files go first (tests/conftest.py), so no worker is left alone with one;
+# `--no-loadscope-reorder` keeps that order (xdist would otherwise sort the files by their
+# number of tests, which sent a one-test file of 80 s out among the last).
 # The compiled kernels are built (once per machine, about a minute on both cores) before
 # pytest starts, not by the first test that needs them while the other worker runs; so is
 # the default model's `--linear auto` choice at the workers' one thread (about 30 s, once
 # per machine: `kakeya-lab models kernels`), which the `default_model` fixture and the
 # test servers run.
 PYTEST_WORKERS ?= 2
-XDIST := -n $(PYTEST_WORKERS) --dist loadfile
+XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # The CPU build of PyTorch, pinned (a bare `torch` from PyPI is a multi-GB CUDA build).
 # pip must be able to see this wheel: a local wheel folder / index in pip's own config, or
 # PyTorch's CPU index, e.g. `make install TORCH_INDEX=https://download.pytorch.org/whl/cpu`.

@@ -119,8 +119,9 @@ def record_tolerance():
 def pytest_collection_modifyitems(config, items):
     """Longest first: the notebooks, then the files with ``slow`` tests, then the rest (each
     group in collection order). Under ``--dist loadfile`` a worker takes the next file when
-    it finishes one, so a long file collected last (notebook 40 was) kept one worker busy
-    for minutes while the other stood idle."""
+    it is nearly done with one, so a long file sent out last kept one worker busy for
+    minutes while the other stood idle. The Makefile passes ``--no-loadscope-reorder``: xdist
+    would otherwise send the files out by their number of tests, most first."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(
         key=lambda item: 0 if item.path.suffix == ".ipynb" else 1 if item.path in slow else 2
