@@ -4,7 +4,8 @@ weight sha256 included), the executed notebook, and its figures sharing one plot
 
 nbval runs the notebooks with ``run_dir=None``; this is the test of their writing branch.
 Notebook 20's run folder is written in ``test_notebook_served``, against a server that test
-starts (the one execution checks both).
+starts (the one execution checks both). Notebook 25 writes nothing of its own: 05_chat's
+run is the case of a notebook without a writing branch.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 # Small enough that the whole file runs in a few minutes on 2 cores (None: tested elsewhere).
 CI_PARAMETERS: dict[str, dict | None] = {
     "05_chat": {"max_new_tokens": 6, "scripted_turns": ["Hi!", "Why?"]},
-    "25_monitor": {"turns": 3, "max_new_tokens": 4, "turn_spacing_s": 0.2, "every_s": 0.5},
+    # No writing branch (no run_dir of its own, like 05_chat, whose run covers that case):
+    # nbval's execution and tests/test_browser.py are its tests.
+    "25_monitor": None,
     "00_quickstart": {"turns": 5, "max_new_tokens": 6, "window": 60},
     "15_mlx_backend": {
         "oracle_tokens": 48,
@@ -88,7 +91,7 @@ def test_notebook_run_folder_identifies_itself(name, results_root):
         index = build_index(results_root)
         assert len(index) >= 1
         return
-    if name in ("05_chat", "25_monitor"):  # demos: the executed notebook is their record
+    if name == "05_chat":  # a demo: the executed notebook is its record
         return
     doc = json.loads((run_dir / "metrics.json").read_text())
     validate_metrics(doc)
