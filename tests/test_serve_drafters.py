@@ -53,10 +53,11 @@ MAX_NEW = 24
 def server(serve, tmp_path_factory) -> Server:
     """A server that loaded two freshly trained named drafters, a feature drafter and a
     LoRA one (``KAKEYA_LAB_DRAFTERS`` set for the training runs and the server process
-    only)."""
-    with drafters_home(tmp_path_factory.mktemp("served-drafters") / "drafters"):
+    only). The two share a work folder: the second reuses the first's capture."""
+    root = tmp_path_factory.mktemp("served-drafters")
+    with drafters_home(root / "drafters"):
         for command in TRAIN:
-            assert main(command) == 0
+            assert main([*command, "--work-dir", str(root / "work")]) == 0
         return serve(
             "--sink", str(SINK), "--window", str(WINDOW), "--draft", CHAIN, "--draft", LORA
         )  # fmt: skip
