@@ -1,6 +1,7 @@
 """``kakeya-lab`` as a user runs it (``python -m kakeya_lab.cli``), in a subprocess watched
 by an exit hook that says whether a model was loaded: any transformers model class module
-(``transformers.models.NAME.modeling_NAME``) imported, which only building a model does.
+(``transformers.models.NAME.modeling_NAME``) imported, which only building a model does;
+and whether torch was imported at all.
 
 This is how the CLI tests show that a check ran *before* the model loaded, without timing
 anything (a busy machine makes a command slower, not different).
@@ -15,6 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "KAKEYA_MODEL_CLASSES="
+TORCH_MARK = "KAKEYA_TORCH_IMPORTED="
 # Runs the CLI as __main__; at exit prints MARK and the model class modules imported.
 _WATCHED = (
     "import atexit, runpy, sys\n"
@@ -22,6 +24,7 @@ _WATCHED = (
     "    found = sorted(m for m in sys.modules if m.startswith('transformers.models.')\n"
     "                   and m.rsplit('.', 1)[-1].startswith('modeling_'))\n"
     f"    print({MARK!r} + ','.join(found), flush=True)\n"
+    f"    print({TORCH_MARK!r} + str('torch' in sys.modules), flush=True)\n"
     "atexit.register(_report)\n"
     "sys.argv[0] = 'kakeya-lab'\n"
     "runpy.run_module('kakeya_lab.cli', run_name='__main__', alter_sys=True)\n"
@@ -30,9 +33,10 @@ _WATCHED = (
 
 def run_watched(
     args: list[str], cwd: str | Path | None = None
-) -> tuple[subprocess.CompletedProcess, list[str]]:
+) -> tuple[subprocess.CompletedProcess, list[str], bool]:
     """Run ``kakeya-lab ARGS`` to its end; return the process (its stdout without the
-    hook's line) and the model class modules it imported (empty: no model was loaded)."""
+    hook's lines), the model class modules it imported (empty: no model was loaded) and
+    whether it imported torch."""
     proc = subprocess.run(
         [sys.executable, "-c", _WATCHED, *args],
         capture_output=True,
@@ -43,7 +47,8 @@ def run_watched(
     )
     lines = proc.stdout.splitlines()
     marks = [ln for ln in lines if ln.startswith(MARK)]
-    assert len(marks) == 1, f"the exit hook did not report: {proc.stdout[-500:]}"
-    proc.stdout = "".join(ln + "\n" for ln in lines if not ln.startswith(MARK))
+    torch = [ln for ln in lines if ln.startswith(TORCH_MARK)]
+    assert len(marks) == len(torch) == 1, f"the exit hook did not report: {proc.stdout[-500:]}"
+    proc.stdout = "".join(ln + "\n" for ln in lines if not ln.startswith((MARK, TORCH_MARK)))
     loaded = [m for m in marks[0].removeprefix(MARK).split(",") if m]
-    return proc, loaded
+    return proc, loaded, torch[0].removeprefix(TORCH_MARK) == "True"

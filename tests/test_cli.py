@@ -215,7 +215,7 @@ def test_misuse_in_process(argv, said, tmp_path, capsys):
 @pytest.mark.parametrize("argv,said", CASES)
 def test_misuse_as_a_subprocess(argv, said, tmp_path):
     args, before = _prepare(tmp_path, argv)
-    proc, loaded = run_watched(args, cwd=tmp_path)
+    proc, loaded, _ = run_watched(args, cwd=tmp_path)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr

@@ -1,7 +1,7 @@
 """``kakeya-lab long-run`` checks a resume against its run folder before the model loads: a
 resume with other settings (the linear kernel included) or a damaged ``checkpoint.json`` is
-one line on stderr, exit 2, the model never imported, and every file of the folder as it
-was (a completed run stays ``completed``).
+one line on stderr, exit 2, neither the model nor torch ever imported (the refusal comes at
+once), and every file of the folder as it was (a completed run stays ``completed``).
 
 Real subprocesses on the default model, as a user runs them, watched for a model load
 (``tests/cli_watch.py``).
@@ -20,7 +20,7 @@ ARGS = ["--arms", "sink_window", "--sink", "4", "--window", "12", "--turns", "2"
 ARGS += ["--max-new-tokens", "2", "--probe-every", "0", "--checkpoint-every", "1", "--quiet"]
 
 
-def _cli(out: Path, *extra: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+def _cli(out: Path, *extra: str) -> tuple[subprocess.CompletedProcess, list[str], bool]:
     return run_watched(["long-run", str(out), *ARGS, *extra])
 
 
@@ -37,7 +37,7 @@ def _edit(path: Path, change) -> None:
 @pytest.mark.slow  # the default model through the CLI, then a subprocess per refused resume
 def test_a_refused_resume_is_refused_before_the_model_loads_and_changes_nothing(tmp_path):
     out = tmp_path / "run"
-    first, _ = _cli(out)
+    first, _, _ = _cli(out)
     assert first.returncode == 0, first.stderr
     checkpoint = out / "checkpoint.json"
     good = checkpoint.read_text()
@@ -59,16 +59,16 @@ def test_a_refused_resume_is_refused_before_the_model_loads_and_changes_nothing(
             damage(checkpoint)
         before = _files(out)
         assert json.loads(before["run.json"])["status"] == "completed"
-        proc, loaded = _cli(out, *extra)
+        proc, loaded, torch = _cli(out, *extra)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2, (name, proc.stderr[-2000:])
         assert len(lines) == 1 and lines[0].startswith("kakeya-lab: error: "), (name, lines)
         assert said in lines[0] and "--force-new" in lines[0], (name, lines[0])
-        assert loaded == [] and proc.stdout == "", (name, loaded, proc.stdout)
+        assert loaded == [] and not torch and proc.stdout == "", (name, loaded, proc.stdout)
         assert _files(out) == before, name  # nothing written: run.json still says completed
     # control: the same command passes the check, loads the model and resumes (nothing left)
     checkpoint.write_text(good)
-    again, loaded = _cli(out)
+    again, loaded, _ = _cli(out)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "transformers.models.llama.modeling_llama" in loaded  # the hook sees a model load
     assert json.loads((out / "run.json").read_text())["status"] == "completed"

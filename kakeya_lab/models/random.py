@@ -16,9 +16,9 @@ from kakeya_lab.models.load import (
     as_torch_dtype,
     describe,
     enable_sink_window,
-    resolve,
 )
 from kakeya_lab.models.registry import DEFAULT_MODEL
+from kakeya_lab.models.resolve import resolve
 
 __all__ = ["tiny_random_model"]
 

@@ -217,7 +217,7 @@ def check_resumable(model: str, settings: LongRunSettings, out: Path) -> None:
     path = out / CHECKPOINT
     if not path.exists():
         return
-    from kakeya_lab.models.load import resolve
+    from kakeya_lab.models.resolve import resolve
 
     found = resolve(model, pull_if_missing=False, progress=False)
     identity = model_identity(found.name, found.weight_sha256, settings.backend, settings.linear)
@@ -379,7 +379,7 @@ def run_served(args: argparse.Namespace) -> int:
             f"{out} holds a run without a checkpoint to resume: use another folder or --force-new"
         )
     check_model(args.model)
-    from kakeya_lab.models.load import resolve
+    from kakeya_lab.models.resolve import resolve
 
     found = resolve(args.model, pull_if_missing=False, progress=False)  # identity, no weights
     try:

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kakeya_lab.chat import ChatTemplate
-from kakeya_lab.session import SessionStore
+
+if TYPE_CHECKING:  # a resume's check reads the probe's settings before torch is imported
+    from kakeya_lab.session import SessionStore
 
 
 @dataclass(frozen=True)

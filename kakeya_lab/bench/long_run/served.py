@@ -316,7 +316,7 @@ def run_served(
     identity = dict(model_identity) if model_identity is not None else None
     tokenizer = None
     if "grpc_session" in settings.served_arms or identity is None:
-        from kakeya_lab.models.load import resolve
+        from kakeya_lab.models.resolve import resolve
 
         found = resolve(served_model, pull_if_missing=False, progress=False)
         if identity is None:
