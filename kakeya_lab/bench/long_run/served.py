@@ -239,14 +239,16 @@ def served_endpoints(
     sink: int,
     window: int,
     backend: str = "torch",
+    linear: str | None = None,
     timeout_s: float = 300.0,
 ) -> Iterator[Endpoints | None]:
     """The server a long run drives, for as long as the ``with`` block runs.
 
     ``endpoint`` empty: ``None`` (no served arms). ``"serve"``: a ``kakeya-lab serve`` of
-    ``model`` with a ``sink`` + ``window`` cache on ``backend``, started on free loopback
-    ports (ready within ``timeout_s``) and stopped (SIGTERM) when the block ends. Otherwise
-    the addresses of a running server (:func:`endpoint_values`, :func:`parse_endpoints`;
+    ``model`` with a ``sink`` + ``window`` cache on ``backend`` (a torch server's linear
+    kernel ``linear``, None: the server's default), started on free loopback ports (ready
+    within ``timeout_s``) and stopped (SIGTERM) when the block ends. Otherwise the
+    addresses of a running server (:func:`endpoint_values`, :func:`parse_endpoints`;
     ValueError saying what to write)."""
     values = endpoint_values(endpoint)
     if not values:
@@ -257,8 +259,9 @@ def served_endpoints(
         return
     from kakeya_lab.serve.process import start_server
 
+    kernel = ["--linear", linear] if linear is not None and backend == "torch" else []
     server = start_server(
-        "--sink", str(sink), "--window", str(window), "--backend", backend,
+        "--sink", str(sink), "--window", str(window), "--backend", backend, *kernel,
         model=model, timeout_s=timeout_s,
     )  # fmt: skip
     try:
