@@ -55,7 +55,7 @@ def _looks_like_hub_id(s: str) -> bool:
 @dataclass(frozen=True)
 class ResolvedFolder:
     """A model folder found offline: ``folder``, display ``name``, ``source`` (see
-    :class:`ModelDescription`) and the ``weight_sha256`` of its safetensors files (the
+    :class:`~kakeya_lab.models.load.ModelDescription`) and the ``weight_sha256`` of its safetensors files (the
     manifest's, verified, for folders with a manifest; computed otherwise)."""
 
     folder: Path
