@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import nbformat
+from nbformat.v4.rwbase import rejoin_lines
 
 KERNEL_NAME = "kakeya_lab"
 KERNELSPEC = {"display_name": KERNEL_NAME, "language": "python", "name": KERNEL_NAME}
@@ -80,7 +81,10 @@ def jupyterlab_text(notebook: dict | nbformat.NotebookNode, *, set_kernel: bool 
         data.setdefault("metadata", {})["kernelspec"] = dict(KERNELSPEC)
         data["metadata"].pop("widgets", None)
         drop_plotly_js_bundles(data)
-    text = nbformat.writes(nbformat.from_dict(data), version=nbformat.NO_CONVERT)
+    # the browser holds each text as one string: the save splits it again, so a stored list
+    # with another split (a trailing "" after a final newline) comes back changed
+    node = rejoin_lines(nbformat.from_dict(data))
+    text = nbformat.writes(node, version=nbformat.NO_CONVERT)
     return text if text.endswith("\n") else text + "\n"
 
 

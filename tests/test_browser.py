@@ -280,11 +280,18 @@ def _run_cell(page, index: int) -> None:
     raise AssertionError(f"cell {index} never started running ({RUN_TRIES} presses)")
 
 
+# A cell's exception: JupyterLab 4 draws a traceback as stderr text (no "error" mime type, so
+# a selector for one waited out its whole bound when a cell raised)
+RAISED = (
+    ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']:has-text('Traceback')"
+)
+
+
 def _wait_for_panel_or_error(page) -> None:
-    """Until the chat panel is drawn, failing at once if the cell raised instead."""
-    page.wait_for_selector(".kl-chat-panel, .jp-OutputArea-output[data-mime-type*='error']")
-    errors = page.locator(".jp-OutputArea-output[data-mime-type*='error']")
-    assert not errors.count(), f"the panel cell failed: {errors.first.inner_text()[-2000:]}"
+    """Until the chat panel is drawn, failing at once if a cell raised instead."""
+    page.wait_for_selector(f".kl-chat-panel, {RAISED}")
+    errors = page.locator(RAISED)
+    assert not errors.count(), f"a cell raised: {errors.first.inner_text()[-2000:]}"
 
 
 def _start_panel(page) -> None:

@@ -91,6 +91,22 @@ def test_is_stored_as_jupyterlab_saves_it(notebook):
     assert "widgets" not in nb["metadata"], "frozen widget state committed"
 
 
+def test_a_text_is_split_as_the_save_splits_it():
+    """A stored list ending in "" after a final newline (an editor's split, not nbformat's)
+    is not what JupyterLab saves: it comes back without the "" (20_long_run once did)."""
+    nb = {
+        "cells": [
+            {"cell_type": "markdown", "metadata": {}, "source": ["# t\n", "\n", "last\n", ""]}
+        ],
+        "metadata": {},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    nb["cells"][0]["id"] = "t"
+    saved = json.loads(jupyterlab_text(nb))
+    assert saved["cells"][0]["source"] == ["# t\n", "\n", "last\n"]
+
+
 def test_has_a_parameters_cell_and_ends_with_a_conclusion(notebook):
     path, _, nb = notebook
     tagged = [c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", [])]
