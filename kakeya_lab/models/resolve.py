@@ -55,8 +55,9 @@ def _looks_like_hub_id(s: str) -> bool:
 @dataclass(frozen=True)
 class ResolvedFolder:
     """A model folder found offline: ``folder``, display ``name``, ``source`` (see
-    :class:`~kakeya_lab.models.load.ModelDescription`) and the ``weight_sha256`` of its safetensors files (the
-    manifest's, verified, for folders with a manifest; computed otherwise)."""
+    :class:`~kakeya_lab.models.load.ModelDescription`) and the ``weight_sha256`` of its
+    safetensors files (the manifest's, verified, for folders with a manifest; computed
+    otherwise)."""
 
     folder: Path
     name: str
