@@ -96,13 +96,17 @@ def test_a_text_is_split_as_the_save_splits_it():
     is not what JupyterLab saves: it comes back without the "" (20_long_run once did)."""
     nb = {
         "cells": [
-            {"cell_type": "markdown", "metadata": {}, "source": ["# t\n", "\n", "last\n", ""]}
+            {
+                "cell_type": "markdown",
+                "id": "t",
+                "metadata": {},
+                "source": ["# t\n", "\n", "last\n", ""],
+            }
         ],
         "metadata": {},
         "nbformat": 4,
         "nbformat_minor": 5,
     }
-    nb["cells"][0]["id"] = "t"
     saved = json.loads(jupyterlab_text(nb))
     assert saved["cells"][0]["source"] == ["# t\n", "\n", "last\n"]
 
