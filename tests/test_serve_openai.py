@@ -12,6 +12,7 @@ other test's sessions can take its slots.
 from __future__ import annotations
 
 import json
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="needs the serve extra")
 httpx = pytest.importorskip("httpx", reason="needs the serve extra")
+h11 = pytest.importorskip("h11", reason="needs the serve extra (uvicorn's HTTP/1.1)")
 
 from conftest import Server  # noqa: E402
 
@@ -207,10 +209,59 @@ def test_long_prompt_is_refused_before_it_is_all_tokenized(server, http):
 # ------------------------------------------------------------------- cancellation
 
 
+def _stream_then_hang_up(http_base: str, body: dict, k: int) -> list[str]:
+    """POST a streamed completion over a raw socket; after ``k`` content chunks, shut the
+    sending side (the server sees the client leave) and read on until the server closes.
+    Returns the text of every content chunk that arrived: all the server wrote before it
+    saw the close (a client that closes outright cannot know what crossed its close)."""
+    host, port = http_base.removeprefix("http://").rsplit(":", 1)
+    payload = json.dumps(body).encode()
+    conn = h11.Connection(h11.CLIENT)
+    request = h11.Request(
+        method="POST",
+        target="/v1/chat/completions",
+        headers=[
+            ("Host", f"{host}:{port}"),
+            ("Content-Type", "application/json"),
+            ("Content-Length", str(len(payload))),
+        ],
+    )
+    received: list[str] = []
+    buffer, half_closed = "", False
+    with socket.create_connection((host, int(port)), timeout=120) as sock:
+        sock.sendall(conn.send(request) + conn.send(h11.Data(data=payload)))
+        sock.sendall(conn.send(h11.EndOfMessage()))
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError:  # closed mid-body, as it should
+                break
+            if event is h11.NEED_DATA:
+                conn.receive_data(sock.recv(65536))
+                continue
+            if isinstance(event, h11.Response):
+                assert event.status_code == 200, event
+            elif isinstance(event, h11.Data):
+                buffer += event.data.decode()
+                *events, buffer = buffer.split("\n\n")
+                for sse in events:
+                    if sse.startswith("data: {"):
+                        delta = json.loads(sse[6:])["choices"][0]["delta"].get("content")
+                        if delta:
+                            received.append(delta)
+                if len(received) >= k and not half_closed:
+                    sock.shutdown(socket.SHUT_WR)
+                    half_closed = True
+            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                raise AssertionError(f"the whole reply came ({len(received)} chunks)")
+    return received
+
+
 @slow
 def test_cancelled_stream_keeps_exactly_the_tokens_sent(server, http, default_model):
-    """A client that disconnects after k content chunks: the session holds the prompt plus
-    exactly the k tokens whose text it was sent, for several k."""
+    """A client that hangs up after k content chunks, for several k: the session holds the
+    prompt plus exactly the tokens whose text the server sent before it saw the client
+    leave (the client reads on after shutting its side, so it receives all of them)."""
     for k in (1, 2, 4, 7):
         sid = http.post("/v1/sessions").json()["session_id"]
         cancelled = server.cancelled_streams()
@@ -220,20 +271,12 @@ def test_cancelled_stream_keeps_exactly_the_tokens_sent(server, http, default_mo
             "stream": True,
             "session_id": sid,
         }
-        received, prompt_tokens = [], None
-        with http.stream("POST", "/v1/chat/completions", json=body) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: {"):
-                    delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
-                    if delta:
-                        received.append(delta)
-                if len(received) == k:
-                    break  # leaving the block closes the connection
+        received = _stream_then_hang_up(server.http_base, body, k)
         server.wait_cancelled(cancelled)
         info = http.get(f"/v1/sessions/{sid}").json()
-        prompt_tokens = info["appended_tokens"]
-        tail = info["history"][prompt_tokens:]
-        assert info["generated_tokens"] == len(tail) == k, (k, received, tail)
+        tail = info["history"][info["appended_tokens"] :]
+        assert k <= len(received) < 200, (k, received)
+        assert info["generated_tokens"] == len(tail) == len(received), (k, received, tail)
         assert default_model.tokenizer.decode(tail) == "".join(received)
         assert http.delete(f"/v1/sessions/{sid}").status_code == 200
 

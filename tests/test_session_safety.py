@@ -1,7 +1,8 @@
 """Session runtime safety on the real default model, past eviction (sink 4, window 60).
 
 A stream commits exactly the tokens it delivered (stop by break, close(), garbage
-collection, at any event kind, plain and speculative, greedy and sampled); locks are per
+collection, at any event kind, plain and speculative, greedy and sampled), less a last one
+its consumer retracts; locks are per
 session and never held across a yield; one generation at a time per session; append is
 all-or-nothing under an interrupt; close / LRU eviction / idle expiry of a streaming
 session end its stream with SessionClosed.
@@ -20,6 +21,7 @@ from kakeya_lab import SinkWindowConfig
 from kakeya_lab.proposers import DraftModelProposer, EarlyExitProposer, NgramProposer
 from kakeya_lab.sampling import SamplingConfig
 from kakeya_lab.session import (
+    ChatTurn,
     Done,
     HistoryTruncated,
     SessionBusy,
@@ -157,6 +159,53 @@ def test_stop_at_a_non_token_event_keeps_only_delivered_tokens(default_model, te
     assert diff <= LOGIT_TOL
     assert _greedy_reply(store, sid, 12) == _greedy_reply(clean, cid, 12)
     assert store.verifier(sid).history_len > CONFIG.budget
+
+
+RETRACTS = [
+    ("plain-greedy", "close"),
+    ("early-exit-greedy", "close"),
+    ("plain-sampled", "resume"),
+    ("early-exit-sampled", "resume"),
+]
+
+
+@pytest.mark.parametrize(("kind", "then"), RETRACTS)
+@pytest.mark.slow
+def test_a_retracted_token_is_not_kept(default_model, prompt, kind, then):
+    """A consumer that could not pass the third token on retracts it (through the chat
+    turn, as a server does). Closed then, the session keeps the first two and equals a clean
+    session of them; resumed, the next event offers the same token again and the reply is
+    the one no retraction made."""
+    store = _store(default_model)
+
+    def reply(retract_at: int | None) -> tuple[str, list[int]]:
+        sid = store.create()
+        store.append(sid, prompt)
+        stream = store.generate(sid, 6, draft_length=4, **_options(kind, default_model))
+        turn = ChatTurn(stream, None, store.eos_token_ids)
+        assert not turn.retract()  # nothing handed out yet
+        got = []
+        for event in turn:
+            if isinstance(event, Token):
+                got.append(event.id)
+                if len(got) == retract_at:
+                    assert turn.retract() and not turn.retract()
+                    assert turn.token_ids == got[:-1]
+                    got.pop()
+                    retract_at = None
+                    if then == "close":
+                        turn.close()
+        assert turn.token_ids == got
+        return sid, got
+
+    sid, got = reply(3)
+    assert store.verifier(sid).history_token_ids == prompt + got
+    if then == "close":
+        assert len(got) == 2 and store.info(sid).generated_tokens == 2
+        _assert_same_as_clean(default_model, store, sid, prompt + got)
+    else:
+        assert got == reply(None)[1]
+        assert store.info(sid).generated_tokens == len(got) == 6
 
 
 def test_garbage_collected_and_unstarted_streams_are_clean(default_model, prompt):

@@ -194,7 +194,9 @@ def create_app(
         except Exception as exc:
             served.detach(att.session, close=http_handlers.stateless(req))
             return fail(exc)
-        chunks = http_handlers.stream_chunks(served, req, att, events, cancel, t0)
+        chunks = http_handlers.stream_chunks(
+            served, req, att, events, cancel, request.is_disconnected, t0
+        )
         return StreamingResponse(chunks, media_type="text/event-stream")
 
     app.add_middleware(

@@ -2,7 +2,10 @@
 streamed as server-sent events (:mod:`kakeya_lab.serve.http_app` wires them to FastAPI).
 
 A client that disconnects mid-stream stops generation; its session keeps exactly the
-tokens sent (a token computed while the client left is not committed). A client that
+tokens sent: each token whose text was written to the connection before the server saw the
+client leave (and one whose text was held back then, a possible start of a stop string or of
+a multi-byte character). A token computed, or written, once the server has seen it leave is
+not kept. A client that
 disconnects during a non-streaming request stops it too (polled every
 ``DISCONNECT_POLL_S``): generation ends before the next token and the session keeps the
 tokens committed until then. The session is released before the reply's end is sent
@@ -17,7 +20,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
@@ -36,7 +39,13 @@ from kakeya_lab.serve.openai_protocol import (
     finish_reason,
     usage,
 )
-from kakeya_lab.serve.sessions import ANONYMOUS, Attached, GenerateOptions, ServedSessions
+from kakeya_lab.serve.sessions import (
+    ANONYMOUS,
+    Attached,
+    GenerateOptions,
+    ServedSessions,
+    ServedStream,
+)
 from kakeya_lab.serve.stop_strings import StopMatcher
 from kakeya_lab.session import Done, Event, StreamingDetokenizer, Token
 
@@ -160,8 +169,9 @@ async def stream_chunks(
     served: ServedSessions,
     req: ChatCompletionRequest,
     att: Attached,
-    events: Iterator[Event],
+    events: ServedStream,
     cancel: threading.Event,
+    disconnected: Callable[[], Awaitable[bool]],
     t0: float,
 ) -> AsyncIterator[str]:
     """The server-sent events of a streamed completion of ``events`` (what
@@ -169,19 +179,23 @@ async def stream_chunks(
     in-band; ``cancel`` is set and the session released on every exit. When the reply
     ends normally the session is released *before* the last chunk and ``[DONE]`` are
     sent, so a client may send its next turn the moment it reads ``[DONE]``. Text that
-    may be the start of a stop string is held back until it is clear; ``t0`` is when the
-    request arrived."""
+    may be the start of a stop string is held back until it is clear. ``disconnected``
+    says whether the server has seen the client leave (``Request.is_disconnected``): a
+    token whose chunk was written after that is retracted. ``t0`` is when the request
+    arrived."""
     base = response_base(served, att)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Event | _StreamEnd] = asyncio.Queue()
     # One engine thread per stream pulls the events and hands each to the event loop.
-    # It pulls the next event only once the previous one has been handed to the
-    # transport (one credit), so a client that leaves takes with it the session's
-    # every delivered token and nothing more; ``cancel`` stops it before the next.
+    # It pulls the next event only once the previous one has been written (one credit),
+    # so a client that leaves takes with it the session's every sent token and nothing
+    # more: ``cancel`` stops the thread before the next, and a token it took that was
+    # never sent is retracted (``handoff``).
     credit = threading.Semaphore(1)
+    handoff = _Handoff()
     producer = threading.Thread(
         target=_produce,
-        args=(events, loop, queue, credit, cancel),
+        args=(events, loop, queue, credit, cancel, handoff),
         name="sse-stream",
         daemon=True,
     )
@@ -210,6 +224,12 @@ async def stream_chunks(
                 delta = matcher.feed(detok.add(event.id))
                 if delta:
                     yield _sse(chunk_body(base, {"content": delta}))
+                    # The transport drops, silently, what it is given once it has read the
+                    # client's close; one loop turn lets that close land before we ask.
+                    await anyio.lowlevel.checkpoint()
+                    if await disconnected():
+                        return  # not sent: the engine thread retracts the token
+                handoff.sent += 1
                 if matcher.stopped:
                     cancel.set()  # a stop string: the engine ends before the next token
             elif isinstance(event, Done):
@@ -242,9 +262,7 @@ async def stream_chunks(
             if producer.is_alive():
                 await anyio.to_thread.run_sync(producer.join)
             elif producer.ident is None:  # never started
-                close = getattr(events, "close", None)
-                if close is not None:
-                    await anyio.to_thread.run_sync(close)
+                await anyio.to_thread.run_sync(events.close)
             await release()
         served.metrics.request_latency.labels("http:chat_stream").observe(time.perf_counter() - t0)
 
@@ -258,6 +276,15 @@ def _sse(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
+@dataclass
+class _Handoff:
+    """Tokens of one stream: ``taken`` from it by the engine thread, ``sent`` by the writer
+    (written while the client was there, or held back). The credit orders their updates."""
+
+    taken: int = 0
+    sent: int = 0
+
+
 @dataclass(frozen=True)
 class _StreamEnd:
     """The engine thread's last item: the stream ended (``error``: how, if it failed)."""
@@ -266,16 +293,18 @@ class _StreamEnd:
 
 
 def _produce(
-    events: Iterator[Event],
+    events: ServedStream,
     loop: asyncio.AbstractEventLoop,
     queue: asyncio.Queue,
     credit: threading.Semaphore,
     cancel: threading.Event,
+    handoff: _Handoff,
 ) -> None:
     """Run in a stream's engine thread: pull each event once ``credit`` allows (the
     consumer releases it after handing the previous one on) and hand it to ``queue`` on
     ``loop``, until the stream ends or ``cancel`` is set; then a :class:`_StreamEnd`. The
-    generator is closed here, in the thread that ran it."""
+    stream is closed here, in the thread that ran it, after retracting a token the
+    consumer took no further (``handoff``)."""
 
     def put(item: object) -> None:
         try:
@@ -294,13 +323,17 @@ def _produce(
                 event = next(it)
             except StopIteration:
                 break
+            if isinstance(event, Token):
+                handoff.taken += 1
             put(event)
     except Exception as exc:
         end = _StreamEnd(exc)
     finally:
         try:
-            close: Callable[[], None] | None = getattr(events, "close", None)
-            if close is not None:
-                close()
+            # Only the last token can be unsent: the next is pulled once it was written.
+            # Read once the writer is done with it (it set ``cancel``, then the credit).
+            if handoff.taken > handoff.sent:
+                events.retract()
+            events.close()
         finally:
             put(end)

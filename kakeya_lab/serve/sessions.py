@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -156,6 +156,38 @@ class Attached:
     prompt_tokens: int
     appended: AppendResult | None
     queued_s: float
+
+
+class ServedStream(Iterator[Event]):
+    """The events of one served generation (what :meth:`ServedSessions.generate` returns).
+
+    Iterate it and ``close()`` it (also a context manager): the session keeps exactly the
+    tokens ``next()`` returned, less a last one a front end retracts (:meth:`retract`)
+    because its client never got it.
+    """
+
+    def __init__(self, events: Generator[Event, None, None], turn: ChatTurn):
+        self._events = events
+        self._turn = turn
+
+    def __next__(self) -> Event:
+        return next(self._events)
+
+    def retract(self) -> bool:
+        """The last token ``next()`` returned could not be sent (the client had left): the
+        session will not keep it. Call it before ``close()``; returns whether there was one
+        (:meth:`kakeya_lab.session.GenerationStream.retract`)."""
+        return self._turn.retract()
+
+    def close(self) -> None:
+        """End the generation; the session settles (idempotent)."""
+        self._events.close()
+
+    def __enter__(self) -> ServedStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class ServedSessions:
@@ -645,14 +677,15 @@ class ServedSessions:
         options: GenerateOptions,
         cancelled: Callable[[], bool] = lambda: False,
         owner: str | None = None,
-    ) -> Generator[Event, None, None]:
+    ) -> ServedStream:
         """The session's events for one generation (arguments checked before the first event).
 
         Stops before computing the next token once ``cancelled()`` is true (and before
         delivering a token computed meanwhile); raises
         :class:`ServerShuttingDown` between tokens when the server stops. On every exit the
-        store stream is closed: the session keeps exactly the tokens yielded here; a text
-        session's chat template records them as the assistant reply.
+        store stream is closed: the session keeps exactly the tokens the stream returned
+        (less a retracted last one); a text session's chat template records them as the
+        assistant reply.
         """
         self.check_running()
         self.check_options(options)
@@ -669,7 +702,7 @@ class ServedSessions:
             cancelled=cancelled,  # also between computing a token and delivering it
         )
         turn = ChatTurn(stream, served.chat, self.store.eos_token_ids)
-        return self._events(served, turn, cancelled)
+        return ServedStream(self._events(served, turn, cancelled), turn)
 
     def _events(
         self, served: ServedSession, turn: ChatTurn, cancelled: Callable[[], bool]

@@ -13,7 +13,10 @@ it). The token counts as received when ``next()`` returns it, and as not receive
 records only that fact, with one attribute store at the start of its exception handler
 (no interrupt can be raised before it); the token is delivered to the decoder (committed)
 at the stream's next ``next()``/``close()``/end, with SIGINT deferred, unless that record
-says it was lost. So a token is committed iff ``next()`` returned it.
+says it was lost. So a token is committed iff ``next()`` returned it, unless the consumer
+retracts it (:meth:`~GenerationStream.retract`) before the stream moves on: a consumer that passes
+tokens on (a server writing them to a connection) learns only later whether the last one
+reached its own consumer.
 """
 
 from __future__ import annotations
@@ -97,6 +100,17 @@ class GenerationStream(Iterator[Event]):
                 if self._handed and self._handed != self._lost:
                     self.token_ids.append(self._deliver())
                 self._handed = 0
+
+    def retract(self) -> bool:
+        """The token the last ``next()`` returned did not reach the consumer's own consumer
+        after all (a server could not send it): it is not delivered. Call it before the
+        next ``next()`` or ``close()``; the next ``next()`` offers that token again. Returns
+        whether there was such a token (False after any other event or a second call)."""
+        with self._session.lock:
+            if not self._handed or self._handed == self._lost:
+                return False
+            self._lost = self._handed
+            return True
 
     def close(self) -> None:
         """Stop the stream; keep exactly the delivered tokens. Idempotent."""

@@ -101,6 +101,14 @@ class ChatTurn(Iterator[Event]):
             self.close()
             raise
 
+    def retract(self) -> bool:
+        """The last token ``next()`` returned never reached its reader: the session does not
+        keep it (:meth:`GenerationStream.retract`). Returns whether there was one."""
+        if self._closed or not self.stream.retract():
+            return False
+        self.token_ids.pop()
+        return True
+
     def close(self) -> None:
         """Close the stream and record the delivered tokens in the template. Idempotent."""
         if self._closed:
