@@ -135,6 +135,7 @@ def lab(tmp_path_factory):
         f"--port={port}",
         f"--IdentityProvider.token={token}",
         f"--ServerApp.root_dir={root}",
+        "--LabApp.expose_app_in_browser=True",  # window.jupyterapp: run a cell by its index
     ]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         args.append("--allow-root")
@@ -249,35 +250,66 @@ def _wait_kernel_idle(page) -> None:
 
 
 RUN_TRIES = 10
-RETRY_S = 30  # a press the notebook has not taken by then was lost: press again
+RETRY_S = 30  # a run request the notebook has not taken by then was lost: run again
 
 
 def _run_cell(page, index: int) -> None:
-    """Run cell ``index`` (Shift+Enter in its focused editor) and wait until the notebook
-    took it: its prompt shows ``[*]`` or a number. JupyterLab can drop a run request made
-    while the kernel connection is still settling (the press moves the selection but
-    nothing runs), and a kernel dialog can swallow it; the cell is run again only while its
-    prompt still shows nothing, so it never runs twice."""
+    """Run cell ``index`` and wait until this kernel has run it: its prompt shows a number.
+
+    The committed notebook's prompts already show numbers, so the cell's is cleared first;
+    then the cell is made the only selected one and JupyterLab's own run command executed
+    (a Shift+Enter follows the notebook's active cell, which could still be another one
+    while the click that focused its editor settled, and ran that one). JupyterLab can drop
+    a request made while the kernel connection is still settling, and a kernel dialog can
+    swallow one: the prompt then stays blank, or shows ``[*]`` and turns blank again, and
+    nothing ran; only then is the cell run again, so it never runs twice."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
-    taken = (
-        "i => { const c = document.querySelectorAll('.jp-Notebook .jp-Cell')[i];"
-        " const p = c && c.querySelector('.jp-InputPrompt');"
-        r" return !!p && /\[(\*|\d+)\]/.test(p.textContent) }"
-    )
+    page.wait_for_function(NOTEBOOK_READY, arg=index)
     for _ in range(RUN_TRIES):
         _accept_kernel_dialog(page)
-        cell.locator(".jp-InputArea-editor").click()
-        cell.locator(".cm-editor.cm-focused").wait_for()  # the keys go to this cell
-        page.keyboard.press("Shift+Enter")
+        page.evaluate(RUN_CELL, index)
         try:
-            page.wait_for_function(taken, arg=index, timeout=RETRY_S * 1000)
-            return
+            page.wait_for_function(
+                f"i => ({CELL_STATE})(i) !== 'blank'", arg=index, timeout=RETRY_S * 1000
+            )
         except PlaywrightTimeout:
-            if page.evaluate(f"({taken})({index})"):  # taken just now
-                return
-    raise AssertionError(f"cell {index} never started running ({RUN_TRIES} presses)")
+            if page.evaluate(CELL_STATE, index) == "blank":
+                continue  # never taken: run it again
+        page.wait_for_function(f"i => ({CELL_STATE})(i) !== 'running'", arg=index)
+        if page.evaluate(CELL_STATE, index) == "done":
+            return
+    raise AssertionError(f"cell {index} never ran ({RUN_TRIES} tries)")
+
+
+# The open notebook (the page holds only it), through the app JupyterLab exposes.
+NOTEBOOK = (
+    "const app = window.jupyterapp;"
+    " const panel = Array.from(app.shell.widgets('main')).find(w => w.sessionContext);"
+    " const notebook = panel.content;"
+)
+# The notebook's model is loaded and has a cell i (its first cells are drawn before that).
+NOTEBOOK_READY = (
+    "i => { const app = window.jupyterapp;"
+    " const panel = app && Array.from(app.shell.widgets('main')).find(w => w.sessionContext);"
+    " return !!panel && panel.context.isReady && panel.content.widgets.length > i }"
+)
+# Cell i's prompt: "done" ([N]), "running" ([*]: running or queued) or "blank". Read from
+# the cell's widget: the notebook may have detached the node of a cell out of view.
+CELL_STATE = (
+    f"i => {{ {NOTEBOOK}"
+    " const p = notebook.widgets[i].node.querySelector('.jp-InputPrompt').textContent;"
+    r" return /\[\d+\]/.test(p) ? 'done' : /\[\*\]/.test(p) ? 'running' : 'blank' }"
+)
+# Clear cell i's prompt, select it alone and run it (not awaited: a cell may run long).
+RUN_CELL = (
+    f"i => {{ {NOTEBOOK}"
+    " app.shell.activateById(panel.id);"
+    " notebook.widgets[i].model.executionCount = null;"
+    " notebook.activeCellIndex = i;"
+    " notebook.deselectAll();"
+    " void app.commands.execute('notebook:run-cell') }"
+)
 
 
 # A cell's exception: JupyterLab 4 draws a traceback as stderr text (no "error" mime type, so
@@ -320,7 +352,7 @@ def _ask_kernel(page, expression: str, marker: str) -> object:
     page.keyboard.press("b")  # a new code cell below, selected
     cells.nth(last + 1).locator(".jp-InputArea-editor").click()
     page.keyboard.insert_text(f"import json\nprint({marker!r} + json.dumps({expression}))")
-    page.keyboard.press("Shift+Enter")
+    _run_cell(page, last + 1)
     out = page.locator(".jp-OutputArea-output pre", has_text=marker).first
     out.wait_for()
     return json.loads(out.inner_text().split(marker, 1)[1].strip())
@@ -374,7 +406,7 @@ def test_chat_panel_streams_and_stop_leaves_the_session_holding_the_text_shown(
             "print('SESSION=' + json.dumps({'tokens': len(held), "
             "'text': panel.chat.tokenizer.decode(held, skip_special_tokens=True)}))"
         )
-        page.keyboard.press("Shift+Enter")
+        _run_cell(page, 4)
         out = page.locator(".jp-OutputArea-output pre", has_text="SESSION=").first
         out.wait_for()
         session = json.loads(out.inner_text().split("SESSION=", 1)[1].strip())

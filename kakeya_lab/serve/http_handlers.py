@@ -3,12 +3,11 @@ streamed as server-sent events (:mod:`kakeya_lab.serve.http_app` wires them to F
 
 A client that disconnects mid-stream stops generation; its session keeps exactly the
 tokens sent: each token whose text was written to the connection before the server saw the
-client leave (and one whose text was held back then, a possible start of a stop string or of
-a multi-byte character). A token computed, or written, once the server has seen it leave is
-not kept. A client that
-disconnects during a non-streaming request stops it too (polled every
-``DISCONNECT_POLL_S``): generation ends before the next token and the session keeps the
-tokens committed until then. The session is released before the reply's end is sent
+client leave (and those whose text was held back then, a possible start of a stop string or
+of a multi-byte character). A token computed, or written, once the server has seen it leave
+is not kept. A client that disconnects during a non-streaming request stops it too (polled
+every ``DISCONNECT_POLL_S``): generation ends before the next token and the session keeps
+the tokens committed until then. The session is released before the reply's end is sent
 (the last chunk and ``[DONE]``, or the whole body), so a client's next turn finds it free.
 ``stop`` strings are matched on the detokenized text (:mod:`kakeya_lab.serve.stop_strings`).
 """
