@@ -20,8 +20,9 @@ eviction follows the store's least-recently-used order.
   matched), so only the new tokens are prefilled;
 * :meth:`ServedSessions.generate` — the store's stream with cancellation, shutdown and
   metrics, through the one chat-turn loop (:class:`~kakeya_lab.session.turn.ChatTurn`): it
-  closes the store stream on every exit, so the session keeps exactly the tokens this
-  generator yielded, and a text session's template records them as the reply;
+  closes the store stream on every exit, so the session keeps exactly the tokens its
+  stream returned (less a last one the front end retracts: its client never got it), and a
+  text session's template records them as the reply;
 * proposers (:mod:`kakeya_lab.serve.served_proposers`): the model-free kinds, built per
   request, and the draft models loaded at startup, whose per-session proposer (its own
   draft cache over the shared weights) is built when the session first names it and freed

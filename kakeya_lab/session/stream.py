@@ -14,9 +14,9 @@ records only that fact, with one attribute store at the start of its exception h
 (no interrupt can be raised before it); the token is delivered to the decoder (committed)
 at the stream's next ``next()``/``close()``/end, with SIGINT deferred, unless that record
 says it was lost. So a token is committed iff ``next()`` returned it, unless the consumer
-retracts it (:meth:`~GenerationStream.retract`) before the stream moves on: a consumer that passes
-tokens on (a server writing them to a connection) learns only later whether the last one
-reached its own consumer.
+retracts it (:meth:`~GenerationStream.retract`) before the stream moves on: a consumer
+that passes tokens on (a server writing them to a connection) learns only later whether
+the last one reached its own consumer.
 """
 
 from __future__ import annotations
