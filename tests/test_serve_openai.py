@@ -261,10 +261,12 @@ def _stream_then_hang_up(http_base: str, body: dict, k: int) -> list[str]:
 def test_cancelled_stream_keeps_exactly_the_tokens_sent(server, http, default_model):
     """A client that hangs up after k content chunks, for several k: the session holds the
     prompt plus exactly the tokens whose text the server sent before it saw the client
-    leave (the client reads on after shutting its side, so it receives all of them)."""
+    leave (the client reads on after shutting its side, so it receives all of them); the
+    server's generated-tokens metric counts exactly those tokens (not one it took back)."""
     for k in (1, 2, 4, 7):
         sid = http.post("/v1/sessions").json()["session_id"]
         cancelled = server.cancelled_streams()
+        counted = server.metrics()["kakeya_generated_tokens_total"]
         body = {
             "messages": [{"role": "user", "content": STORY}],
             "max_tokens": 200,
@@ -278,6 +280,7 @@ def test_cancelled_stream_keeps_exactly_the_tokens_sent(server, http, default_mo
         assert k <= len(received) < 200, (k, received)
         assert info["generated_tokens"] == len(tail) == len(received), (k, received, tail)
         assert default_model.tokenizer.decode(tail) == "".join(received)
+        assert server.metrics()["kakeya_generated_tokens_total"] - counted == len(tail)
         assert http.delete(f"/v1/sessions/{sid}").status_code == 200
 
 

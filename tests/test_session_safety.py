@@ -2,7 +2,7 @@
 
 A stream commits exactly the tokens it delivered (stop by break, close(), garbage
 collection, at any event kind, plain and speculative, greedy and sampled), less a last one
-its consumer retracts; locks are per
+its consumer retracts (and the served metric never counts that one); locks are per
 session and never held across a yield; one generation at a time per session; append is
 all-or-nothing under an interrupt; close / LRU eviction / idle expiry of a streaming
 session end its stream with SessionClosed.
@@ -20,6 +20,8 @@ import torch
 from kakeya_lab import SinkWindowConfig
 from kakeya_lab.proposers import DraftModelProposer, EarlyExitProposer, NgramProposer
 from kakeya_lab.sampling import SamplingConfig
+from kakeya_lab.serve.admission import Admission
+from kakeya_lab.serve.sessions import GenerateOptions, ServedSessions
 from kakeya_lab.session import (
     ChatTurn,
     Done,
@@ -206,6 +208,29 @@ def test_a_retracted_token_is_not_kept(default_model, prompt, kind, then):
     else:
         assert got == reply(None)[1]
         assert store.info(sid).generated_tokens == len(got) == 6
+
+
+@pytest.mark.parametrize("then", ["close", "resume"])
+def test_the_served_token_metric_counts_only_kept_tokens(default_model, prompt, then):
+    """Through the serving layer, as the HTTP front end retracts a token its client never
+    got: the generated-tokens metric equals what the session kept, never one more."""
+    served = ServedSessions(
+        _store(default_model), default_model.tokenizer, Admission("reject", 0.0)
+    )
+    session, _ = served.create(origin="http")
+    served.append_ids(session.id, prompt)
+    options = GenerateOptions(max_new_tokens=5, allow_no_stop=True)
+    with served.generate(session.id, options) as stream:
+        for _ in range(3):
+            assert isinstance(next(stream), Token)
+        assert stream.retract()
+        if then == "resume":
+            events = list(stream)
+    kept = served.info(session.id)["generated_tokens"]
+    assert kept == (2 if then == "close" else 5)
+    if then == "resume":
+        assert sum(isinstance(e, Token) for e in events) == 3 and isinstance(events[-1], Done)
+    assert served.metrics.registry.get_sample_value("kakeya_generated_tokens_total") == kept
 
 
 def test_garbage_collected_and_unstarted_streams_are_clean(default_model, prompt):

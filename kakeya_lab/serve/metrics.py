@@ -65,7 +65,9 @@ class ServeMetrics:
             "kakeya_appended_tokens_total", "Tokens prefilled by appends", registry=r
         )
         self.generated_tokens = Counter(
-            "kakeya_generated_tokens_total", "Tokens delivered by generation streams", registry=r
+            "kakeya_generated_tokens_total",
+            "Tokens delivered by generation streams (and kept: a retracted one never counts)",
+            registry=r,
         )
         self.prefix_reuse = Counter(
             "kakeya_prefix_reuse_total",

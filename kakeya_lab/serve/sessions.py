@@ -709,6 +709,7 @@ class ServedSessions:
         self, served: ServedSession, turn: ChatTurn, cancelled: Callable[[], bool]
     ) -> Generator[Event, None, None]:
         delivered: list[int] = []
+        counted = 0  # tokens counted in the metric: only kept ones (a retracted one is not)
         end = "error"
         t0 = last = time.perf_counter()
         served.generations += 1
@@ -724,7 +725,7 @@ class ServedSessions:
                         self.metrics.first_token_latency.observe(now - t0)
                     last = now
                     delivered.append(event.id)
-                    self.metrics.generated_tokens.inc()
+                    counted = self._count_tokens(counted, len(turn.token_ids) - 1)
                 elif isinstance(event, Done):
                     end = "done"
                 yield event
@@ -747,12 +748,23 @@ class ServedSessions:
             raise
         finally:
             turn.close()  # the session keeps what was yielded; the template records it
+            self._count_tokens(counted, len(turn.token_ids))
             with self._running_lock:
                 self._running -= 1
             self._trim_if_idle()
             # counted once the session has settled: a client that sees the count go up
             # reads the session's final history
             self.metrics.streams_ended.labels(end).inc()
+
+    def _count_tokens(self, counted: int, kept: int) -> int:
+        """Raise the generated-tokens metric from ``counted`` to ``kept`` tokens of one
+        stream; returns the new count. While a stream runs, every token but the last one
+        ``next()`` returned is kept (only that one can still be retracted), so the metric
+        trails by a token and never counts one the session did not keep."""
+        if kept > counted:
+            self.metrics.generated_tokens.inc(kept - counted)
+            return kept
+        return counted
 
     # ------------------------------------------------------------------ info
     def info(self, session_id: str, owner: str | None = None) -> dict:
