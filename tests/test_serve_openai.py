@@ -261,14 +261,15 @@ def _stream_then_hang_up(http_base: str, body: dict, k: int) -> list[str]:
 def test_cancelled_stream_keeps_exactly_the_tokens_sent(server, http, default_model):
     """A client that hangs up after k content chunks, for several k: the session holds the
     prompt plus exactly the tokens whose text the server sent before it saw the client
-    leave (the client reads on after shutting its side, so it receives all of them); the
-    server's generated-tokens metric counts exactly those tokens (not one it took back)."""
+    leave (the client reads on after shutting its side, so it receives all of them), past
+    eviction (the prompt alone is longer than sink + window); the server's generated-tokens
+    metric counts exactly those tokens (not one it took back)."""
     for k in (1, 2, 4, 7):
         sid = http.post("/v1/sessions").json()["session_id"]
         cancelled = server.cancelled_streams()
         counted = server.metrics()["kakeya_generated_tokens_total"]
         body = {
-            "messages": [{"role": "user", "content": STORY}],
+            "messages": [{"role": "user", "content": " ".join([STORY] * 5)}],
             "max_tokens": 200,
             "stream": True,
             "session_id": sid,
@@ -277,6 +278,7 @@ def test_cancelled_stream_keeps_exactly_the_tokens_sent(server, http, default_mo
         server.wait_cancelled(cancelled)
         info = http.get(f"/v1/sessions/{sid}").json()
         tail = info["history"][info["appended_tokens"] :]
+        assert info["history_len"] > SINK + WINDOW >= info["cache_len"]  # evicted
         assert k <= len(received) < 200, (k, received)
         assert info["generated_tokens"] == len(tail) == len(received), (k, received, tail)
         assert default_model.tokenizer.decode(tail) == "".join(received)
@@ -441,7 +443,7 @@ def test_busy_and_full_map_to_conflict_and_rate_limit_errors(servers):
     with httpx.Client(base_url=main.http_base, timeout=120) as http:
         sid = http.post("/v1/sessions").json()["session_id"]
         body = {
-            "messages": [{"role": "user", "content": STORY}],
+            "messages": [{"role": "user", "content": " ".join([STORY] * 5)}],
             "max_tokens": 200,
             "stream": True,
             "session_id": sid,
