@@ -221,7 +221,15 @@ def _close(page, lab) -> None:
 
 
 KERNEL_DIALOG = ".jp-Dialog:has-text('Select Kernel')"
-IDLE = ".jp-Notebook-ExecutionIndicator[data-status='idle']"
+# The open notebook's kernel is connected and idle, asked of its session: the toolbar's
+# execution indicator says "idle" while the session is still starting, and a cell run then
+# is dropped (each such run waited out a retry).
+KERNEL_IDLE = (
+    "() => { const app = window.jupyterapp;"
+    " const panel = app && Array.from(app.shell.widgets('main')).find(w => w.sessionContext);"
+    " const s = panel && panel.sessionContext; const k = s && s.session && s.session.kernel;"
+    " return !!k && s.isReady && k.connectionStatus === 'connected' && k.status === 'idle' }"
+)
 
 
 def _dismiss(dialog) -> None:
@@ -242,11 +250,14 @@ def _accept_kernel_dialog(page) -> bool:
 
 
 def _wait_kernel_idle(page) -> None:
-    """Until the notebook's kernel reports idle (accepting a kernel dialog on the way)."""
+    """Until the notebook's kernel is connected and idle (accepting a kernel dialog on the
+    way)."""
     while True:
-        page.wait_for_selector(f"{IDLE}, {KERNEL_DIALOG}")
-        if not _accept_kernel_dialog(page) and page.locator(IDLE).count():
-            return
+        page.wait_for_function(f"() => ({KERNEL_IDLE})() || !!document.querySelector('.jp-Dialog')")
+        if _accept_kernel_dialog(page):
+            continue
+        page.wait_for_function(KERNEL_IDLE)  # another dialog: only the bound ends this wait
+        return
 
 
 RUN_TRIES = 10
@@ -259,10 +270,11 @@ def _run_cell(page, index: int) -> None:
     The committed notebook's prompts already show numbers, so the cell's is cleared first;
     then the cell is made the only selected one and JupyterLab's own run command executed
     (a Shift+Enter follows the notebook's active cell, which could still be another one
-    while the click that focused its editor settled, and ran that one). JupyterLab can drop
-    a request made while the kernel connection is still settling, and a kernel dialog can
-    swallow one: the prompt then stays blank, or shows ``[*]`` and turns blank again, and
-    nothing ran; only then is the cell run again, so it never runs twice."""
+    while the click that focused its editor settled, and ran that one). The run waits for
+    the kernel's connection (JupyterLab drops a run made while its session is starting); a
+    kernel dialog can still swallow one: the prompt then stays blank, or shows ``[*]`` and
+    turns blank again, and nothing ran; only then is the cell run again, so it never runs
+    twice."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     page.wait_for_function(NOTEBOOK_READY, arg=index)
@@ -288,11 +300,14 @@ NOTEBOOK = (
     " const panel = Array.from(app.shell.widgets('main')).find(w => w.sessionContext);"
     " const notebook = panel.content;"
 )
-# The notebook's model is loaded and has a cell i (its first cells are drawn before that).
+# The notebook's model is loaded and has a cell i (its first cells are drawn before that),
+# and its kernel is connected (a run before that is dropped).
 NOTEBOOK_READY = (
     "i => { const app = window.jupyterapp;"
     " const panel = app && Array.from(app.shell.widgets('main')).find(w => w.sessionContext);"
-    " return !!panel && panel.context.isReady && panel.content.widgets.length > i }"
+    " const s = panel && panel.sessionContext; const k = s && s.session && s.session.kernel;"
+    " return !!k && s.isReady && k.connectionStatus === 'connected'"
+    " && panel.context.isReady && panel.content.widgets.length > i }"
 )
 # Cell i's prompt: "done" ([N]), "running" ([*]: running or queued) or "blank". Read from
 # the cell's widget: the notebook may have detached the node of a cell out of view.
