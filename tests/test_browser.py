@@ -224,12 +224,13 @@ KERNEL_DIALOG = ".jp-Dialog:has-text('Select Kernel')"
 # The open notebook's kernel is connected and idle, asked of its session: the toolbar's
 # execution indicator says "idle" while the session is still starting, and a cell run then
 # is dropped (each such run waited out a retry).
-KERNEL_IDLE = (
-    "() => { const app = window.jupyterapp;"
+KERNEL = (
+    "const app = window.jupyterapp;"
     " const panel = app && Array.from(app.shell.widgets('main')).find(w => w.sessionContext);"
     " const s = panel && panel.sessionContext; const k = s && s.session && s.session.kernel;"
-    " return !!k && s.isReady && k.connectionStatus === 'connected' && k.status === 'idle' }"
+    " const connected = !!k && s.isReady && k.connectionStatus === 'connected';"
 )
+KERNEL_IDLE = f"() => {{ {KERNEL} return connected && k.status === 'idle' }}"
 
 
 def _dismiss(dialog) -> None:
@@ -303,11 +304,8 @@ NOTEBOOK = (
 # The notebook's model is loaded and has a cell i (its first cells are drawn before that),
 # and its kernel is connected (a run before that is dropped).
 NOTEBOOK_READY = (
-    "i => { const app = window.jupyterapp;"
-    " const panel = app && Array.from(app.shell.widgets('main')).find(w => w.sessionContext);"
-    " const s = panel && panel.sessionContext; const k = s && s.session && s.session.kernel;"
-    " return !!k && s.isReady && k.connectionStatus === 'connected'"
-    " && panel.context.isReady && panel.content.widgets.length > i }"
+    f"i => {{ {KERNEL} return connected && panel.context.isReady"
+    " && panel.content.widgets.length > i }"
 )
 # Cell i's prompt: "done" ([N]), "running" ([*]: running or queued) or "blank". Read from
 # the cell's widget: the notebook may have detached the node of a cell out of view.
