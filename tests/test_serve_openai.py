@@ -443,7 +443,7 @@ def test_busy_and_full_map_to_conflict_and_rate_limit_errors(servers):
     with httpx.Client(base_url=main.http_base, timeout=120) as http:
         sid = http.post("/v1/sessions").json()["session_id"]
         body = {
-            "messages": [{"role": "user", "content": " ".join([STORY] * 5)}],
+            "messages": [{"role": "user", "content": STORY}],
             "max_tokens": 200,
             "stream": True,
             "session_id": sid,
