@@ -110,23 +110,6 @@ def test_bad_sweep_files_are_clear_errors(tmp_path, capsys):
 
 
 @pytest.mark.slow  # papermill kernels: tens of seconds
-def test_sweep_on_a_real_local_ray_cluster(sweep_file, tmp_path):
-    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
-    path = tmp_path / "onray.yaml"
-    path.write_text(
-        "name: onray\nnotebook: tiny.ipynb\nexecutor: ray\nray: {num_cpus: 1}\ngrid:\n  a: [2, 3]\n"
-    )
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        out = run_sweep(path, results_root=tmp_path / "results", progress=False)
-    finally:
-        ray.shutdown()
-    assert sorted(out["status"]) == ["completed", "completed"]
-    index = pd.read_parquet(tmp_path / "results" / "index.parquet")
-    assert sorted(index["metric.total"]) == [22, 32]
-
-
-@pytest.mark.slow  # papermill kernels: tens of seconds
 def test_resume_refuses_runs_of_an_edited_notebook(sweep_file, tmp_path):
     results = tmp_path / "results"
     path = tmp_path / "one.yaml"
@@ -161,37 +144,41 @@ def test_run_folders_share_one_plotly_js(tmp_path):
 
 @pytest.mark.slow  # a real two-node Ray cluster and papermill kernels
 def test_sweep_on_a_real_two_node_ray_cluster_brings_every_run_to_the_driver(sweep_file, tmp_path):
-    pytest.importorskip("ray", reason="the ray extra is not installed")
+    """Both ways of reaching a cluster: a Ray already initialised in this process (as in a
+    notebook), then the CLI joining by address; a grown grid skips the runs already there."""
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
     from ray.cluster_utils import Cluster
 
     area = tmp_path / "nodes"  # each node writes under <area>/kakeya_ray/<node-id>/
     path = tmp_path / "twonode.yaml"
-    path.write_text(
-        "name: twonode\nnotebook: tiny.ipynb\nexecutor: ray\n"
-        f"ray: {{num_cpus: 1, worker_area: '{area}'}}\ngrid:\n  a: [2, 3, 4, 5]\n"
-    )
+
+    def write_sweep(values: list[int]) -> None:
+        path.write_text(
+            "name: twonode\nnotebook: tiny.ipynb\nexecutor: ray\n"
+            f"ray: {{num_cpus: 1, worker_area: '{area}'}}\ngrid:\n  a: {values}\n"
+        )
+
     small = {
         "num_cpus": 1,
         "object_store_memory": 80 * 1024**2,
         "include_dashboard": False,
     }
+    results = tmp_path / "driver_results"
     cluster = Cluster(initialize_head=True, head_node_args=small)
     try:
         cluster.add_node(**{k: v for k, v in small.items() if k != "include_dashboard"})
         cluster.wait_for_nodes()
-        results = tmp_path / "driver_results"
-        code = cli_main(
-            [
-                "sweep",
-                str(path),
-                "--ray-address",
-                cluster.address,
-                "--results",
-                str(results),
-                "--quiet",
-            ]
-        )
-        assert code == 0
+        write_sweep([2, 3])
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+        try:
+            first = run_sweep(path, results_root=results, progress=False)
+            assert ray.is_initialized()  # the sweep leaves a Ray it did not start
+        finally:
+            ray.shutdown()
+        assert sorted(first["status"]) == ["completed"] * 2
+        write_sweep([2, 3, 4, 5])
+        command = ["sweep", str(path), "--ray-address", cluster.address]
+        assert cli_main([*command, "--results", str(results), "--quiet"]) == 0
         out = run_sweep(path, results_root=results, progress=False, ray_address=cluster.address)
     finally:
         cluster.shutdown()

@@ -43,6 +43,7 @@ def tiny_random_model(
     num_kv_heads: int = 2,
     head_dim: int = 16,
     intermediate_size: int | None = None,
+    vocab_size: int | None = None,
     tokenizer_from: str = DEFAULT_MODEL,
     dtype: torch.dtype | str = torch.float32,
 ) -> LoadedModel:
@@ -50,8 +51,9 @@ def tiny_random_model(
 
     ``architecture`` is ``"qwen3"`` (Qwen3ForCausalLM: q/k norms, tied embeddings) or
     ``"llama"`` (LlamaForCausalLM). The tokenizer is that of ``tokenizer_from`` (resolved like
-    :func:`load_model`, so a registry name is pulled if missing) and ``vocab_size =
-    len(tokenizer)``. Parameters are drawn from a private ``torch.Generator`` seeded with
+    :func:`load_model`, so a registry name is pulled if missing) and ``vocab_size`` defaults
+    to ``len(tokenizer)``; a smaller one (the first ids only: the special tokens and the
+    commonest pieces) makes each step cheaper for tests whose ids stay below it. Parameters are drawn from a private ``torch.Generator`` seeded with
     ``seed`` (linear/embedding weights N(0, 0.02), norm weights 1, biases 0) in float32 and
     then cast to ``dtype``, so the same arguments give the same weights and the same
     ``description.weight_sha256`` (hash of the state-dict bytes); the global RNG is untouched.
@@ -72,7 +74,9 @@ def tiny_random_model(
     found = resolve(tokenizer_from, pull_if_missing=True, progress=True)
     folder, tok_name = found.folder, found.name
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    vocab = len(tokenizer)
+    vocab = len(tokenizer) if vocab_size is None else int(vocab_size)
+    if not 0 < vocab <= len(tokenizer):
+        raise ModelStoreError(f"vocab_size={vocab_size} is not in 1..{len(tokenizer)}")
 
     def token_id(attr: str) -> int | None:
         value = getattr(tokenizer, attr, None)
@@ -108,7 +112,8 @@ def tiny_random_model(
     name = f"tiny-random-{arch}"
     source = (
         f"random-init {arch} seed={seed} layers={num_layers} hidden={hidden_size} "
-        f"heads={num_heads}/{num_kv_heads} head_dim={head_dim} (tokenizer from {tok_name})"
+        f"heads={num_heads}/{num_kv_heads} head_dim={head_dim} vocab={vocab} "
+        f"(tokenizer from {tok_name})"
     )
     description = describe(
         model, name=name, path="", sha=_state_dict_sha256(model), random=True, source=source
