@@ -529,6 +529,18 @@ def test_tiny_random_model_is_deterministic(pulled: Path, arch: str, cls: str) -
     assert torch.isfinite(la).all() and torch.equal(la, lb)
 
 
+def test_tiny_random_model_vocabulary(pulled: Path) -> None:
+    """A smaller vocabulary keeps the tokenizer's first ids; one the tokenizer lacks is refused."""
+    small = M.tiny_random_model("qwen3", seed=0, vocab_size=4096)
+    assert small.description.vocab_size == 4096 and "vocab=4096" in small.description.source
+    assert len(small.tokenizer) == 49152
+    with torch.no_grad():
+        assert small.model(torch.tensor([[1, 2, 4095]])).logits.shape == (1, 3, 4096)
+    for bad in (0, 49153):
+        with pytest.raises(M.ModelStoreError, match="vocab_size"):
+            M.tiny_random_model("qwen3", seed=0, vocab_size=bad)
+
+
 def test_tiny_random_model_dtype(pulled: Path) -> None:
     lm = M.tiny_random_model("qwen3", seed=0, dtype="bfloat16", num_layers=1)
     assert lm.model.dtype == torch.bfloat16 and lm.description.dtype == "bfloat16"
