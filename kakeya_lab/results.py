@@ -228,9 +228,28 @@ def _where(error: Any) -> str:
     return path or "(top level)"
 
 
+@lru_cache(maxsize=1)
+def _compiled_schema() -> Any:
+    import fastjsonschema
+
+    return fastjsonschema.compile(METRICS_SCHEMA)
+
+
 def validate_metrics(doc: dict) -> None:
     """Raise :class:`ResultSchemaError` naming every bad field if ``doc`` does not match
-    ``metrics.schema.json``."""
+    ``metrics.schema.json``.
+
+    A document is first checked by a validator compiled from the schema (fastjsonschema,
+    which stops at the first error); only one that fails it is checked again by jsonschema,
+    to name every bad field. Importing jsonschema takes seconds (its IRI format checker
+    builds a set of grammars on import), once in every process that writes a run folder."""
+    import fastjsonschema
+
+    try:
+        _compiled_schema()(doc)
+        return
+    except fastjsonschema.JsonSchemaException as exc:
+        first = str(exc)
     import jsonschema
 
     validator = jsonschema.Draft202012Validator(
@@ -241,6 +260,7 @@ def validate_metrics(doc: dict) -> None:
         detail = "; ".join(f"{_where(e)}: {e.message}" for e in errors[:5])
         more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
         raise ResultSchemaError(f"metrics.json does not match its schema: {detail}{more}")
+    raise ResultSchemaError(f"metrics.json does not match its schema: {first}")
 
 
 def write_metrics(

@@ -104,6 +104,52 @@ def test_write_metrics_names_the_bad_field_and_writes_nothing(tmp_path, tiny_mod
     assert not list(tmp_path.iterdir())
 
 
+def test_the_compiled_schema_and_jsonschema_agree(tiny_model):
+    """``validate_metrics`` passes a document on the compiled validator alone: it must refuse
+    every document jsonschema refuses (and pass the ones it passes), field by field."""
+    import fastjsonschema
+    import jsonschema
+
+    from kakeya_lab.results import METRICS_SCHEMA, _compiled_schema, now_iso
+
+    reference = jsonschema.Draft202012Validator(
+        METRICS_SCHEMA, format_checker=jsonschema.FormatChecker()
+    )
+    doc = {
+        **run_header(experiment="e", run_id="r", model=tiny_model.description),
+        "ended": now_iso(),
+        "headline": {},
+        "metrics": {},
+    }
+    model = doc["model"]
+    cases = {
+        "valid": doc,
+        "schema version": {**doc, "schema_version": 2},
+        "empty experiment": {**doc, "experiment": ""},
+        "short sha": {**doc, "model": {**model, "weight_sha256": "abc"}},
+        "upper-case sha": {**doc, "model": {**model, "weight_sha256": "A" * 64}},
+        "negative sink": {**doc, "sink": -1},
+        "window 0": {**doc, "window": 0},
+        "fractional window": {**doc, "window": 1.5},
+        "no window": {**doc, "window": None},
+        "positions": {**doc, "positions": "both"},
+        "a package version": {**doc, "packages": {"torch": 2}},
+        "a date": {**doc, "started": "2026-11-30"},
+        "a time without zone": {**doc, "ended": "2026-11-30T01:02:03"},
+        "a month 13": {**doc, "ended": "2026-13-30T01:02:03Z"},
+        "no git commit": {k: v for k, v in doc.items() if k != "git_commit"},
+    }
+    for name, case in cases.items():
+        refused = bool(list(reference.iter_errors(case)))
+        try:
+            _compiled_schema()(case)
+            fast_refused = False
+        except fastjsonschema.JsonSchemaException:
+            fast_refused = True
+        assert fast_refused == refused, (name, refused)
+    assert not list(reference.iter_errors(doc))
+
+
 def test_files_are_written_with_normal_permissions(tmp_path):
     import os
 
