@@ -53,7 +53,8 @@ def tiny_random_model(
     ``"llama"`` (LlamaForCausalLM). The tokenizer is that of ``tokenizer_from`` (resolved like
     :func:`load_model`, so a registry name is pulled if missing) and ``vocab_size`` defaults
     to ``len(tokenizer)``; a smaller one (the first ids only: the special tokens and the
-    commonest pieces) makes each step cheaper for tests whose ids stay below it. Parameters are drawn from a private ``torch.Generator`` seeded with
+    commonest pieces) makes each step cheaper for tests whose ids stay below it.
+    Parameters are drawn from a private ``torch.Generator`` seeded with
     ``seed`` (linear/embedding weights N(0, 0.02), norm weights 1, biases 0) in float32 and
     then cast to ``dtype``, so the same arguments give the same weights and the same
     ``description.weight_sha256`` (hash of the state-dict bytes); the global RNG is untouched.
