@@ -230,9 +230,14 @@ def _where(error: Any) -> str:
 
 @lru_cache(maxsize=1)
 def _compiled_schema() -> Any:
+    """The schema compiled by fastjsonschema, its ``date-time`` checked by the function
+    jsonschema uses (fastjsonschema's own pattern passes a ``+0000`` offset and second 60)."""
     import fastjsonschema
+    from rfc3339_validator import validate_rfc3339
 
-    return fastjsonschema.compile(METRICS_SCHEMA)
+    return fastjsonschema.compile(
+        METRICS_SCHEMA, formats={"date-time": lambda value: validate_rfc3339(value.upper())}
+    )
 
 
 def validate_metrics(doc: dict) -> None:
